@@ -1,0 +1,32 @@
+# The two commands of the README: `make chat` and `make test`. Everything else is what they stand on.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The models the test suite runs on (catalog names; see models/).
+TEST_MODELS := smollm2-135m-instruct gemma3-270m qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+
+.PHONY: setup chat test test-models bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+chat: setup
+	$(BIN)/localllm pull smollm2-135m-instruct
+	$(BIN)/localllm chat smollm2-135m-instruct
+
+test-models: setup
+	$(BIN)/localllm pull $(TEST_MODELS)
+
+test: setup test-models
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/localllm bench --present
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+"""localllm: a local, single-user LLM runner."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,274 @@
+"""Reading GGUF files: metadata, tensor directory, and memory-mapped tensor data.
+
+The layout is the GGUF v2/v3 format (ggml's `docs/gguf.md`). We take the type constants and block sizes from
+the `gguf` package but parse the header ourselves: `gguf.GGUFReader` builds a Python object per array element
+and needs ~12 s to open a 262k-token vocabulary, where this parser needs ~0.2 s. Weights are never copied:
+every tensor is a view into one read-only memory map of the file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from localllm.errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# Scalar value types: struct format and size.
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+# Numeric arrays are read in one go as numpy arrays.
+_NUMPY_DTYPES = {
+    GGUFValueType.UINT8: np.uint8,
+    GGUFValueType.INT8: np.int8,
+    GGUFValueType.UINT16: np.uint16,
+    GGUFValueType.INT16: np.int16,
+    GGUFValueType.UINT32: np.uint32,
+    GGUFValueType.INT32: np.int32,
+    GGUFValueType.FLOAT32: np.float32,
+    GGUFValueType.BOOL: np.bool_,
+    GGUFValueType.UINT64: np.uint64,
+    GGUFValueType.INT64: np.int64,
+    GGUFValueType.FLOAT64: np.float64,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file. `shape` is in numpy order (rows first): GGUF's ne[] reversed."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    """Sequential little-endian reads over a buffer, turning overruns into a 'truncated' error."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise ModelFileError(
+                f"{self.path}: the file is truncated (its header needs more than its {len(self.buf)} bytes); "
+                "download it again"
+            )
+
+    def scalar(self, vtype: GGUFValueType) -> Any:
+        fmt = _SCALAR_FORMATS[vtype]
+        size = struct.calcsize(fmt)
+        self.need(size)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self) -> int:
+        return self.scalar(GGUFValueType.UINT32)
+
+    def u64(self) -> int:
+        return self.scalar(GGUFValueType.UINT64)
+
+    def string(self) -> str:
+        n = self.u64()
+        self.need(n)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        # Vocabularies hold byte-level pieces that are not always valid UTF-8; keep them lossless.
+        return raw.decode("utf-8", errors="surrogateescape")
+
+    def value_type(self) -> GGUFValueType:
+        raw = self.u32()
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise ModelFileError(f"{self.path}: corrupt metadata (unknown value type {raw})") from None
+
+    def value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            elem_type = self.value_type()
+            count = self.u64()
+            if elem_type == GGUFValueType.STRING:
+                return self._string_array(count)
+            if elem_type == GGUFValueType.ARRAY:
+                return [self.value(self.value_type()) for _ in range(count)]
+            dtype = np.dtype(_NUMPY_DTYPES[elem_type])
+            self.need(count * dtype.itemsize)
+            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return arr
+        return self.scalar(vtype)
+
+    def _string_array(self, count: int) -> list[str]:
+        # The hot loop of opening a model (262k strings for gemma3): keep it to local names and slicing.
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > end:
+                self.pos = pos
+                self.need(n)
+            append(str(buf[pos : pos + n], "utf-8", "surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
+
+class GGUFFile:
+    """An open GGUF file: `metadata` (key -> value), `tensors` (name -> TensorInfo), and tensor data views."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ModelFileError(f"{self.path}: no such file") from None
+        except IsADirectoryError:
+            raise ModelFileError(f"{self.path}: is a directory, not a GGUF file") from None
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot open ({e.strerror})") from None
+        try:
+            self.file_size = os.fstat(fd).st_size
+            if self.file_size < 4:
+                raise ModelFileError(f"{self.path}: not a GGUF file (only {self.file_size} bytes)")
+            self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._buffer = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+
+    def _parse(self) -> None:
+        cur = _Cursor(memoryview(self._mmap), self.path)
+        magic = bytes(cur.buf[:4])
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        cur.pos = 4
+        self.version = cur.u32()
+        if self.version not in (2, 3):
+            hint = " (a big-endian file?)" if self.version > 0xFFFF else ""
+            raise ModelFileError(f"{self.path}: unsupported GGUF version {self.version}{hint}; expected 2 or 3")
+        n_tensors = cur.u64()
+        n_kv = cur.u64()
+        # A corrupt count would otherwise make us loop for a very long time before running out of bytes.
+        if n_tensors > self.file_size or n_kv > self.file_size:
+            raise ModelFileError(f"{self.path}: corrupt header (claims {n_tensors} tensors, {n_kv} keys)")
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.value_type())
+
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.u32()
+            if n_dims > 8:
+                raise ModelFileError(f"{self.path}: corrupt tensor directory ({name!r} has {n_dims} dimensions)")
+            ne = [cur.u64() for _ in range(n_dims)]
+            raw_type = cur.u32()
+            offset = cur.u64()
+            infos.append((name, ne, raw_type, offset))
+
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        self.data_offset = data_start
+        for name, ne, raw_type, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} has tensor type {raw_type}, which this version of "
+                    "localllm does not know"
+                ) from None
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            n_elements = int(np.prod(ne, dtype=np.int64)) if ne else 1
+            if ne and ne[0] % block_size:
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} has {ne[0]} columns, not a multiple of the "
+                    f"{qtype.name} block size {block_size}"
+                )
+            n_bytes = n_elements // block_size * type_size
+            start = data_start + offset
+            if start + n_bytes > self.file_size:
+                raise ModelFileError(
+                    f"{self.path}: the data of tensor {name!r} lies outside the file (bytes {start}..{start + n_bytes}"
+                    f" of a {self.file_size}-byte file): the file is truncated or corrupt; download it again"
+                )
+            self.tensors[name] = TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start, n_bytes)
+
+    # ---- access -------------------------------------------------------------------------------------------
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "unknown"))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view shaped (rows, bytes_per_row)."""
+        info = self.tensor_info(name)
+        flat = self._buffer[info.offset : info.offset + info.n_bytes]
+        rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+        return flat.reshape(rows, info.n_bytes // rows)
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFileError(f"{self.path}: tensor {name!r} is missing from the file") from None
+
+    def close(self) -> None:
+        self._buffer = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Views handed out (weights in use) keep the mapping alive; it closes when they are gone.
+            pass
+
+    def __enter__(self) -> "GGUFFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Only the metadata of a GGUF file (tokenizer tests and `show` use this)."""
+    return GGUFFile(path).metadata
