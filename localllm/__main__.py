@@ -1,0 +1,5 @@
+import sys
+
+from localllm.cli import main
+
+sys.exit(main())

