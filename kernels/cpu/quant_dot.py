@@ -1,0 +1,1137 @@
+"""Quantized matmul the way llama.cpp does it on the CPU: 8-bit activations and integer dot products.
+
+`matmul(raw, qtype, x, out)` computes out = x @ W.T for W stored in a GGUF quantized format, without ever
+dequantizing W to floats:
+
+1. Each row of x is quantized once per call to the 8-bit format ggml pairs with W's format
+   (`quantize_row_q8_0` / `quantize_row_q8_1` / `quantize_row_q8_K_ref`): Q8_0 for Q8_0, Q4_0, Q5_0; Q8_1 (with
+   per-block sums d*sum(q), which carry the min term of Q4_1/Q5_1) for Q4_1, Q5_1; Q8_K (blocks of 256 with
+   per-16 sums, which carry the min terms of the K-quants) for Q2_K..Q6_K.
+2. Each weight block is loaded and decoded once into integer lanes and applied to all n rows of x, so a k-token
+   forward pass (speculative verify, small batches) reads the weights once, like a single decode step.
+3. The block dot products are integer: `vpmaddubsw` (u8 x s8 -> s16 pairs) then `vpmaddwd` (s16 x s16 -> s32),
+   one float fused multiply-add per block (per 256-block for the K-quants), following ggml's
+   `ggml_vec_dot_<fmt>_q8_<0|1|K>` AVX2 code in `ggml/src/ggml-cpu/arch/x86/quants.c` step by step.
+4. Output rows are split across threads (`prange`); each output element is computed by the same sequence of
+   operations whatever n or the thread split is, so results are batch invariant bit for bit.
+
+Two implementations of the same arithmetic: `*_avx2` kernels use the AVX2 primitives of `simd.py`; `*_portable`
+kernels are plain Numba loops for CPUs without AVX2 and serve as the test oracle. They agree bit for bit: the
+integer lane sums are exact whatever the order (no int16 saturation can occur for any input, see
+`_lane_sums_32`), and the float work (fp16 scale conversion, the per-block scale product, one fma per lane per
+block, ggml's `hsum_float_8` reduction order) is the same sequence in both, with `llvm.fma` in both.
+
+Differences from ggml: none in the arithmetic of a single dot product that we know of, except that C compilers
+may contract the scalar `summs += m * s` of Q4_1/Q5_1/Q5_K into an fma where we round the product; and llama.cpp
+itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from numba import get_num_threads, njit, prange
+
+from kernels.cpu.simd import (
+    HAVE_AVX2,
+    add_epi8,
+    add_epi32,
+    address_of,
+    and_si256,
+    andnot_si256,
+    bits_to_float,
+    bytes_from_bits_32,
+    bytes_from_nibbles_32,
+    cvtepi32_ps,
+    float_to_bits,
+    fma_f32,
+    fmadd_ps,
+    half_to_float,
+    load_cvtepu8_epi16,
+    load_u16,
+    loadu_ps,
+    loadu_si256,
+    madd_epi16,
+    maddubs_epi16,
+    mul_sum_i8_pairs,
+    mul_sum_us8_pairs,
+    or_si256,
+    set1_epi8,
+    set1_epi16,
+    set1_ps,
+    set_epi16_halves,
+    setzero_ps,
+    slli_epi16,
+    srli_epi16,
+    storeu_ps,
+    sub_epi8,
+    sub_epi16,
+)
+
+Q = GGMLQuantizationType
+
+# Below this many weights a matmul runs on the calling thread: waking the second thread costs more than it saves.
+SERIAL_BELOW_WEIGHTS = 64 * 1024
+
+# Kernel-family codes (ints, so one compiled kernel serves a family; compared inside the jitted code).
+KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
+QT_Q2_K, QT_Q3_K, QT_Q4_K, QT_Q5_K, QT_Q6_K = int(Q.Q2_K), int(Q.Q3_K), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
+
+_F0 = np.float32(0.0)
+_F127 = np.float32(127.0)
+_FNEG127 = np.float32(-127.0)
+_F1 = np.float32(1.0)
+# Adding 1.5 * 2**23 to a float32 of magnitude < 2**22 rounds it to an integer, ties to even (ggml's nearest_int,
+# and what _mm256_round_ps(_MM_ROUND_NEAREST) does in quantize_row_q8_0).
+_ROUND_MAGIC = np.float32(12582912.0)
+_F16_SUBNORMAL_UNIT = np.float32(2.0**-24)
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp16 <-> fp32, exact and in plain integer code (the portable path may run where F16C does not)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def half_bits_to_float(h):
+    """IEEE fp16 bits -> float32 (exact), as GGML_CPU_FP16_TO_FP32 / vcvtph2ps compute it."""
+    h = np.uint32(h) & np.uint32(0xFFFF)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exponent = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mantissa = h & np.uint32(0x3FF)
+    if exponent == 0:
+        value = np.float32(mantissa) * _F16_SUBNORMAL_UNIT  # zero or subnormal: mantissa * 2**-24, exact
+        return -value if sign else value
+    if exponent == 31:
+        return bits_to_float(sign | np.uint32(0x7F800000) | (mantissa << np.uint32(13)))
+    return bits_to_float(sign | ((exponent + np.uint32(112)) << np.uint32(23)) | (mantissa << np.uint32(13)))
+
+
+@njit(cache=True, inline="always")
+def float_to_half_bits(f):
+    """float32 -> IEEE fp16 bits, rounding to nearest even (GGML_CPU_FP32_TO_FP16 / vcvtps2ph)."""
+    bits = float_to_bits(np.float32(f))
+    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+    exponent = np.int32((bits >> np.uint32(23)) & np.uint32(0xFF))
+    mantissa = bits & np.uint32(0x7FFFFF)
+    if exponent == 255:  # inf / nan
+        return sign | np.uint32(0x7C00) | (np.uint32(0x200) if mantissa else np.uint32(0))
+    e = exponent - 112  # re-biased exponent (127 -> 15)
+    if e >= 31:
+        return sign | np.uint32(0x7C00)
+    if e <= 0:  # fp16 subnormal or zero: count units of 2**-24
+        if e < -10:
+            return sign
+        full = mantissa | np.uint32(0x800000)
+        shift = np.uint32(14 - e)
+        half = full >> shift
+        rest = full & ((np.uint32(1) << shift) - np.uint32(1))
+        halfway = np.uint32(1) << (shift - np.uint32(1))
+        if rest > halfway or (rest == halfway and (half & np.uint32(1))):
+            half += np.uint32(1)
+        return sign | half
+    half = sign | (np.uint32(e) << np.uint32(10)) | (mantissa >> np.uint32(13))
+    rest = mantissa & np.uint32(0x1FFF)
+    if rest > np.uint32(0x1000) or (rest == np.uint32(0x1000) and (half & np.uint32(1))):
+        half += np.uint32(1)  # a carry into the exponent is the right answer (up to inf)
+    return half
+
+
+@njit(cache=True, inline="always")
+def round_to_half(f):
+    """The float32 value of fp16(f): what a ggml_half field read back as float holds."""
+    return half_bits_to_float(float_to_half_bits(f))
+
+
+@njit(cache=True, inline="always")
+def _nearest_int(value):
+    return np.int32((value + _ROUND_MAGIC) - _ROUND_MAGIC)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation quantization (shared by both paths, so both see the same integers)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def quantize_q8_0(x):
+    """Rows of x -> Q8_0 blocks of 32: int8 quants and the fp16 scale (as float32). ggml's x86 quantize_row_q8_0.
+
+    d = amax / 127 is stored as fp16 and that rounded value is what the dot product uses; the quants use the
+    unrounded reciprocal 127 / amax, as ggml does.
+    """
+    n, cols = x.shape
+    blocks = cols // 32
+    qs = np.empty((n, cols), np.int8)
+    scales = np.empty((n, blocks), np.float32)
+    for i in range(n):
+        for b in range(blocks):
+            base = 32 * b
+            amax = _F0
+            for j in range(32):
+                amax = max(amax, abs(x[i, base + j]))
+            scales[i, b] = round_to_half(amax / _F127)
+            inverse = _F127 / amax if amax != _F0 else _F0
+            for j in range(32):
+                qs[i, base + j] = _nearest_int(x[i, base + j] * inverse)
+    return qs, scales
+
+
+@njit(cache=True)
+def quantize_q8_1(x):
+    """Rows of x -> Q8_1 blocks of 32: Q8_0 plus s = fp16(d * sum(q)). ggml's x86 quantize_row_q8_1.
+
+    s lets the Q4_1/Q5_1 dot products add their per-block minimum m as m * s instead of m * sum(x).
+    """
+    n, cols = x.shape
+    blocks = cols // 32
+    qs = np.empty((n, cols), np.int8)
+    scales = np.empty((n, blocks), np.float32)
+    sums = np.empty((n, blocks), np.float32)
+    for i in range(n):
+        for b in range(blocks):
+            base = 32 * b
+            amax = _F0
+            for j in range(32):
+                amax = max(amax, abs(x[i, base + j]))
+            d = amax / _F127
+            scales[i, b] = round_to_half(d)
+            inverse = _F127 / amax if amax != _F0 else _F0
+            total = 0
+            for j in range(32):
+                q = _nearest_int(x[i, base + j] * inverse)
+                qs[i, base + j] = q
+                total += q
+            sums[i, b] = round_to_half(d * np.float32(total))
+    return qs, scales, sums
+
+
+@njit(cache=True)
+def quantize_q8_K(x):
+    """Rows of x -> Q8_K blocks of 256: int8 quants, float32 scale, int16 sums of each 16 quants.
+
+    ggml's quantize_row_q8_K_ref (which the x86 build uses): the scale is set by the element of largest magnitude
+    (first one on ties), mapped to -127; the 16-sums carry the K-quants' per-sub-block minimum terms.
+    """
+    n, cols = x.shape
+    blocks = cols // 256
+    qs = np.empty((n, cols), np.int8)
+    scales = np.empty((n, blocks), np.float32)
+    bsums = np.empty((n, blocks * 16), np.int16)
+    for i in range(n):
+        for b in range(blocks):
+            base = 256 * b
+            amax = _F0
+            extreme = _F0
+            for j in range(256):
+                v = x[i, base + j]
+                if abs(v) > amax:
+                    amax = abs(v)
+                    extreme = v
+            if amax == _F0:
+                scales[i, b] = _F0
+                for j in range(256):
+                    qs[i, base + j] = 0
+                for g in range(16):
+                    bsums[i, 16 * b + g] = 0
+                continue
+            iscale = _FNEG127 / extreme
+            for g in range(16):
+                total = 0
+                for j in range(16 * g, 16 * g + 16):
+                    q = min(127, _nearest_int(iscale * x[i, base + j]))
+                    qs[i, base + j] = q
+                    total += q
+                bsums[i, 16 * b + g] = total
+            scales[i, b] = _F1 / iscale
+    return qs, scales, bsums
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pieces shared by both paths
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _hsum_float_8(acc, i):
+    """Sum of acc[i, 0:8] in the order of ggml's hsum_float_8 (128-bit halves, then movehl, then movehdup)."""
+    return ((acc[i, 0] + acc[i, 4]) + (acc[i, 2] + acc[i, 6])) + ((acc[i, 1] + acc[i, 5]) + (acc[i, 3] + acc[i, 7]))
+
+
+@njit(cache=True, inline="always")
+def _half_at(raw, r, offset):
+    """The fp16 field at byte `offset` of weight row r, as float32."""
+    return half_bits_to_float(np.uint32(raw[r, offset]) | (np.uint32(raw[r, offset + 1]) << np.uint32(8)))
+
+
+@njit(cache=True, inline="always")
+def _scale_min_k4(raw, r, offset, scales, mins):
+    """The 8 six-bit scales and mins packed in the 12 `scales` bytes of a Q4_K/Q5_K block (get_scale_min_k4)."""
+    for j in range(4):
+        scales[j] = np.int32(raw[r, offset + j]) & 63
+        mins[j] = np.int32(raw[r, offset + j + 4]) & 63
+    for j in range(4, 8):
+        high = np.int32(raw[r, offset + j + 4])
+        scales[j] = (high & 0xF) | ((np.int32(raw[r, offset + j - 4]) >> 6) << 4)
+        mins[j] = (high >> 4) | ((np.int32(raw[r, offset + j]) >> 6) << 4)
+
+
+@njit(cache=True, inline="always")
+def _scales_q3_k(raw, r, offset, scales):
+    """The 16 six-bit signed scales of a Q3_K block (the kmask1/kmask2 unpacking of ggml, minus 32)."""
+    for j in range(16):
+        low = np.int32(raw[r, offset + (j % 8)])
+        low = (low & 0xF) if j < 8 else (low >> 4)
+        high = (np.int32(raw[r, offset + 8 + (j % 4)]) >> (2 * (j // 4))) & 3
+        scales[j] = (low | (high << 4)) - 32
+
+
+@njit(cache=True, inline="always")
+def _min_lanes_q4_k(acc_m, i, dmin, mins, bsums, b):
+    """The dmin * mins . bsums term of Q4_K/Q5_K in ggml's 4 float lanes (acc_m of ggml_vec_dot_q4_K_q8_K).
+
+    Lane l holds mins[2l] * (bsum of sub-block 2l) + mins[2l+1] * (sub-block 2l+1), one fma per block;
+    a 32-element sub-block's sum is the two 16-sums added (_mm_hadd_epi16).
+    """
+    base = 16 * b
+    for lane in range(4):
+        s0 = np.int32(bsums[i, base + 4 * lane]) + np.int32(bsums[i, base + 4 * lane + 1])
+        s1 = np.int32(bsums[i, base + 4 * lane + 2]) + np.int32(bsums[i, base + 4 * lane + 3])
+        product = mins[2 * lane] * s0 + mins[2 * lane + 1] * s1
+        acc_m[i, lane] = fma_f32(dmin, np.float32(product), acc_m[i, lane])
+
+
+@njit(cache=True, inline="always")
+def _min_sum_q5_k(mins, bsums, i, b):
+    """sum over sub-blocks of mins * bsums, as one integer (ggml_vec_dot_q5_K_q8_K's hadd of `prod`)."""
+    total = 0
+    base = 16 * b
+    for k in range(8):
+        total += mins[k] * (np.int32(bsums[i, base + 2 * k]) + np.int32(bsums[i, base + 2 * k + 1]))
+    return np.int32(total)
+
+
+@njit(cache=True, inline="always")
+def _finish_min_lanes(acc_m, i):
+    """acc_m's reduction in ggml_vec_dot_q4_K_q8_K: movehl + add, then movehdup + add_ss."""
+    return (acc_m[i, 0] + acc_m[i, 2]) + (acc_m[i, 1] + acc_m[i, 3])
+
+
+def _chunk_bounds(c, chunks, rows):
+    return c * rows // chunks, (c + 1) * rows // chunks
+
+
+_chunk_bounds = njit(cache=True, inline="always")(_chunk_bounds)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Portable kernels: integer lanes in plain loops
+# ---------------------------------------------------------------------------------------------------------------
+#
+# A 32-element block's products are summed into 8 int32 lanes, lane m holding elements 4m..4m+3: exactly the
+# lanes vpmaddubsw + vpmaddwd produce from one 32-byte register. For the 256-element K-quant blocks, lane m holds
+# elements e with (e % 32) // 4 == m across all eight 32-element chunks, each times its sub-block scale.
+# Saturation: vpmaddubsw saturates a pair sum to int16; the largest pair here is 2 * 128 * 127 = 32512 (a -128
+# Q8_0 weight with |x| = 127; Q8 activations never reach -128), so it never does, and the sums are exact.
+
+
+@njit(cache=True, inline="always")
+def _signed_byte(v):
+    return (np.int32(v) ^ 0x80) - 0x80
+
+
+@njit(cache=True, inline="always")
+def _lane_sums_32(weights, xq, i, x0, lanes):
+    for m in range(8):
+        total = 0
+        for t in range(4 * m, 4 * m + 4):
+            total += weights[t] * np.int32(xq[i, x0 + t])
+        lanes[m] = total
+
+
+@njit(cache=True, inline="always")
+def _lane_sums_256(weights, scales16, xq, i, x0, lanes):
+    for m in range(8):
+        lanes[m] = 0
+    for e in range(256):
+        lanes[(e & 31) >> 2] += scales16[e >> 4] * weights[e] * np.int32(xq[i, x0 + e])
+
+
+@njit(cache=True, inline="always")
+def _decode_32(raw, r, blk, kind, weights):
+    """Integer weights of one 32-block: kind 0 = Q8_0, 1 = Q4_0, 2 = Q4_1, 3 = Q5_0, 4 = Q5_1."""
+    if kind == 0:
+        for e in range(32):
+            weights[e] = _signed_byte(raw[r, blk + 2 + e])
+        return
+    qs = blk + (2, 2, 4, 6, 8)[kind]
+    for e in range(16):
+        byte = np.int32(raw[r, qs + e])
+        weights[e] = byte & 0xF
+        weights[e + 16] = byte >> 4
+    if kind == 1:
+        for e in range(32):
+            weights[e] -= 8
+    elif kind >= 3:
+        qh_at = blk + (2 if kind == 3 else 4)
+        qh = np.uint32(0)
+        for k in range(4):
+            qh |= np.uint32(raw[r, qh_at + k]) << np.uint32(8 * k)
+        for e in range(32):
+            weights[e] |= np.int32((qh >> np.uint32(e)) & np.uint32(1)) << 4
+            if kind == 3:
+                weights[e] -= 16
+
+
+@njit(cache=True)
+def _rows_32_portable(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+    """Rows r0..r1 of a 32-block format against Q8_0 (xs unused) or Q8_1 activations.
+
+    Follows ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0 / q5_0_q8_0 (acc = fma(dx*dy, lanes, acc)) and q4_1_q8_1 /
+    q5_1_q8_1 (the same, plus summs += m * s, added after the lane reduction).
+    """
+    n, blocks = xd.shape
+    has_min = kind == 2 or kind == 4
+    acc = np.zeros((n, 8), np.float32)
+    summs = np.zeros(n, np.float32)
+    weights = np.empty(32, np.int32)
+    lanes = np.empty(8, np.int32)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        summs[:] = _F0
+        for b in range(blocks):
+            blk = block_bytes * b
+            wd = _half_at(raw, r, blk)
+            wm = _half_at(raw, r, blk + 2) if has_min else _F0
+            _decode_32(raw, r, blk, kind, weights)
+            for i in range(n):
+                if has_min:
+                    summs[i] = summs[i] + wm * xs[i, b]
+                scale = wd * xd[i, b]
+                _lane_sums_32(weights, xq, i, 32 * b, lanes)
+                for m in range(8):
+                    acc[i, m] = fma_f32(scale, np.float32(lanes[m]), acc[i, m])
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i) + summs[i] if has_min else _hsum_float_8(acc, i)
+
+
+@njit(cache=True, inline="always")
+def _decode_q4_k(raw, r, blk, weights, scales16, scales, mins):
+    _scale_min_k4(raw, r, blk + 4, scales, mins)
+    for j in range(4):
+        for p in range(32):
+            byte = np.int32(raw[r, blk + 16 + 32 * j + p])
+            weights[64 * j + p] = byte & 0xF
+            weights[64 * j + 32 + p] = byte >> 4
+    for k in range(16):
+        scales16[k] = scales[k >> 1]
+
+
+@njit(cache=True, inline="always")
+def _decode_q5_k(raw, r, blk, weights, scales16, scales, mins):
+    _scale_min_k4(raw, r, blk + 4, scales, mins)
+    for j in range(4):
+        for p in range(32):
+            byte = np.int32(raw[r, blk + 48 + 32 * j + p])
+            high = np.int32(raw[r, blk + 16 + p])
+            weights[64 * j + p] = (byte & 0xF) | (((high >> (2 * j)) & 1) << 4)
+            weights[64 * j + 32 + p] = (byte >> 4) | (((high >> (2 * j + 1)) & 1) << 4)
+    for k in range(16):
+        scales16[k] = scales[k >> 1]
+
+
+@njit(cache=True, inline="always")
+def _decode_q6_k(raw, r, blk, weights, scales16):
+    for h in range(2):
+        ql = blk + 64 * h
+        qh = blk + 128 + 32 * h
+        for p in range(32):
+            low_a = np.int32(raw[r, ql + p])
+            low_b = np.int32(raw[r, ql + 32 + p])
+            high = np.int32(raw[r, qh + p])
+            weights[128 * h + p] = ((low_a & 0xF) | ((high & 3) << 4)) - 32
+            weights[128 * h + 32 + p] = ((low_b & 0xF) | (((high >> 2) & 3) << 4)) - 32
+            weights[128 * h + 64 + p] = ((low_a >> 4) | (((high >> 4) & 3) << 4)) - 32
+            weights[128 * h + 96 + p] = ((low_b >> 4) | (((high >> 6) & 3) << 4)) - 32
+    for k in range(16):
+        scales16[k] = _signed_byte(raw[r, blk + 192 + k])
+
+
+@njit(cache=True, inline="always")
+def _decode_q3_k(raw, r, blk, weights, scales16):
+    _scales_q3_k(raw, r, blk + 96, scales16)
+    for h in range(2):
+        for j in range(4):
+            bit = 4 * h + j
+            for p in range(32):
+                low = (np.int32(raw[r, blk + 32 + 32 * h + p]) >> (2 * j)) & 3
+                has_high = (np.int32(raw[r, blk + p]) >> bit) & 1
+                weights[128 * h + 32 * j + p] = low - (0 if has_high else 4)
+
+
+@njit(cache=True, inline="always")
+def _decode_q2_k(raw, r, blk, weights, scales16, mins16):
+    for k in range(16):
+        byte = np.int32(raw[r, blk + k])
+        scales16[k] = byte & 0xF
+        mins16[k] = byte >> 4
+    for h in range(2):
+        for j in range(4):
+            for p in range(32):
+                weights[128 * h + 32 * j + p] = (np.int32(raw[r, blk + 16 + 32 * h + p]) >> (2 * j)) & 3
+
+
+@njit(cache=True)
+def _rows_k_portable(raw, qtype, block_bytes, xq, xd, bsums, out, r0, r1):
+    """Rows r0..r1 of a K-quant format against Q8_K activations (ggml_vec_dot_q{2..6}_K_q8_K, AVX2 variants).
+
+    d = y.d * fp16(x.d); dmin = -y.d * fp16(x.dmin). Per block: Q2_K first adds its min lanes (dmin * madd(mins,
+    bsums)) to the 8-lane accumulator, Q4_K keeps them in 4 separate lanes, Q5_K in one scalar; then every format
+    adds d * (integer lanes). The final sum is hsum_float_8 plus the min part.
+    """
+    n, blocks = xd.shape
+    acc = np.zeros((n, 8), np.float32)
+    acc_m = np.zeros((n, 4), np.float32)
+    summs = np.zeros(n, np.float32)
+    weights = np.empty(256, np.int32)
+    scales16 = np.empty(16, np.int32)
+    mins16 = np.empty(16, np.int32)
+    scales = np.empty(8, np.int32)
+    mins = np.empty(8, np.int32)
+    lanes = np.empty(8, np.int32)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        acc_m[:] = _F0
+        summs[:] = _F0
+        for b in range(blocks):
+            blk = block_bytes * b
+            if qtype == QT_Q4_K:
+                wd, wdmin = _half_at(raw, r, blk), _half_at(raw, r, blk + 2)
+                _decode_q4_k(raw, r, blk, weights, scales16, scales, mins)
+            elif qtype == QT_Q5_K:
+                wd, wdmin = _half_at(raw, r, blk), _half_at(raw, r, blk + 2)
+                _decode_q5_k(raw, r, blk, weights, scales16, scales, mins)
+            elif qtype == QT_Q6_K:
+                wd, wdmin = _half_at(raw, r, blk + 208), _F0
+                _decode_q6_k(raw, r, blk, weights, scales16)
+            elif qtype == QT_Q3_K:
+                wd, wdmin = _half_at(raw, r, blk + 108), _F0
+                _decode_q3_k(raw, r, blk, weights, scales16)
+            else:  # Q2_K
+                wd, wdmin = _half_at(raw, r, blk + 80), _half_at(raw, r, blk + 82)
+                _decode_q2_k(raw, r, blk, weights, scales16, mins16)
+            for i in range(n):
+                yd = xd[i, b]
+                d = yd * wd
+                dmin = -yd * wdmin
+                if qtype == QT_Q4_K:
+                    _min_lanes_q4_k(acc_m, i, dmin, mins, bsums, b)
+                elif qtype == QT_Q5_K:
+                    summs[i] = summs[i] + dmin * np.float32(_min_sum_q5_k(mins, bsums, i, b))
+                elif qtype == QT_Q2_K:
+                    for m in range(8):
+                        product = mins16[2 * m] * np.int32(bsums[i, 16 * b + 2 * m]) + mins16[2 * m + 1] * np.int32(
+                            bsums[i, 16 * b + 2 * m + 1]
+                        )
+                        acc[i, m] = fma_f32(dmin, np.float32(product), acc[i, m])
+                _lane_sums_256(weights, scales16, xq, i, 256 * b, lanes)
+                for m in range(8):
+                    acc[i, m] = fma_f32(d, np.float32(lanes[m]), acc[i, m])
+        for i in range(n):
+            total = _hsum_float_8(acc, i)
+            if qtype == QT_Q4_K:
+                total += _finish_min_lanes(acc_m, i)
+            elif qtype == QT_Q5_K:
+                total += summs[i]
+            out[i, r] = total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AVX2 kernels
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Addresses: w = start of weight row r, blk = start of a block in it, y = start of the activation block of row i.
+# For n == 1 the 32-block kernels keep the accumulator in a register (a memory round trip per 32 weights would
+# put store-to-load latency on the critical path); for n > 1 each x-row's 8 lanes live in `acc` (L1) and the
+# decoded weight register is reused for every x-row. Both branches perform the same float operations per row.
+
+
+@njit(cache=True, inline="always")
+def _decode_32_avx2(blk, kind):
+    """One 32-block as 32 bytes in a register (signed for Q8_0/Q4_0/Q5_0, unsigned for Q4_1/Q5_1)."""
+    if kind == 0:  # Q8_0: the quants as stored
+        return loadu_si256(blk + 2)
+    if kind == 1:  # Q4_0: nibbles - 8 (ggml_vec_dot_q4_0_q8_0)
+        return sub_epi8(bytes_from_nibbles_32(blk + 2), set1_epi8(8))
+    if kind == 2:  # Q4_1: nibbles, unsigned (ggml_vec_dot_q4_1_q8_1)
+        return bytes_from_nibbles_32(blk + 4)
+    if kind == 3:  # Q5_0: nibble | 0xF0 where the 5th bit is clear == (nibble | bit << 4) - 16 as int8
+        return or_si256(bytes_from_nibbles_32(blk + 6), andnot_si256(bytes_from_bits_32(blk + 2), set1_epi8(0xF0)))
+    # Q5_1: nibble | 0x10 where the 5th bit is set, unsigned (ggml_vec_dot_q5_1_q8_1)
+    return or_si256(bytes_from_nibbles_32(blk + 8), and_si256(bytes_from_bits_32(blk + 4), set1_epi8(0x10)))
+
+
+@njit(cache=True, inline="always")
+def _lanes_32_avx2(qx, y, kind):
+    """Integer lanes of one block: signed formats move the sign onto y (mul_sum_i8_pairs_float)."""
+    if kind == 2 or kind == 4:
+        return mul_sum_us8_pairs(qx, loadu_si256(y))
+    return mul_sum_i8_pairs(qx, loadu_si256(y))
+
+
+@njit(cache=True)
+def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+    """AVX2 twin of _rows_32_portable (same ggml functions, same float operations)."""
+    n, blocks = xd.shape
+    has_min = kind == 2 or kind == 4
+    wbase = address_of(raw)
+    wstride = raw.strides[0]
+    xbase = address_of(xq)
+    xstride = xq.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    summs = np.zeros(n, np.float32)
+    for r in range(r0, r1):
+        w = wbase + r * wstride
+        summs[:] = _F0
+        if n == 1:  # registers only: no store-to-load latency in the loop-carried chain
+            lanes = setzero_ps()
+            summ = _F0
+            for b in range(blocks):
+                blk = w + block_bytes * b
+                if has_min:
+                    summ = summ + half_to_float(load_u16(blk + 2)) * xs[0, b]
+                scale = half_to_float(load_u16(blk)) * xd[0, b]
+                qx = _decode_32_avx2(blk, kind)
+                lanes = fmadd_ps(set1_ps(scale), cvtepi32_ps(_lanes_32_avx2(qx, xbase + 32 * b, kind)), lanes)
+            storeu_ps(abase, lanes)
+            summs[0] = summ
+        else:
+            acc[:] = _F0
+            for b in range(blocks):
+                blk = w + block_bytes * b
+                wd = half_to_float(load_u16(blk))
+                wm = half_to_float(load_u16(blk + 2))
+                qx = _decode_32_avx2(blk, kind)
+                for i in range(n):
+                    if has_min:
+                        summs[i] = summs[i] + wm * xs[i, b]
+                    scale = wd * xd[i, b]
+                    a = abase + 32 * i
+                    q = cvtepi32_ps(_lanes_32_avx2(qx, xbase + i * xstride + 32 * b, kind))
+                    storeu_ps(a, fmadd_ps(set1_ps(scale), q, loadu_ps(a)))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i) + summs[i] if has_min else _hsum_float_8(acc, i)
+
+
+@njit(cache=True, inline="always")
+def _accumulate_avx2(abase, i, d, sumi):
+    a = abase + 32 * i
+    storeu_ps(a, fmadd_ps(set1_ps(d), cvtepi32_ps(sumi), loadu_ps(a)))
+
+
+@njit(cache=True)
+def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
+    """ggml_vec_dot_q4_K_q8_K, AVX2 branch: 4 chunks of 64, low nibbles then high nibbles, scale per 32."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    acc_m = np.zeros((n, 4), np.float32)
+    scales = np.empty(8, np.int32)
+    mins = np.empty(8, np.int32)
+    m4 = set1_epi8(0xF)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        acc_m[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk_off = 144 * b
+            blk = w + blk_off
+            wd = half_to_float(load_u16(blk))
+            wdmin = half_to_float(load_u16(blk + 2))
+            _scale_min_k4(raw, r, blk_off + 4, scales, mins)
+            bits0 = loadu_si256(blk + 16)
+            bits1 = loadu_si256(blk + 48)
+            bits2 = loadu_si256(blk + 80)
+            bits3 = loadu_si256(blk + 112)
+            l0, h0 = and_si256(bits0, m4), and_si256(srli_epi16(bits0, 4), m4)
+            l1, h1 = and_si256(bits1, m4), and_si256(srli_epi16(bits1, 4), m4)
+            l2, h2 = and_si256(bits2, m4), and_si256(srli_epi16(bits2, 4), m4)
+            l3, h3 = and_si256(bits3, m4), and_si256(srli_epi16(bits3, 4), m4)
+            for i in range(n):
+                yd = xd[i, b]
+                _min_lanes_q4_k(acc_m, i, -yd * wdmin, mins, bsums, b)
+                y = xbase + i * xstride + 256 * b
+                p0 = add_epi32(
+                    madd_epi16(set1_epi16(scales[0]), maddubs_epi16(l0, loadu_si256(y))),
+                    madd_epi16(set1_epi16(scales[1]), maddubs_epi16(h0, loadu_si256(y + 32))),
+                )
+                p1 = add_epi32(
+                    madd_epi16(set1_epi16(scales[2]), maddubs_epi16(l1, loadu_si256(y + 64))),
+                    madd_epi16(set1_epi16(scales[3]), maddubs_epi16(h1, loadu_si256(y + 96))),
+                )
+                p2 = add_epi32(
+                    madd_epi16(set1_epi16(scales[4]), maddubs_epi16(l2, loadu_si256(y + 128))),
+                    madd_epi16(set1_epi16(scales[5]), maddubs_epi16(h2, loadu_si256(y + 160))),
+                )
+                p3 = add_epi32(
+                    madd_epi16(set1_epi16(scales[6]), maddubs_epi16(l3, loadu_si256(y + 192))),
+                    madd_epi16(set1_epi16(scales[7]), maddubs_epi16(h3, loadu_si256(y + 224))),
+                )
+                _accumulate_avx2(abase, i, yd * wd, add_epi32(add_epi32(p0, p1), add_epi32(p2, p3)))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes(acc_m, i)
+
+
+@njit(cache=True, inline="always")
+def _q5_k_chunk(bits, hbits, bit):
+    """32 five-bit weights: 4 low bits from a nibble, the 5th from bit `bit` of each qh byte, shifted to 16."""
+    high = slli_epi16(srli_epi16(and_si256(hbits, set1_epi8(1 << bit)), bit), 4)
+    return add_epi8(bits, high)
+
+
+@njit(cache=True)
+def _rows_q5_k_avx2(raw, xq, xd, bsums, out, r0, r1):
+    """ggml_vec_dot_q5_K_q8_K, AVX2 branch: Q4_K's layout plus a 5th bit per weight from qh."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    summs = np.zeros(n, np.float32)
+    scales = np.empty(8, np.int32)
+    mins = np.empty(8, np.int32)
+    m4 = set1_epi8(0xF)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        summs[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk_off = 176 * b
+            blk = w + blk_off
+            wd = half_to_float(load_u16(blk))
+            wdmin = half_to_float(load_u16(blk + 2))
+            _scale_min_k4(raw, r, blk_off + 4, scales, mins)
+            hbits = loadu_si256(blk + 16)
+            bits0 = loadu_si256(blk + 48)
+            bits1 = loadu_si256(blk + 80)
+            bits2 = loadu_si256(blk + 112)
+            bits3 = loadu_si256(blk + 144)
+            q0 = _q5_k_chunk(and_si256(bits0, m4), hbits, 0)
+            q1 = _q5_k_chunk(and_si256(srli_epi16(bits0, 4), m4), hbits, 1)
+            q2 = _q5_k_chunk(and_si256(bits1, m4), hbits, 2)
+            q3 = _q5_k_chunk(and_si256(srli_epi16(bits1, 4), m4), hbits, 3)
+            q4 = _q5_k_chunk(and_si256(bits2, m4), hbits, 4)
+            q5 = _q5_k_chunk(and_si256(srli_epi16(bits2, 4), m4), hbits, 5)
+            q6 = _q5_k_chunk(and_si256(bits3, m4), hbits, 6)
+            q7 = _q5_k_chunk(and_si256(srli_epi16(bits3, 4), m4), hbits, 7)
+            for i in range(n):
+                yd = xd[i, b]
+                summs[i] = summs[i] + (-yd * wdmin) * np.float32(_min_sum_q5_k(mins, bsums, i, b))
+                y = xbase + i * xstride + 256 * b
+                p0 = add_epi32(
+                    madd_epi16(set1_epi16(scales[0]), maddubs_epi16(q0, loadu_si256(y))),
+                    madd_epi16(set1_epi16(scales[1]), maddubs_epi16(q1, loadu_si256(y + 32))),
+                )
+                p1 = add_epi32(
+                    madd_epi16(set1_epi16(scales[2]), maddubs_epi16(q2, loadu_si256(y + 64))),
+                    madd_epi16(set1_epi16(scales[3]), maddubs_epi16(q3, loadu_si256(y + 96))),
+                )
+                p2 = add_epi32(
+                    madd_epi16(set1_epi16(scales[4]), maddubs_epi16(q4, loadu_si256(y + 128))),
+                    madd_epi16(set1_epi16(scales[5]), maddubs_epi16(q5, loadu_si256(y + 160))),
+                )
+                p3 = add_epi32(
+                    madd_epi16(set1_epi16(scales[6]), maddubs_epi16(q6, loadu_si256(y + 192))),
+                    madd_epi16(set1_epi16(scales[7]), maddubs_epi16(q7, loadu_si256(y + 224))),
+                )
+                _accumulate_avx2(abase, i, yd * wd, add_epi32(add_epi32(p0, p1), add_epi32(p2, p3)))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i) + summs[i]
+
+
+@njit(cache=True, inline="always")
+def _q6_k_product(q, y, scale_lo, scale_hi):
+    """(q - 32) . y for one 32-chunk, times its two 16-element scales: maddubs(q, y) - maddubs(32, y), then madd."""
+    q8 = loadu_si256(y)
+    p16 = sub_epi16(maddubs_epi16(q, q8), maddubs_epi16(set1_epi8(32), q8))
+    return madd_epi16(set_epi16_halves(scale_lo, scale_hi), p16)
+
+
+@njit(cache=True)
+def _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1):
+    """ggml_vec_dot_q6_K_q8_K, AVX2 branch: 6-bit weights from ql nibbles and qh bit pairs, int8 scale per 16."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    scales = np.empty(16, np.int32)
+    m4 = set1_epi8(0xF)
+    m2 = set1_epi8(3)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk_off = 210 * b
+            blk = w + blk_off
+            wd = half_to_float(load_u16(blk + 208))
+            for k in range(16):
+                scales[k] = _signed_byte(raw[r, blk_off + 192 + k])
+            low_a0, low_b0, high0 = loadu_si256(blk), loadu_si256(blk + 32), loadu_si256(blk + 128)
+            low_a1, low_b1, high1 = loadu_si256(blk + 64), loadu_si256(blk + 96), loadu_si256(blk + 160)
+            q0 = or_si256(and_si256(low_a0, m4), slli_epi16(and_si256(high0, m2), 4))
+            q1 = or_si256(and_si256(low_b0, m4), slli_epi16(and_si256(srli_epi16(high0, 2), m2), 4))
+            q2 = or_si256(and_si256(srli_epi16(low_a0, 4), m4), slli_epi16(and_si256(srli_epi16(high0, 4), m2), 4))
+            q3 = or_si256(and_si256(srli_epi16(low_b0, 4), m4), slli_epi16(and_si256(srli_epi16(high0, 6), m2), 4))
+            q4 = or_si256(and_si256(low_a1, m4), slli_epi16(and_si256(high1, m2), 4))
+            q5 = or_si256(and_si256(low_b1, m4), slli_epi16(and_si256(srli_epi16(high1, 2), m2), 4))
+            q6 = or_si256(and_si256(srli_epi16(low_a1, 4), m4), slli_epi16(and_si256(srli_epi16(high1, 4), m2), 4))
+            q7 = or_si256(and_si256(srli_epi16(low_b1, 4), m4), slli_epi16(and_si256(srli_epi16(high1, 6), m2), 4))
+            for i in range(n):
+                y = xbase + i * xstride + 256 * b
+                sumi = add_epi32(
+                    _q6_k_product(q0, y, scales[0], scales[1]), _q6_k_product(q1, y + 32, scales[2], scales[3])
+                )
+                sumi = add_epi32(
+                    sumi,
+                    add_epi32(
+                        _q6_k_product(q2, y + 64, scales[4], scales[5]),
+                        _q6_k_product(q3, y + 96, scales[6], scales[7]),
+                    ),
+                )
+                sumi = add_epi32(
+                    sumi,
+                    add_epi32(
+                        _q6_k_product(q4, y + 128, scales[8], scales[9]),
+                        _q6_k_product(q5, y + 160, scales[10], scales[11]),
+                    ),
+                )
+                sumi = add_epi32(
+                    sumi,
+                    add_epi32(
+                        _q6_k_product(q6, y + 192, scales[12], scales[13]),
+                        _q6_k_product(q7, y + 224, scales[14], scales[15]),
+                    ),
+                )
+                _accumulate_avx2(abase, i, xd[i, b] * wd, sumi)
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i)
+
+
+@njit(cache=True, inline="always")
+def _q3_k_product(low_bits, hbits, shift, bit, y, scale_lo, scale_hi):
+    """((q >> shift) & 3) - 4 * (hmask bit clear), dotted with y, times the chunk's two scales (ggml's q3l/q3h)."""
+    q8 = loadu_si256(y)
+    q3l = and_si256(srli_epi16(low_bits, shift), set1_epi8(3))
+    q3h = slli_epi16(srli_epi16(andnot_si256(hbits, set1_epi8(1 << bit)), bit), 2)
+    p16 = sub_epi16(maddubs_epi16(q3l, q8), maddubs_epi16(q3h, q8))
+    return madd_epi16(set_epi16_halves(scale_lo, scale_hi), p16)
+
+
+@njit(cache=True)
+def _rows_q3_k_avx2(raw, xq, xd, bsums, out, r0, r1):
+    """ggml_vec_dot_q3_K_q8_K, AVX2 branch: 2 low bits from qs, the 3rd from hmask, signed 6-bit scale per 16."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    scales = np.empty(16, np.int32)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk_off = 110 * b
+            blk = w + blk_off
+            wd = half_to_float(load_u16(blk + 108))
+            _scales_q3_k(raw, r, blk_off + 96, scales)
+            hbits = loadu_si256(blk)
+            bits0 = loadu_si256(blk + 32)
+            bits1 = loadu_si256(blk + 64)
+            for i in range(n):
+                y = xbase + i * xstride + 256 * b
+                s0 = add_epi32(
+                    add_epi32(
+                        _q3_k_product(bits0, hbits, 0, 0, y, scales[0], scales[1]),
+                        _q3_k_product(bits0, hbits, 2, 1, y + 32, scales[2], scales[3]),
+                    ),
+                    add_epi32(
+                        _q3_k_product(bits0, hbits, 4, 2, y + 64, scales[4], scales[5]),
+                        _q3_k_product(bits0, hbits, 6, 3, y + 96, scales[6], scales[7]),
+                    ),
+                )
+                s1 = add_epi32(
+                    add_epi32(
+                        _q3_k_product(bits1, hbits, 0, 4, y + 128, scales[8], scales[9]),
+                        _q3_k_product(bits1, hbits, 2, 5, y + 160, scales[10], scales[11]),
+                    ),
+                    add_epi32(
+                        _q3_k_product(bits1, hbits, 4, 6, y + 192, scales[12], scales[13]),
+                        _q3_k_product(bits1, hbits, 6, 7, y + 224, scales[14], scales[15]),
+                    ),
+                )
+                _accumulate_avx2(abase, i, xd[i, b] * wd, add_epi32(s0, s1))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i)
+
+
+@njit(cache=True, inline="always")
+def _q2_k_product(bits, shift, y, scale_lo, scale_hi):
+    q2 = and_si256(srli_epi16(bits, shift), set1_epi8(3))
+    return madd_epi16(set_epi16_halves(scale_lo, scale_hi), maddubs_epi16(q2, loadu_si256(y)))
+
+
+@njit(cache=True)
+def _rows_q2_k_avx2(raw, xq, xd, bsums, out, r0, r1):
+    """ggml_vec_dot_q2_K_q8_K, AVX2 branch: 2-bit weights, 4-bit scale and min per 16 (mins via bsums)."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    bbase, bstride = address_of(bsums), bsums.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    scales = np.empty(16, np.int32)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk_off = 84 * b
+            blk = w + blk_off
+            wd = half_to_float(load_u16(blk + 80))
+            wdmin = half_to_float(load_u16(blk + 82))
+            for k in range(16):
+                scales[k] = np.int32(raw[r, blk_off + k]) & 0xF
+            mins16 = srli_epi16(load_cvtepu8_epi16(blk), 4)
+            bits0 = loadu_si256(blk + 16)
+            bits1 = loadu_si256(blk + 48)
+            for i in range(n):
+                yd = xd[i, b]
+                prod = madd_epi16(mins16, loadu_si256(bbase + i * bstride + 32 * b))
+                _accumulate_avx2(abase, i, -yd * wdmin, prod)
+                y = xbase + i * xstride + 256 * b
+                s0 = add_epi32(
+                    add_epi32(
+                        _q2_k_product(bits0, 0, y, scales[0], scales[1]),
+                        _q2_k_product(bits0, 2, y + 32, scales[2], scales[3]),
+                    ),
+                    add_epi32(
+                        _q2_k_product(bits0, 4, y + 64, scales[4], scales[5]),
+                        _q2_k_product(bits0, 6, y + 96, scales[6], scales[7]),
+                    ),
+                )
+                s1 = add_epi32(
+                    add_epi32(
+                        _q2_k_product(bits1, 0, y + 128, scales[8], scales[9]),
+                        _q2_k_product(bits1, 2, y + 160, scales[10], scales[11]),
+                    ),
+                    add_epi32(
+                        _q2_k_product(bits1, 4, y + 192, scales[12], scales[13]),
+                        _q2_k_product(bits1, 6, y + 224, scales[14], scales[15]),
+                    ),
+                )
+                _accumulate_avx2(abase, i, yd * wd, add_epi32(s0, s1))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drivers: quantize x once, then split the output rows over the threads
+# ---------------------------------------------------------------------------------------------------------------
+#
+# One driver per (family, path), spelled out: Numba does not cache a function that receives another jitted
+# function as an argument, and a cold start compiling every kernel would cost seconds.
+
+
+@njit(cache=True, inline="always")
+def _n_chunks(rows, cols, threads):
+    """How many row ranges to run in parallel: one per thread, or 1 when waking threads costs more than it saves."""
+    if rows * cols < SERIAL_BELOW_WEIGHTS:
+        return 1
+    return max(1, min(threads, rows))
+
+
+@njit(cache=True, inline="always")
+def _quantize_for_32(x, kind):
+    if kind == KIND_Q4_1 or kind == KIND_Q5_1:
+        return quantize_q8_1(x)
+    xq, xd = quantize_q8_0(x)
+    return xq, xd, xd  # no block sums for the Q8_0 family
+
+
+@njit(parallel=True, cache=True)
+def _matmul_32_avx2(raw, kind, block_bytes, x, out, threads):
+    xq, xd, xs = _quantize_for_32(x, kind)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_32_portable(raw, kind, block_bytes, x, out, threads):
+    xq, xd, xs = _quantize_for_32(x, kind)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_32_portable(raw, kind, block_bytes, xq, xd, xs, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_32_portable(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_k_portable(raw, qtype, block_bytes, x, out, threads):
+    xq, xd, bsums = quantize_q8_K(x)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_k_portable(raw, qtype, block_bytes, xq, xd, bsums, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_k_portable(raw, qtype, block_bytes, xq, xd, bsums, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q4_k_avx2(raw, x, out, threads):
+    xq, xd, bsums = quantize_q8_K(x)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_q4_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q5_k_avx2(raw, x, out, threads):
+    xq, xd, bsums = quantize_q8_K(x)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_q5_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_q5_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q6_k_avx2(raw, x, out, threads):
+    xq, xd, bsums = quantize_q8_K(x)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_q6_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q3_k_avx2(raw, x, out, threads):
+    xq, xd, bsums = quantize_q8_K(x)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_q3_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_q3_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q2_k_avx2(raw, x, out, threads):
+    xq, xd, bsums = quantize_q8_K(x)
+    rows = raw.shape[0]
+    chunks = _n_chunks(rows, x.shape[1], threads)
+    if chunks == 1:
+        _rows_q2_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        return
+    for c in prange(chunks):
+        r0, r1 = _chunk_bounds(c, chunks, rows)
+        _rows_q2_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public interface (called by kernels.ops.matmul)
+# ---------------------------------------------------------------------------------------------------------------
+
+_KIND_32 = {Q.Q8_0: KIND_Q8_0, Q.Q4_0: KIND_Q4_0, Q.Q4_1: KIND_Q4_1, Q.Q5_0: KIND_Q5_0, Q.Q5_1: KIND_Q5_1}
+_AVX2_K = {
+    Q.Q2_K: _matmul_q2_k_avx2,
+    Q.Q3_K: _matmul_q3_k_avx2,
+    Q.Q4_K: _matmul_q4_k_avx2,
+    Q.Q5_K: _matmul_q5_k_avx2,
+    Q.Q6_K: _matmul_q6_k_avx2,
+}
+
+SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(_KIND_32) | frozenset(_AVX2_K)
+USES_AVX2: bool = HAVE_AVX2  # which path `matmul` takes on this machine
+
+
+def _checked(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Validate the contract; return raw as a read-only view (one compiled variant), x C-contiguous, block bytes."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"quant_dot has no kernel for {qtype.name}")
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.strides[1] != 1:
+        raise ValueError(f"raw must be uint8 (rows, row_bytes) with contiguous rows, got {raw.dtype} {raw.shape}")
+    if x.dtype != np.float32 or x.ndim != 2:
+        raise ValueError(f"x must be float32 (n, cols), got {x.dtype} {x.shape}")
+    n, cols = x.shape
+    rows, row_bytes = raw.shape
+    if cols % block_size or row_bytes != cols // block_size * block_bytes:
+        raise ValueError(f"{qtype.name} rows of {row_bytes} bytes do not hold {cols} columns")
+    if out.dtype != np.float32 or out.shape != (n, rows):
+        raise ValueError(f"out must be float32 {(n, rows)}, got {out.dtype} {out.shape}")
+    if raw.flags.writeable:
+        raw = raw.view()
+        raw.flags.writeable = False
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    return raw, x, block_bytes
+
+
+def matmul(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ W.T for W = `raw` in GGUF format `qtype`, with x quantized to 8 bits like llama.cpp does.
+
+    raw: uint8 (rows, row_bytes), read in place (never copied); x: float32 (n, cols), n small; out: float32 (n, rows).
+    Uses the AVX2 kernels when the CPU (as Numba targets it) has AVX2+FMA+F16C, else the portable ones; the two
+    give bit-identical results.
+    """
+    if USES_AVX2:
+        matmul_avx2(raw, qtype, x, out)
+    else:
+        matmul_portable(raw, qtype, x, out)
+
+
+def matmul_avx2(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
+    """`matmul` through the AVX2 kernels (only valid where simd.HAVE_AVX2)."""
+    raw, x, block_bytes = _checked(raw, qtype, x, out)
+    kind = _KIND_32.get(qtype)
+    if kind is not None:
+        _matmul_32_avx2(raw, kind, block_bytes, x, out, get_num_threads())
+    else:
+        _AVX2_K[qtype](raw, x, out, get_num_threads())
+
+
+def matmul_portable(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
+    """`matmul` through the plain-loop kernels: same integers and float operations, any CPU."""
+    raw, x, block_bytes = _checked(raw, qtype, x, out)
+    kind = _KIND_32.get(qtype)
+    if kind is not None:
+        _matmul_32_portable(raw, kind, block_bytes, x, out, get_num_threads())
+    else:
+        _matmul_k_portable(raw, int(qtype), block_bytes, x, out, get_num_threads())
