@@ -29,8 +29,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_CHAR = _bytes_to_unicode()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
-# For str.translate on a latin-1 decoded byte string: byte value -> stand-in character.
-_BYTE_ENCODE_TABLE = {b: c for b, c in BYTE_TO_CHAR.items()}
 
 # Words at most this long are merged with a plain scan (cheaper than a heap for short words).
 _SHORT_WORD = 24
@@ -60,7 +58,8 @@ class BPETokenizer:
 
     def _tokenize_word(self, word: str) -> tuple[int, ...]:
         if self.byte_encode:
-            encoded = word.encode("utf-8").decode("latin-1").translate(_BYTE_ENCODE_TABLE)
+            # latin-1 turns each byte into the code point of its value, which BYTE_TO_CHAR maps.
+            encoded = word.encode("utf-8").decode("latin-1").translate(BYTE_TO_CHAR)
         else:
             encoded = word
         token_to_id = self.token_to_id
