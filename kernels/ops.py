@@ -1,0 +1,163 @@
+"""The one backend interface the engine calls: `Weight`, `matmul`, `embed`, `dequantize`.
+
+`matmul` picks a path per call:
+
+* n (rows of x) below `BLAS_MIN_N` (decode, n = 1; speculative verify, n = 2..8): the integer SIMD kernel
+  (`kernels.cpu.quant_dot`) if it is installed and supports the format, else the portable fused kernel of the
+  format's table entry. Both read the quantized bytes directly. Each output row depends only on its own x row
+  (batch invariance: a sequence's answer must not depend on its neighbours in a batch).
+* n >= BLAS_MIN_N (prompt processing, compute-bound): dequantize W in tiles of rows, each tile once, into a
+  reused float32 scratch buffer, and let BLAS do `x @ tile.T`.
+* F32 weights are plain numpy: a gemv per x row on the small-n path (so it stays batch-invariant), one gemm
+  otherwise.
+
+Per-call overhead matters (hundreds of calls per token), so everything that can be decided once is decided
+in `Weight.__init__`, and `out=` lets callers reuse their buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from kernels.formats import FORMATS, QuantFormat, format_of
+
+try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
+    from kernels.cpu import quant_dot as _quant_dot
+
+    _QUANT_DOT_SUPPORTED = frozenset(_quant_dot.SUPPORTED)
+except ImportError:
+    _quant_dot = None
+    _QUANT_DOT_SUPPORTED = frozenset()
+
+# Below this many rows of x, the fused kernels; from it on, tiled dequantize + BLAS. Measured with
+# `python -m kernels.bench` (see its crossover table).
+BLAS_MIN_N = 16
+# Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
+TILE_BYTES = 1 << 20
+# The integer 16, handed to the kernels at run time (see kernels/cpu/dequant.py).
+_N16 = 16
+
+_F32 = np.dtype(np.float32)
+_scratch = threading.local()
+
+
+class Weight:
+    """A 2-D weight matrix in any format, as stored: `raw` is a read-only uint8 view (rows, row_bytes)."""
+
+    __slots__ = ("raw", "qtype", "rows", "cols", "format", "_dense", "_fused", "_use_quant_dot", "_tile_rows")
+
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
+        fmt: QuantFormat = format_of(qtype)
+        if raw.dtype != np.uint8 or raw.ndim != 2 or not raw.flags.c_contiguous:
+            raise ValueError(f"a weight's raw data must be a C-contiguous 2-D uint8 array, not {raw.dtype} {raw.shape}")
+        if raw.shape[1] % fmt.type_size:
+            raise ValueError(f"{raw.shape[1]} bytes per row is not a whole number of {fmt.name} blocks")
+        # Always a read-only view: the kernels then see one array type (one compiled specialisation), and
+        # nothing can write through a weight into the model file's memory map.
+        view = raw.view()
+        view.flags.writeable = False
+        self.raw = view
+        self.qtype = fmt.qtype
+        self.format = fmt
+        self.rows = int(raw.shape[0])
+        self.cols = int(raw.shape[1] // fmt.type_size * fmt.block_size)
+        self._dense = view.view(np.float32) if fmt.qtype == GGMLQuantizationType.F32 else None
+        self._fused = fmt.matmul
+        self._use_quant_dot = fmt.qtype in _QUANT_DOT_SUPPORTED
+        self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
+
+    @classmethod
+    def from_gguf(cls, gguf_file, name: str) -> "Weight":
+        info = gguf_file.tensor_info(name)
+        return cls(gguf_file.raw(name), info.qtype)
+
+    def __repr__(self) -> str:
+        return f"Weight({self.format.name}, rows={self.rows}, cols={self.cols})"
+
+
+def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out (n, rows) = x (n, cols) @ W.T, float32. x must be float32 and C-contiguous."""
+    n, cols = x.shape
+    if cols != w.cols or x.dtype is not _F32 and x.dtype != _F32 or not x.flags.c_contiguous:
+        raise ValueError(f"x must be C-contiguous float32 (n, {w.cols}), got {x.dtype} {x.shape}")
+    if out is None:
+        out = np.empty((n, w.rows), _F32)
+    elif out.shape != (n, w.rows) or out.dtype != _F32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 ({n}, {w.rows}), got {out.dtype} {out.shape}")
+    if w._dense is not None:
+        if n < BLAS_MIN_N:
+            for i in range(n):  # one gemv per row: bitwise independent of the other rows
+                np.dot(w._dense, x[i], out=out[i])
+        else:
+            np.matmul(x, w._dense.T, out=out)
+    elif n < BLAS_MIN_N:
+        if w._use_quant_dot:
+            _quant_dot.matmul(w.raw, w.qtype, x, out)
+        else:
+            w._fused(w.raw, x, out, _N16)
+    else:
+        _matmul_tiled_blas(w, x, out)
+    return out
+
+
+def matmul_fused(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The portable fused kernel whatever n is (the oracle for the other paths, and for benchmarks)."""
+    if out is None:
+        out = np.empty((x.shape[0], w.rows), _F32)
+    w.format.matmul(w.raw, np.ascontiguousarray(x, dtype=_F32), out, _N16)
+    return out
+
+
+def _row_ids(stop: int) -> np.ndarray:
+    ids = getattr(_scratch, "row_ids", None)
+    if ids is None or ids.shape[0] < stop:
+        ids = _scratch.row_ids = np.arange(max(stop, 1 << 16), dtype=np.int64)
+    return ids
+
+
+def _tile_buffer(size: int) -> np.ndarray:
+    # Reused across calls: a fresh multi-megabyte np.empty is an mmap, and its page faults cost more than the
+    # dequantization.
+    buf = getattr(_scratch, "tile", None)
+    if buf is None or buf.shape[0] < size:
+        buf = _scratch.tile = np.empty(size, _F32)
+    return buf
+
+
+def _matmul_tiled_blas(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    tile_rows = w._tile_rows
+    flat = _tile_buffer(tile_rows * w.cols)
+    ids = _row_ids(w.rows)
+    dequantize_rows = w.format.dequantize_rows
+    for r0 in range(0, w.rows, tile_rows):
+        r1 = min(r0 + tile_rows, w.rows)
+        tile = flat[: (r1 - r0) * w.cols].reshape(r1 - r0, w.cols)
+        dequantize_rows(w.raw, ids[r0:r1], tile, _N16)
+        np.matmul(x, tile.T, out=out[:, r0:r1])
+
+
+def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
+    """float32 (len(ids), cols): the dequantized rows `ids` (token embedding lookup)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
+        raise ValueError(f"row ids must lie in [0, {w.rows}), got {ids.min()}..{ids.max()}")
+    if w._dense is not None:
+        return w._dense[ids]
+    out = np.empty((ids.shape[0], w.cols), _F32)
+    w.format.dequantize_rows(w.raw, ids, out, _N16)
+    return out
+
+
+def dequantize(w: Weight) -> np.ndarray:
+    """The whole matrix as float32 (rows, cols): a copy (the model file's bytes are never modified)."""
+    if w._dense is not None:
+        return w._dense.copy()
+    out = np.empty((w.rows, w.cols), _F32)
+    w.format.dequantize_rows(w.raw, _row_ids(w.rows)[: w.rows], out, _N16)
+    return out
+
+
+__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "FORMATS", "BLAS_MIN_N"]

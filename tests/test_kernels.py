@@ -1,0 +1,209 @@
+"""The format table, dequantization and the `kernels.ops` interface, for every format of the table.
+
+Random blocks are random bytes with the fp16 scale fields replaced by finite, moderate values (random bytes
+there would give inf/NaN scales, which real files never have and which make comparisons meaningless)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from kernels import ops, reference
+from kernels.formats import FORMATS, format_of
+from localllm.errors import ModelFileError
+from localllm.gguf_file import GGUFFile
+from conftest import model_file
+
+ALL_FORMATS = list(FORMATS)
+FLOAT_TYPES = {T.F32, T.F16, T.BF16}
+
+
+def random_weight_bytes(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype == T.F32:
+        return rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
+    if qtype == T.F16:
+        return rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
+    if qtype == T.BF16:  # top halves of random float32s
+        return (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    fmt = FORMATS[qtype]
+    n_blocks = cols // fmt.block_size
+    blocks = rng.integers(0, 256, (rows, n_blocks, fmt.type_size), dtype=np.uint8)
+    for off in fmt.f16_offsets:
+        scales = (rng.uniform(-1, 1, (rows, n_blocks)) * 0.05).astype(np.float16)
+        blocks[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, n_blocks, 2)
+    return blocks.reshape(rows, n_blocks * fmt.type_size)
+
+
+def cols_for(qtype: T) -> int:
+    # Float formats get a width that is not a multiple of the kernels' 256-element spans, to cover the tail.
+    return 300 if qtype in FLOAT_TYPES else 512
+
+
+def make_weight(qtype: T, rows: int = 37, seed: int = 0) -> ops.Weight:
+    return ops.Weight(random_weight_bytes(qtype, rows, cols_for(qtype), seed), qtype)
+
+
+# With the integer SIMD path installed, ops.matmul's small-n path quantizes x to 8 bits per block (as ggml
+# does): its error is that of the activation rounding, not of float32 accumulation.
+Q8_ACTIVATION_RTOL = 1e-2
+
+
+def small_n_rtol(qtype: T) -> float:
+    return Q8_ACTIVATION_RTOL if qtype in ops._QUANT_DOT_SUPPORTED else 2e-6
+
+
+def assert_close_to_float64(got: np.ndarray, raw: np.ndarray, qtype: T, x: np.ndarray, rtol: float = 2e-6) -> None:
+    """Relative to the sum of |products|: float32 accumulation error, with no cancellation luck needed."""
+    want = reference.matmul(raw, qtype, x)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(reference.dequantize(raw, qtype).astype(np.float64)).T
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= rtol * scale + 1e-30), f"max relative error {np.max(err / (scale + 1e-30)):.3g}"
+
+
+# ---- the table -----------------------------------------------------------------------------------------------
+
+
+def test_table_lists_the_required_formats_with_their_geometry():
+    names = {f.name for f in FORMATS.values()}
+    assert names == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+    assert (FORMATS[T.Q4_K].block_size, FORMATS[T.Q4_K].type_size) == (256, 144)
+    assert (FORMATS[T.Q8_0].block_size, FORMATS[T.Q8_0].type_size) == (32, 34)
+    for fmt in FORMATS.values():
+        assert callable(fmt.dequantize_rows) and callable(fmt.matmul)
+
+
+def test_unsupported_type_names_itself_and_the_supported_ones():
+    with pytest.raises(ModelFileError) as err:
+        format_of(T.IQ2_XXS)
+    assert "IQ2_XXS" in str(err.value) and "Q4_K" in str(err.value) and "Q8_0" in str(err.value)
+    with pytest.raises(ModelFileError, match="IQ2_XXS"):
+        ops.Weight(np.zeros((2, 66), np.uint8), T.IQ2_XXS)
+
+
+# ---- dequantization ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_dequantize_is_bit_exact_with_gguf_py(qtype):
+    raw = random_weight_bytes(qtype, 37, cols_for(qtype), seed=1)
+    got = ops.dequantize(ops.Weight(raw, qtype))
+    want = reference.dequantize(raw, qtype)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_f16_and_bf16_decode_every_bit_pattern_exactly():
+    every = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(1, -1)
+    for qtype in (T.F16, T.BF16):
+        got = ops.dequantize(ops.Weight(every, qtype))
+        assert np.array_equal(got.view(np.uint32), reference.dequantize(every, qtype).view(np.uint32)), qtype.name
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_embed_returns_the_dequantized_rows(qtype):
+    w = make_weight(qtype, seed=2)
+    ids = np.array([5, 0, 36, 5, 17])
+    got = ops.embed(w, ids)
+    assert np.array_equal(got, ops.dequantize(w)[ids])
+    assert np.array_equal(got, reference.embed(w.raw, qtype, ids))
+
+
+def test_embed_rejects_ids_out_of_range():
+    w = make_weight(T.Q8_0)
+    with pytest.raises(ValueError, match="row ids"):
+        ops.embed(w, np.array([37]))
+    with pytest.raises(ValueError, match="row ids"):
+        ops.embed(w, np.array([-1]))
+
+
+# ---- matmul --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_fused_kernel_matches_float64_matmul(qtype, n):
+    w = make_weight(qtype, seed=3)
+    x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
+    assert_close_to_float64(ops.matmul_fused(w, x), w.raw, qtype, x)
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_ops_matmul_small_n_matches_float64_matmul(qtype):
+    w = make_weight(qtype, seed=4)
+    for n in (1, 2, 8):
+        x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
+        assert_close_to_float64(ops.matmul(w, x), w.raw, qtype, x, rtol=small_n_rtol(qtype))
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_small_n_path_is_batch_invariant(qtype):
+    """Each output row on the small-n path is bitwise what n=1 gives for that x row alone."""
+    w = make_weight(qtype, seed=5)
+    x = np.random.default_rng(6).standard_normal((ops.BLAS_MIN_N - 1, w.cols)).astype(np.float32)
+    alone = np.concatenate([ops.matmul(w, x[i : i + 1]) for i in range(x.shape[0])])
+    for n in range(2, x.shape[0] + 1):
+        batched = ops.matmul(w, x[:n])
+        assert np.array_equal(batched.view(np.uint32), alone[:n].view(np.uint32)), f"n={n}"
+    # the same row in a different position of a different batch
+    shuffled = np.ascontiguousarray(x[::-1][:4])
+    assert np.array_equal(ops.matmul(w, shuffled).view(np.uint32), alone[::-1][:4].view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_tiled_blas_path_matches_float64_matmul(qtype):
+    w = make_weight(qtype, seed=7)
+    w._tile_rows = 10  # several tiles, the last one partial (37 rows)
+    n = max(ops.BLAS_MIN_N, 64)
+    x = np.random.default_rng(8).standard_normal((n, w.cols)).astype(np.float32)
+    assert_close_to_float64(ops.matmul(w, x), w.raw, qtype, x)
+
+
+def test_matmul_writes_into_out_and_checks_shapes():
+    w = make_weight(T.Q4_K)
+    x = np.random.default_rng(9).standard_normal((2, w.cols)).astype(np.float32)
+    out = np.full((2, w.rows), np.nan, np.float32)
+    assert ops.matmul(w, x, out=out) is out
+    assert np.array_equal(out, ops.matmul(w, x))
+    with pytest.raises(ValueError):
+        ops.matmul(w, x[:, :-1].copy())
+    with pytest.raises(ValueError):
+        ops.matmul(w, x.astype(np.float64))
+    with pytest.raises(ValueError):
+        ops.matmul(w, x, out=np.empty((2, w.rows + 1), np.float32))
+
+
+def test_weight_is_a_read_only_view_never_a_copy():
+    raw = random_weight_bytes(T.Q6_K, 4, 256)
+    w = ops.Weight(raw, T.Q6_K)
+    assert np.shares_memory(w.raw, raw) and not w.raw.flags.writeable
+    assert (w.rows, w.cols) == (4, 256)
+
+
+# ---- real model files ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, wanted_types",
+    [
+        ("qwen2.5-coder-0.5b-instruct", {T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0}),
+        ("smollm2-135m-instruct", {T.Q4_1}),
+    ],
+)
+def test_real_tensors_dequantize_like_gguf_py(model, wanted_types):
+    gguf = GGUFFile(model_file(model))
+    seen = set()
+    for info in gguf.tensors.values():
+        if info.qtype not in wanted_types or info.qtype in seen or len(info.shape) != 2 or info.shape[0] > 8192:
+            continue
+        seen.add(info.qtype)
+        w = ops.Weight.from_gguf(gguf, info.name)
+        assert (w.rows, w.cols) == info.shape
+        assert np.shares_memory(w.raw, gguf.raw(info.name))
+        want = reference.dequantize(w.raw, info.qtype)
+        assert np.array_equal(ops.dequantize(w).view(np.uint32), want.view(np.uint32)), info.name
+        x = np.random.default_rng(0).standard_normal((1, w.cols)).astype(np.float32)
+        assert_close_to_float64(ops.matmul(w, x), w.raw, info.qtype, x, rtol=small_n_rtol(info.qtype))
+        assert_close_to_float64(ops.matmul_fused(w, x), w.raw, info.qtype, x)
+    assert seen == wanted_types
