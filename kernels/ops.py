@@ -2,11 +2,12 @@
 
 `matmul` picks a path per call:
 
-* n (rows of x) below `BLAS_MIN_N` (decode, n = 1; speculative verify, n = 2..8): the integer SIMD kernel
+* n (rows of x) below `BLAS_MIN_N` / `BLAS_MIN_N_QUANT_DOT` (decode, n = 1; speculative verify, n = 2..8):
+  the integer SIMD kernel
   (`kernels.cpu.quant_dot`) if it is installed and supports the format, else the portable fused kernel of the
   format's table entry. Both read the quantized bytes directly. Each output row depends only on its own x row
   (batch invariance: a sequence's answer must not depend on its neighbours in a batch).
-* n >= BLAS_MIN_N (prompt processing, compute-bound): dequantize W in tiles of rows, each tile once, into a
+* larger n (prompt processing, compute-bound): dequantize W in tiles of rows, each tile once, into a
   reused float32 scratch buffer, and let BLAS do `x @ tile.T`.
 * F32 weights are plain numpy: a gemv per x row on the small-n path (so it stays batch-invariant), one gemm
   otherwise.
@@ -32,9 +33,13 @@ except ImportError:
     _quant_dot = None
     _QUANT_DOT_SUPPORTED = frozenset()
 
-# Below this many rows of x, the fused kernels; from it on, tiled dequantize + BLAS. Measured with
-# `python -m kernels.bench` (see its crossover table).
-BLAS_MIN_N = 16
+# From this many rows of x on, tiled dequantize + BLAS; below, the small-n kernels (`python -m kernels.bench`,
+# crossover table). Measured single-threaded on Zen 3, 4864x896 Q5_0 and 896x4864 Q4_K: dequantizing a tile
+# costs about as much as 2-4 rows through the portable fused kernel, so it would lose from n ~ 3, but n <= 8
+# (speculative verify, small server batches) must stay on the batch-invariant path: 9. The integer SIMD path
+# is still faster than tiling at n = 32 (4.6 vs 5.9 ms), so with it the switch is at 48.
+BLAS_MIN_N = 9
+BLAS_MIN_N_QUANT_DOT = 48
 # Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
 TILE_BYTES = 1 << 20
 # The integer 16, handed to the kernels at run time (see kernels/cpu/dequant.py).
@@ -47,7 +52,10 @@ _scratch = threading.local()
 class Weight:
     """A 2-D weight matrix in any format, as stored: `raw` is a read-only uint8 view (rows, row_bytes)."""
 
-    __slots__ = ("raw", "qtype", "rows", "cols", "format", "_dense", "_fused", "_use_quant_dot", "_tile_rows")
+    __slots__ = (
+        "raw", "qtype", "rows", "cols", "format",
+        "_dense", "_fused", "_use_quant_dot", "_tile_rows", "_blas_min_n",
+    )
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
         fmt: QuantFormat = format_of(qtype)
@@ -67,6 +75,7 @@ class Weight:
         self._dense = view.view(np.float32) if fmt.qtype == GGMLQuantizationType.F32 else None
         self._fused = fmt.matmul
         self._use_quant_dot = fmt.qtype in _QUANT_DOT_SUPPORTED
+        self._blas_min_n = BLAS_MIN_N_QUANT_DOT if self._use_quant_dot else BLAS_MIN_N
         self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
 
     @classmethod
@@ -93,7 +102,7 @@ def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
                 np.dot(w._dense, x[i], out=out[i])
         else:
             np.matmul(x, w._dense.T, out=out)
-    elif n < BLAS_MIN_N:
+    elif n < w._blas_min_n:
         if w._use_quant_dot:
             _quant_dot.matmul(w.raw, w.qtype, x, out)
         else:
