@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from numba import get_num_threads, njit, prange
+from numba import get_num_threads, literally, njit, prange
 
 from kernels.cpu.simd import (
     HAVE_AVX2,
@@ -47,8 +47,16 @@ from kernels.cpu.simd import (
     fma_f32,
     fmadd_ps,
     half_to_float,
+    add_adjacent_epi32,
+    cvtepu8_epi16_words,
+    duplicate_high_epi16,
+    hsum_epi32,
+    hsum_float_8,
+    load_cvtepi8_epi16,
     load_cvtepu8_epi16,
+    load_f32,
     load_u16,
+    load_u32,
     loadu_ps,
     loadu_si256,
     madd_epi16,
@@ -59,8 +67,8 @@ from kernels.cpu.simd import (
     set1_epi8,
     set1_epi16,
     set1_ps,
-    set_epi16_halves,
     setzero_ps,
+    shuffle_epi16_halves,
     slli_epi16,
     srli_epi16,
     storeu_ps,
@@ -548,22 +556,25 @@ def _rows_k_portable(raw, qtype, block_bytes, xq, xd, bsums, out, r0, r1):
 # AVX2 kernels
 # ---------------------------------------------------------------------------------------------------------------
 #
-# Addresses: w = start of weight row r, blk = start of a block in it, y = start of the activation block of row i.
-# For n == 1 the 32-block kernels keep the accumulator in a register (a memory round trip per 32 weights would
-# put store-to-load latency on the critical path); for n > 1 each x-row's 8 lanes live in `acc` (L1) and the
-# decoded weight register is reused for every x-row. Both branches perform the same float operations per row.
+# Addresses: w = start of weight row r, blk = start of a block in it, y = start of an activation block.
+# Activations are our own C-contiguous arrays, read by address (xd at xd_base + 4 * (i * blocks + b)).
+
+# kmask1/kmask2/kmask3 of ggml_vec_dot_q4_K_q8_K (6-bit scale unpacking) and of q3_K (kmask1 = 2-bit high parts)
+_KMASK_6BIT = 0x3F3F3F3F
+_KMASK_LOW4 = 0x0F0F0F0F
+_KMASK_2BIT = 0x03030303
 
 
 @njit(cache=True, inline="always")
 def _decode_32_avx2(blk, kind):
     """One 32-block as 32 bytes in a register (signed for Q8_0/Q4_0/Q5_0, unsigned for Q4_1/Q5_1)."""
-    if kind == 0:  # Q8_0: the quants as stored
+    if kind == KIND_Q8_0:  # the quants as stored (ggml_vec_dot_q8_0_q8_0)
         return loadu_si256(blk + 2)
-    if kind == 1:  # Q4_0: nibbles - 8 (ggml_vec_dot_q4_0_q8_0)
+    if kind == KIND_Q4_0:  # nibbles - 8 (ggml_vec_dot_q4_0_q8_0)
         return sub_epi8(bytes_from_nibbles_32(blk + 2), set1_epi8(8))
-    if kind == 2:  # Q4_1: nibbles, unsigned (ggml_vec_dot_q4_1_q8_1)
+    if kind == KIND_Q4_1:  # nibbles, unsigned (ggml_vec_dot_q4_1_q8_1)
         return bytes_from_nibbles_32(blk + 4)
-    if kind == 3:  # Q5_0: nibble | 0xF0 where the 5th bit is clear == (nibble | bit << 4) - 16 as int8
+    if kind == KIND_Q5_0:  # nibble | 0xF0 where the 5th bit is clear == (nibble | bit << 4) - 16 as int8
         return or_si256(bytes_from_nibbles_32(blk + 6), andnot_si256(bytes_from_bits_32(blk + 2), set1_epi8(0xF0)))
     # Q5_1: nibble | 0x10 where the 5th bit is set, unsigned (ggml_vec_dot_q5_1_q8_1)
     return or_si256(bytes_from_nibbles_32(blk + 8), and_si256(bytes_from_bits_32(blk + 4), set1_epi8(0x10)))
@@ -571,116 +582,160 @@ def _decode_32_avx2(blk, kind):
 
 @njit(cache=True, inline="always")
 def _lanes_32_avx2(qx, y, kind):
-    """Integer lanes of one block: signed formats move the sign onto y (mul_sum_i8_pairs_float)."""
-    if kind == 2 or kind == 4:
-        return mul_sum_us8_pairs(qx, loadu_si256(y))
-    return mul_sum_i8_pairs(qx, loadu_si256(y))
+    """Float lanes of one block's integer dot; signed formats move the sign onto y (mul_sum_i8_pairs_float)."""
+    if kind == KIND_Q4_1 or kind == KIND_Q5_1:
+        return cvtepi32_ps(mul_sum_us8_pairs(qx, loadu_si256(y)))
+    return cvtepi32_ps(mul_sum_i8_pairs(qx, loadu_si256(y)))
+
+
+@njit(cache=True)
+def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count):
+    """Weight row r against x-rows i .. i+count-1 (count <= 4), accumulators in registers.
+
+    Each block is loaded and decoded once for the group. `kind` and `count` are compile-time constants
+    (`literally`: one specialization each), so the format and `count > k` tests cost nothing in the loop.
+    Every x-row sees the same float operations whatever the group it is in.
+    """
+    literally(kind)
+    literally(count)
+    has_min = kind == KIND_Q4_1 or kind == KIND_Q5_1
+    y0 = address_of(xq) + i * xq.strides[0]
+    y1 = y0 + xq.strides[0]
+    y2 = y1 + xq.strides[0]
+    y3 = y2 + xq.strides[0]
+    d0 = address_of(xd) + 4 * i * blocks  # fp16-rounded activation scales, then block sums, per x-row
+    s0 = address_of(xs) + 4 * i * blocks
+    a0, a1, a2, a3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()
+    m0, m1, m2, m3 = _F0, _F0, _F0, _F0
+    for b in range(blocks):
+        blk = w + block_bytes * b
+        wd = half_to_float(load_u16(blk))
+        qx = _decode_32_avx2(blk, kind)
+        if has_min:  # summs += m * s (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
+            wm = half_to_float(load_u16(blk + 2))
+            m0 = m0 + wm * load_f32(s0 + 4 * b)
+            if count > 1:
+                m1 = m1 + wm * load_f32(s0 + 4 * (blocks + b))
+            if count > 2:
+                m2 = m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))
+            if count > 3:
+                m3 = m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))
+        a0 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * b)), _lanes_32_avx2(qx, y0 + 32 * b, kind), a0)
+        if count > 1:
+            a1 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (blocks + b))), _lanes_32_avx2(qx, y1 + 32 * b, kind), a1)
+        if count > 2:
+            a2 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (2 * blocks + b))), _lanes_32_avx2(qx, y2 + 32 * b, kind), a2)
+        if count > 3:
+            a3 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (3 * blocks + b))), _lanes_32_avx2(qx, y3 + 32 * b, kind), a3)
+    out[i, r] = hsum_float_8(a0) + m0 if has_min else hsum_float_8(a0)
+    if count > 1:
+        out[i + 1, r] = hsum_float_8(a1) + m1 if has_min else hsum_float_8(a1)
+    if count > 2:
+        out[i + 2, r] = hsum_float_8(a2) + m2 if has_min else hsum_float_8(a2)
+    if count > 3:
+        out[i + 3, r] = hsum_float_8(a3) + m3 if has_min else hsum_float_8(a3)
 
 
 @njit(cache=True)
 def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-    """AVX2 twin of _rows_32_portable (same ggml functions, same float operations)."""
+    """AVX2 twin of _rows_32_portable (same ggml functions, same float operations), x-rows in groups of 4."""
+    literally(kind)
     n, blocks = xd.shape
-    has_min = kind == 2 or kind == 4
-    wbase = address_of(raw)
-    wstride = raw.strides[0]
-    xbase = address_of(xq)
-    xstride = xq.strides[0]
-    acc = np.zeros((n, 8), np.float32)
-    abase = address_of(acc)
-    summs = np.zeros(n, np.float32)
+    wbase, wstride = address_of(raw), raw.strides[0]
     for r in range(r0, r1):
         w = wbase + r * wstride
-        summs[:] = _F0
-        if n == 1:  # registers only: no store-to-load latency in the loop-carried chain
-            lanes = setzero_ps()
-            summ = _F0
-            for b in range(blocks):
-                blk = w + block_bytes * b
-                if has_min:
-                    summ = summ + half_to_float(load_u16(blk + 2)) * xs[0, b]
-                scale = half_to_float(load_u16(blk)) * xd[0, b]
-                qx = _decode_32_avx2(blk, kind)
-                lanes = fmadd_ps(set1_ps(scale), cvtepi32_ps(_lanes_32_avx2(qx, xbase + 32 * b, kind)), lanes)
-            storeu_ps(abase, lanes)
-            summs[0] = summ
-        else:
-            acc[:] = _F0
-            for b in range(blocks):
-                blk = w + block_bytes * b
-                wd = half_to_float(load_u16(blk))
-                wm = half_to_float(load_u16(blk + 2))
-                qx = _decode_32_avx2(blk, kind)
-                for i in range(n):
-                    if has_min:
-                        summs[i] = summs[i] + wm * xs[i, b]
-                    scale = wd * xd[i, b]
-                    a = abase + 32 * i
-                    q = cvtepi32_ps(_lanes_32_avx2(qx, xbase + i * xstride + 32 * b, kind))
-                    storeu_ps(a, fmadd_ps(set1_ps(scale), q, loadu_ps(a)))
-        for i in range(n):
-            out[i, r] = _hsum_float_8(acc, i) + summs[i] if has_min else _hsum_float_8(acc, i)
+        i = 0
+        while n - i >= 4:
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4)
+            i += 4
+        rest = n - i
+        if rest == 3:
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 3)
+        elif rest == 2:
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2)
+        elif rest == 1:
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1)
 
 
 @njit(cache=True, inline="always")
-def _accumulate_avx2(abase, i, d, sumi):
-    a = abase + 32 * i
-    storeu_ps(a, fmadd_ps(set1_ps(d), cvtepi32_ps(sumi), loadu_ps(a)))
+def _accumulate_avx2(address, d, sumi):
+    """acc (8 floats at `address`) = fma(d, float(sumi), acc): one x-row's per-block step of every K-quant dot."""
+    storeu_ps(address, fmadd_ps(set1_ps(d), cvtepi32_ps(sumi), loadu_ps(address)))
+
+
+@njit(cache=True, inline="always")
+def _scales_mins_k4_avx2(blk):
+    """A Q4_K/Q5_K block's 8 scales (int16 lanes 0-7) and 8 mins (lanes 8-15), by ggml's utmp/kmask unpacking."""
+    a0, a1, a2 = load_u32(blk + 4), load_u32(blk + 8), load_u32(blk + 12)
+    return cvtepu8_epi16_words(
+        a0 & _KMASK_6BIT,
+        (a2 & _KMASK_LOW4) | (((a0 >> 6) & _KMASK_2BIT) << 4),
+        a1 & _KMASK_6BIT,
+        ((a2 >> 4) & _KMASK_LOW4) | (((a1 >> 6) & _KMASK_2BIT) << 4),
+    )
+
+
+@njit(cache=True, inline="always")
+def _finish_min_lanes_avx2(acc_m, i):
+    """(l0 + l2) + (l1 + l3) of ggml's 4 acc_m lanes, which the AVX2 kernel keeps twice each (lanes 2l, 2l+1)."""
+    return (acc_m[i, 0] + acc_m[i, 4]) + (acc_m[i, 2] + acc_m[i, 6])
 
 
 @njit(cache=True)
 def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
-    """ggml_vec_dot_q4_K_q8_K, AVX2 branch: 4 chunks of 64, low nibbles then high nibbles, scale per 32."""
+    """ggml_vec_dot_q4_K_q8_K, AVX2 branch: 4 chunks of 64, low nibbles then high nibbles, scale per 32.
+
+    The min term: madd(bsums, mins paired) gives mins[k] * (two 16-sums of sub-block k); adding adjacent lanes
+    gives ggml's prod[l] (l = 0..3) in lanes 2l and 2l+1, accumulated with one fma like ggml's 128-bit acc_m.
+    """
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
+    dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
     acc = np.zeros((n, 8), np.float32)
-    abase = address_of(acc)
-    acc_m = np.zeros((n, 4), np.float32)
-    scales = np.empty(8, np.int32)
-    mins = np.empty(8, np.int32)
+    acc_m = np.zeros((n, 8), np.float32)
+    abase, mbase = address_of(acc), address_of(acc_m)
     m4 = set1_epi8(0xF)
     for r in range(r0, r1):
         acc[:] = _F0
         acc_m[:] = _F0
         w = wbase + r * wstride
         for b in range(blocks):
-            blk_off = 144 * b
-            blk = w + blk_off
+            blk = w + 144 * b
             wd = half_to_float(load_u16(blk))
             wdmin = half_to_float(load_u16(blk + 2))
-            _scale_min_k4(raw, r, blk_off + 4, scales, mins)
-            bits0 = loadu_si256(blk + 16)
-            bits1 = loadu_si256(blk + 48)
-            bits2 = loadu_si256(blk + 80)
-            bits3 = loadu_si256(blk + 112)
+            scales_mins = _scales_mins_k4_avx2(blk)
+            mins_paired = duplicate_high_epi16(scales_mins)
+            bits0, bits1 = loadu_si256(blk + 16), loadu_si256(blk + 48)
+            bits2, bits3 = loadu_si256(blk + 80), loadu_si256(blk + 112)
             l0, h0 = and_si256(bits0, m4), and_si256(srli_epi16(bits0, 4), m4)
             l1, h1 = and_si256(bits1, m4), and_si256(srli_epi16(bits1, 4), m4)
             l2, h2 = and_si256(bits2, m4), and_si256(srli_epi16(bits2, 4), m4)
             l3, h3 = and_si256(bits3, m4), and_si256(srli_epi16(bits3, 4), m4)
             for i in range(n):
-                yd = xd[i, b]
-                _min_lanes_q4_k(acc_m, i, -yd * wdmin, mins, bsums, b)
+                yd = load_f32(dbase + 4 * (i * blocks + b))
+                prod = add_adjacent_epi32(madd_epi16(loadu_si256(bbase + i * bstride + 32 * b), mins_paired))
+                _accumulate_avx2(mbase + 32 * i, -yd * wdmin, prod)
                 y = xbase + i * xstride + 256 * b
                 p0 = add_epi32(
-                    madd_epi16(set1_epi16(scales[0]), maddubs_epi16(l0, loadu_si256(y))),
-                    madd_epi16(set1_epi16(scales[1]), maddubs_epi16(h0, loadu_si256(y + 32))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 0, 0), maddubs_epi16(l0, loadu_si256(y))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 1, 1), maddubs_epi16(h0, loadu_si256(y + 32))),
                 )
                 p1 = add_epi32(
-                    madd_epi16(set1_epi16(scales[2]), maddubs_epi16(l1, loadu_si256(y + 64))),
-                    madd_epi16(set1_epi16(scales[3]), maddubs_epi16(h1, loadu_si256(y + 96))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 2, 2), maddubs_epi16(l1, loadu_si256(y + 64))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 3, 3), maddubs_epi16(h1, loadu_si256(y + 96))),
                 )
                 p2 = add_epi32(
-                    madd_epi16(set1_epi16(scales[4]), maddubs_epi16(l2, loadu_si256(y + 128))),
-                    madd_epi16(set1_epi16(scales[5]), maddubs_epi16(h2, loadu_si256(y + 160))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 4, 4), maddubs_epi16(l2, loadu_si256(y + 128))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 5, 5), maddubs_epi16(h2, loadu_si256(y + 160))),
                 )
                 p3 = add_epi32(
-                    madd_epi16(set1_epi16(scales[6]), maddubs_epi16(l3, loadu_si256(y + 192))),
-                    madd_epi16(set1_epi16(scales[7]), maddubs_epi16(h3, loadu_si256(y + 224))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 6, 6), maddubs_epi16(l3, loadu_si256(y + 192))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 7, 7), maddubs_epi16(h3, loadu_si256(y + 224))),
                 )
-                _accumulate_avx2(abase, i, yd * wd, add_epi32(add_epi32(p0, p1), add_epi32(p2, p3)))
+                _accumulate_avx2(abase + 32 * i, yd * wd, add_epi32(add_epi32(p0, p1), add_epi32(p2, p3)))
         for i in range(n):
-            out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes(acc_m, i)
+            out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes_avx2(acc_m, i)
 
 
 @njit(cache=True, inline="always")
@@ -692,31 +747,28 @@ def _q5_k_chunk(bits, hbits, bit):
 
 @njit(cache=True)
 def _rows_q5_k_avx2(raw, xq, xd, bsums, out, r0, r1):
-    """ggml_vec_dot_q5_K_q8_K, AVX2 branch: Q4_K's layout plus a 5th bit per weight from qh."""
+    """ggml_vec_dot_q5_K_q8_K, AVX2 branch: Q4_K's layout plus a 5th bit per weight from qh; mins summed to one int."""
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
+    dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
     acc = np.zeros((n, 8), np.float32)
     abase = address_of(acc)
     summs = np.zeros(n, np.float32)
-    scales = np.empty(8, np.int32)
-    mins = np.empty(8, np.int32)
     m4 = set1_epi8(0xF)
     for r in range(r0, r1):
         acc[:] = _F0
         summs[:] = _F0
         w = wbase + r * wstride
         for b in range(blocks):
-            blk_off = 176 * b
-            blk = w + blk_off
+            blk = w + 176 * b
             wd = half_to_float(load_u16(blk))
             wdmin = half_to_float(load_u16(blk + 2))
-            _scale_min_k4(raw, r, blk_off + 4, scales, mins)
+            scales_mins = _scales_mins_k4_avx2(blk)
+            mins_paired = duplicate_high_epi16(scales_mins)
             hbits = loadu_si256(blk + 16)
-            bits0 = loadu_si256(blk + 48)
-            bits1 = loadu_si256(blk + 80)
-            bits2 = loadu_si256(blk + 112)
-            bits3 = loadu_si256(blk + 144)
+            bits0, bits1 = loadu_si256(blk + 48), loadu_si256(blk + 80)
+            bits2, bits3 = loadu_si256(blk + 112), loadu_si256(blk + 144)
             q0 = _q5_k_chunk(and_si256(bits0, m4), hbits, 0)
             q1 = _q5_k_chunk(and_si256(srli_epi16(bits0, 4), m4), hbits, 1)
             q2 = _q5_k_chunk(and_si256(bits1, m4), hbits, 2)
@@ -726,36 +778,40 @@ def _rows_q5_k_avx2(raw, xq, xd, bsums, out, r0, r1):
             q6 = _q5_k_chunk(and_si256(bits3, m4), hbits, 6)
             q7 = _q5_k_chunk(and_si256(srli_epi16(bits3, 4), m4), hbits, 7)
             for i in range(n):
-                yd = xd[i, b]
-                summs[i] = summs[i] + (-yd * wdmin) * np.float32(_min_sum_q5_k(mins, bsums, i, b))
+                yd = load_f32(dbase + 4 * (i * blocks + b))
+                min_sum = hsum_epi32(madd_epi16(loadu_si256(bbase + i * bstride + 32 * b), mins_paired))
+                summs[i] = summs[i] + (-yd * wdmin) * np.float32(min_sum)
                 y = xbase + i * xstride + 256 * b
                 p0 = add_epi32(
-                    madd_epi16(set1_epi16(scales[0]), maddubs_epi16(q0, loadu_si256(y))),
-                    madd_epi16(set1_epi16(scales[1]), maddubs_epi16(q1, loadu_si256(y + 32))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 0, 0), maddubs_epi16(q0, loadu_si256(y))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 1, 1), maddubs_epi16(q1, loadu_si256(y + 32))),
                 )
                 p1 = add_epi32(
-                    madd_epi16(set1_epi16(scales[2]), maddubs_epi16(q2, loadu_si256(y + 64))),
-                    madd_epi16(set1_epi16(scales[3]), maddubs_epi16(q3, loadu_si256(y + 96))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 2, 2), maddubs_epi16(q2, loadu_si256(y + 64))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 3, 3), maddubs_epi16(q3, loadu_si256(y + 96))),
                 )
                 p2 = add_epi32(
-                    madd_epi16(set1_epi16(scales[4]), maddubs_epi16(q4, loadu_si256(y + 128))),
-                    madd_epi16(set1_epi16(scales[5]), maddubs_epi16(q5, loadu_si256(y + 160))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 4, 4), maddubs_epi16(q4, loadu_si256(y + 128))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 5, 5), maddubs_epi16(q5, loadu_si256(y + 160))),
                 )
                 p3 = add_epi32(
-                    madd_epi16(set1_epi16(scales[6]), maddubs_epi16(q6, loadu_si256(y + 192))),
-                    madd_epi16(set1_epi16(scales[7]), maddubs_epi16(q7, loadu_si256(y + 224))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 6, 6), maddubs_epi16(q6, loadu_si256(y + 192))),
+                    madd_epi16(shuffle_epi16_halves(scales_mins, 7, 7), maddubs_epi16(q7, loadu_si256(y + 224))),
                 )
-                _accumulate_avx2(abase, i, yd * wd, add_epi32(add_epi32(p0, p1), add_epi32(p2, p3)))
+                _accumulate_avx2(abase + 32 * i, yd * wd, add_epi32(add_epi32(p0, p1), add_epi32(p2, p3)))
         for i in range(n):
             out[i, r] = _hsum_float_8(acc, i) + summs[i]
 
 
 @njit(cache=True, inline="always")
-def _q6_k_product(q, y, scale_lo, scale_hi):
-    """(q - 32) . y for one 32-chunk, times its two 16-element scales: maddubs(q, y) - maddubs(32, y), then madd."""
+def _q6_k_product(q, y, scales, lo, hi):
+    """(q - 32) . y for one 32-chunk, times its two 16-element scales (lanes lo, hi of `scales`, constants).
+
+    maddubs wants unsigned weights, so ggml subtracts maddubs(32, y) instead of 32 from each weight.
+    """
     q8 = loadu_si256(y)
     p16 = sub_epi16(maddubs_epi16(q, q8), maddubs_epi16(set1_epi8(32), q8))
-    return madd_epi16(set_epi16_halves(scale_lo, scale_hi), p16)
+    return madd_epi16(shuffle_epi16_halves(scales, lo, hi), p16)
 
 
 @njit(cache=True)
@@ -764,20 +820,18 @@ def _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1):
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
+    dbase = address_of(xd)
     acc = np.zeros((n, 8), np.float32)
     abase = address_of(acc)
-    scales = np.empty(16, np.int32)
     m4 = set1_epi8(0xF)
     m2 = set1_epi8(3)
     for r in range(r0, r1):
         acc[:] = _F0
         w = wbase + r * wstride
         for b in range(blocks):
-            blk_off = 210 * b
-            blk = w + blk_off
+            blk = w + 210 * b
             wd = half_to_float(load_u16(blk + 208))
-            for k in range(16):
-                scales[k] = _signed_byte(raw[r, blk_off + 192 + k])
+            scales = load_cvtepi8_epi16(blk + 192)
             low_a0, low_b0, high0 = loadu_si256(blk), loadu_si256(blk + 32), loadu_si256(blk + 128)
             low_a1, low_b1, high1 = loadu_si256(blk + 64), loadu_si256(blk + 96), loadu_si256(blk + 160)
             q0 = or_si256(and_si256(low_a0, m4), slli_epi16(and_si256(high0, m2), 4))
@@ -790,43 +844,29 @@ def _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1):
             q7 = or_si256(and_si256(srli_epi16(low_b1, 4), m4), slli_epi16(and_si256(srli_epi16(high1, 6), m2), 4))
             for i in range(n):
                 y = xbase + i * xstride + 256 * b
+                sumi = add_epi32(_q6_k_product(q0, y, scales, 0, 1), _q6_k_product(q1, y + 32, scales, 2, 3))
                 sumi = add_epi32(
-                    _q6_k_product(q0, y, scales[0], scales[1]), _q6_k_product(q1, y + 32, scales[2], scales[3])
+                    sumi, add_epi32(_q6_k_product(q2, y + 64, scales, 4, 5), _q6_k_product(q3, y + 96, scales, 6, 7))
                 )
                 sumi = add_epi32(
-                    sumi,
-                    add_epi32(
-                        _q6_k_product(q2, y + 64, scales[4], scales[5]),
-                        _q6_k_product(q3, y + 96, scales[6], scales[7]),
-                    ),
+                    sumi, add_epi32(_q6_k_product(q4, y + 128, scales, 8, 9), _q6_k_product(q5, y + 160, scales, 10, 11))
                 )
                 sumi = add_epi32(
-                    sumi,
-                    add_epi32(
-                        _q6_k_product(q4, y + 128, scales[8], scales[9]),
-                        _q6_k_product(q5, y + 160, scales[10], scales[11]),
-                    ),
+                    sumi, add_epi32(_q6_k_product(q6, y + 192, scales, 12, 13), _q6_k_product(q7, y + 224, scales, 14, 15))
                 )
-                sumi = add_epi32(
-                    sumi,
-                    add_epi32(
-                        _q6_k_product(q6, y + 192, scales[12], scales[13]),
-                        _q6_k_product(q7, y + 224, scales[14], scales[15]),
-                    ),
-                )
-                _accumulate_avx2(abase, i, xd[i, b] * wd, sumi)
+                _accumulate_avx2(abase + 32 * i, load_f32(dbase + 4 * (i * blocks + b)) * wd, sumi)
         for i in range(n):
             out[i, r] = _hsum_float_8(acc, i)
 
 
 @njit(cache=True, inline="always")
-def _q3_k_product(low_bits, hbits, shift, bit, y, scale_lo, scale_hi):
+def _q3_k_product(low_bits, hbits, shift, bit, y, scales, lo, hi):
     """((q >> shift) & 3) - 4 * (hmask bit clear), dotted with y, times the chunk's two scales (ggml's q3l/q3h)."""
     q8 = loadu_si256(y)
     q3l = and_si256(srli_epi16(low_bits, shift), set1_epi8(3))
     q3h = slli_epi16(srli_epi16(andnot_si256(hbits, set1_epi8(1 << bit)), bit), 2)
     p16 = sub_epi16(maddubs_epi16(q3l, q8), maddubs_epi16(q3h, q8))
-    return madd_epi16(set_epi16_halves(scale_lo, scale_hi), p16)
+    return madd_epi16(shuffle_epi16_halves(scales, lo, hi), p16)
 
 
 @njit(cache=True)
@@ -835,17 +875,25 @@ def _rows_q3_k_avx2(raw, xq, xd, bsums, out, r0, r1):
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
+    dbase = address_of(xd)
     acc = np.zeros((n, 8), np.float32)
     abase = address_of(acc)
-    scales = np.empty(16, np.int32)
     for r in range(r0, r1):
         acc[:] = _F0
         w = wbase + r * wstride
         for b in range(blocks):
-            blk_off = 110 * b
-            blk = w + blk_off
+            blk = w + 110 * b
             wd = half_to_float(load_u16(blk + 108))
-            _scales_q3_k(raw, r, blk_off + 96, scales)
+            a0, a1, a2 = load_u32(blk + 96), load_u32(blk + 100), load_u32(blk + 104)
+            scales = sub_epi16(
+                cvtepu8_epi16_words(
+                    (a0 & _KMASK_LOW4) | ((a2 & _KMASK_2BIT) << 4),
+                    (a1 & _KMASK_LOW4) | (((a2 >> 2) & _KMASK_2BIT) << 4),
+                    ((a0 >> 4) & _KMASK_LOW4) | (((a2 >> 4) & _KMASK_2BIT) << 4),
+                    ((a1 >> 4) & _KMASK_LOW4) | (((a2 >> 6) & _KMASK_2BIT) << 4),
+                ),
+                set1_epi16(32),
+            )
             hbits = loadu_si256(blk)
             bits0 = loadu_si256(blk + 32)
             bits1 = loadu_si256(blk + 64)
@@ -853,33 +901,34 @@ def _rows_q3_k_avx2(raw, xq, xd, bsums, out, r0, r1):
                 y = xbase + i * xstride + 256 * b
                 s0 = add_epi32(
                     add_epi32(
-                        _q3_k_product(bits0, hbits, 0, 0, y, scales[0], scales[1]),
-                        _q3_k_product(bits0, hbits, 2, 1, y + 32, scales[2], scales[3]),
+                        _q3_k_product(bits0, hbits, 0, 0, y, scales, 0, 1),
+                        _q3_k_product(bits0, hbits, 2, 1, y + 32, scales, 2, 3),
                     ),
                     add_epi32(
-                        _q3_k_product(bits0, hbits, 4, 2, y + 64, scales[4], scales[5]),
-                        _q3_k_product(bits0, hbits, 6, 3, y + 96, scales[6], scales[7]),
+                        _q3_k_product(bits0, hbits, 4, 2, y + 64, scales, 4, 5),
+                        _q3_k_product(bits0, hbits, 6, 3, y + 96, scales, 6, 7),
                     ),
                 )
                 s1 = add_epi32(
                     add_epi32(
-                        _q3_k_product(bits1, hbits, 0, 4, y + 128, scales[8], scales[9]),
-                        _q3_k_product(bits1, hbits, 2, 5, y + 160, scales[10], scales[11]),
+                        _q3_k_product(bits1, hbits, 0, 4, y + 128, scales, 8, 9),
+                        _q3_k_product(bits1, hbits, 2, 5, y + 160, scales, 10, 11),
                     ),
                     add_epi32(
-                        _q3_k_product(bits1, hbits, 4, 6, y + 192, scales[12], scales[13]),
-                        _q3_k_product(bits1, hbits, 6, 7, y + 224, scales[14], scales[15]),
+                        _q3_k_product(bits1, hbits, 4, 6, y + 192, scales, 12, 13),
+                        _q3_k_product(bits1, hbits, 6, 7, y + 224, scales, 14, 15),
                     ),
                 )
-                _accumulate_avx2(abase, i, xd[i, b] * wd, add_epi32(s0, s1))
+                _accumulate_avx2(abase + 32 * i, load_f32(dbase + 4 * (i * blocks + b)) * wd, add_epi32(s0, s1))
         for i in range(n):
             out[i, r] = _hsum_float_8(acc, i)
 
 
 @njit(cache=True, inline="always")
-def _q2_k_product(bits, shift, y, scale_lo, scale_hi):
+def _q2_k_product(bits, shift, y, scales, lo, hi):
+    """((q >> shift) & 3) . y for one 32-chunk, times its two 16-element scales (lanes lo, hi of `scales`)."""
     q2 = and_si256(srli_epi16(bits, shift), set1_epi8(3))
-    return madd_epi16(set_epi16_halves(scale_lo, scale_hi), maddubs_epi16(q2, loadu_si256(y)))
+    return madd_epi16(shuffle_epi16_halves(scales, lo, hi), maddubs_epi16(q2, loadu_si256(y)))
 
 
 @njit(cache=True)
@@ -888,49 +937,39 @@ def _rows_q2_k_avx2(raw, xq, xd, bsums, out, r0, r1):
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
-    bbase, bstride = address_of(bsums), bsums.strides[0]
+    dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
     acc = np.zeros((n, 8), np.float32)
     abase = address_of(acc)
-    scales = np.empty(16, np.int32)
     for r in range(r0, r1):
         acc[:] = _F0
         w = wbase + r * wstride
         for b in range(blocks):
-            blk_off = 84 * b
-            blk = w + blk_off
+            blk = w + 84 * b
             wd = half_to_float(load_u16(blk + 80))
             wdmin = half_to_float(load_u16(blk + 82))
-            for k in range(16):
-                scales[k] = np.int32(raw[r, blk_off + k]) & 0xF
-            mins16 = srli_epi16(load_cvtepu8_epi16(blk), 4)
+            scales_and_mins = load_cvtepu8_epi16(blk)
+            scales = and_si256(scales_and_mins, set1_epi16(0xF))
+            mins = srli_epi16(scales_and_mins, 4)
             bits0 = loadu_si256(blk + 16)
             bits1 = loadu_si256(blk + 48)
             for i in range(n):
-                yd = xd[i, b]
-                prod = madd_epi16(mins16, loadu_si256(bbase + i * bstride + 32 * b))
-                _accumulate_avx2(abase, i, -yd * wdmin, prod)
+                yd = load_f32(dbase + 4 * (i * blocks + b))
+                prod = madd_epi16(mins, loadu_si256(bbase + i * bstride + 32 * b))
+                _accumulate_avx2(abase + 32 * i, -yd * wdmin, prod)
                 y = xbase + i * xstride + 256 * b
                 s0 = add_epi32(
-                    add_epi32(
-                        _q2_k_product(bits0, 0, y, scales[0], scales[1]),
-                        _q2_k_product(bits0, 2, y + 32, scales[2], scales[3]),
-                    ),
-                    add_epi32(
-                        _q2_k_product(bits0, 4, y + 64, scales[4], scales[5]),
-                        _q2_k_product(bits0, 6, y + 96, scales[6], scales[7]),
-                    ),
+                    add_epi32(_q2_k_product(bits0, 0, y, scales, 0, 1), _q2_k_product(bits0, 2, y + 32, scales, 2, 3)),
+                    add_epi32(_q2_k_product(bits0, 4, y + 64, scales, 4, 5), _q2_k_product(bits0, 6, y + 96, scales, 6, 7)),
                 )
                 s1 = add_epi32(
                     add_epi32(
-                        _q2_k_product(bits1, 0, y + 128, scales[8], scales[9]),
-                        _q2_k_product(bits1, 2, y + 160, scales[10], scales[11]),
+                        _q2_k_product(bits1, 0, y + 128, scales, 8, 9), _q2_k_product(bits1, 2, y + 160, scales, 10, 11)
                     ),
                     add_epi32(
-                        _q2_k_product(bits1, 4, y + 192, scales[12], scales[13]),
-                        _q2_k_product(bits1, 6, y + 224, scales[14], scales[15]),
+                        _q2_k_product(bits1, 4, y + 192, scales, 12, 13), _q2_k_product(bits1, 6, y + 224, scales, 14, 15)
                     ),
                 )
-                _accumulate_avx2(abase, i, yd * wd, add_epi32(s0, s1))
+                _accumulate_avx2(abase + 32 * i, yd * wd, add_epi32(s0, s1))
         for i in range(n):
             out[i, r] = _hsum_float_8(acc, i)
 
@@ -961,6 +1000,9 @@ def _quantize_for_32(x, kind):
 
 @njit(parallel=True, cache=True)
 def _matmul_32_avx2(raw, kind, block_bytes, x, out, threads):
+    # One specialization per format, so its branches fold away. `literally` must not see a value from Python
+    # (every call would re-run type inference), hence the per-format entry points below pass a constant.
+    literally(kind)
     xq, xd, xs = _quantize_for_32(x, kind)
     rows = raw.shape[0]
     chunks = _n_chunks(rows, x.shape[1], threads)
@@ -970,6 +1012,31 @@ def _matmul_32_avx2(raw, kind, block_bytes, x, out, threads):
     for c in prange(chunks):
         r0, r1 = _chunk_bounds(c, chunks, rows)
         _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+
+
+@njit(cache=True)
+def _matmul_q8_0_avx2(raw, x, out, threads):
+    _matmul_32_avx2(raw, 0, 34, x, out, threads)  # KIND_Q8_0, block bytes
+
+
+@njit(cache=True)
+def _matmul_q4_0_avx2(raw, x, out, threads):
+    _matmul_32_avx2(raw, 1, 18, x, out, threads)  # KIND_Q4_0
+
+
+@njit(cache=True)
+def _matmul_q4_1_avx2(raw, x, out, threads):
+    _matmul_32_avx2(raw, 2, 20, x, out, threads)  # KIND_Q4_1
+
+
+@njit(cache=True)
+def _matmul_q5_0_avx2(raw, x, out, threads):
+    _matmul_32_avx2(raw, 3, 22, x, out, threads)  # KIND_Q5_0
+
+
+@njit(cache=True)
+def _matmul_q5_1_avx2(raw, x, out, threads):
+    _matmul_32_avx2(raw, 4, 24, x, out, threads)  # KIND_Q5_1
 
 
 @njit(parallel=True, cache=True)
@@ -1068,7 +1135,12 @@ def _matmul_q2_k_avx2(raw, x, out, threads):
 # ---------------------------------------------------------------------------------------------------------------
 
 _KIND_32 = {Q.Q8_0: KIND_Q8_0, Q.Q4_0: KIND_Q4_0, Q.Q4_1: KIND_Q4_1, Q.Q5_0: KIND_Q5_0, Q.Q5_1: KIND_Q5_1}
-_AVX2_K = {
+_AVX2 = {
+    Q.Q8_0: _matmul_q8_0_avx2,
+    Q.Q4_0: _matmul_q4_0_avx2,
+    Q.Q4_1: _matmul_q4_1_avx2,
+    Q.Q5_0: _matmul_q5_0_avx2,
+    Q.Q5_1: _matmul_q5_1_avx2,
     Q.Q2_K: _matmul_q2_k_avx2,
     Q.Q3_K: _matmul_q3_k_avx2,
     Q.Q4_K: _matmul_q4_k_avx2,
@@ -1076,7 +1148,7 @@ _AVX2_K = {
     Q.Q6_K: _matmul_q6_k_avx2,
 }
 
-SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(_KIND_32) | frozenset(_AVX2_K)
+SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(_AVX2)
 USES_AVX2: bool = HAVE_AVX2  # which path `matmul` takes on this machine
 
 
@@ -1119,12 +1191,8 @@ def matmul(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
 
 def matmul_avx2(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
     """`matmul` through the AVX2 kernels (only valid where simd.HAVE_AVX2)."""
-    raw, x, block_bytes = _checked(raw, qtype, x, out)
-    kind = _KIND_32.get(qtype)
-    if kind is not None:
-        _matmul_32_avx2(raw, kind, block_bytes, x, out, get_num_threads())
-    else:
-        _AVX2_K[qtype](raw, x, out, get_num_threads())
+    raw, x, _ = _checked(raw, qtype, x, out)
+    _AVX2[qtype](raw, x, out, get_num_threads())
 
 
 def matmul_portable(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:

@@ -136,7 +136,7 @@ def _ptr(builder: ir.IRBuilder, address: ir.Value, pointee: ir.Type) -> ir.Value
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def address_of(typingctx, array):
     """Byte address of an array's first element, as an integer (for pointer arithmetic over GGUF blocks)."""
     if not isinstance(array, types.Array):
@@ -150,7 +150,7 @@ def address_of(typingctx, array):
 
 
 def _scalar_load(nb_type, ir_type):
-    @intrinsic
+    @intrinsic(prefer_literal=True)
     def load(typingctx, address):
         if not isinstance(address, types.Integer):
             return None
@@ -171,7 +171,7 @@ load_u32 = _scalar_load(types.uint32, _I32)
 load_f32 = _scalar_load(types.float32, _F32)
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def fma_f32(typingctx, a, b, c):
     """a * b + c rounded once (`llvm.fma.f32`): the `_mm256_fmadd_ps` of ggml's AVX2 kernels, one lane at a time.
 
@@ -187,7 +187,7 @@ def fma_f32(typingctx, a, b, c):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def float_to_bits(typingctx, value):
     """The IEEE bits of a float32, as uint32 (a bitcast; for exact fp16 rounding in plain code)."""
     if value != types.float32:
@@ -199,7 +199,7 @@ def float_to_bits(typingctx, value):
     return types.uint32(value), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def bits_to_float(typingctx, bits):
     """The float32 whose IEEE bits are the low 32 bits of `bits` (a bitcast)."""
     if not isinstance(bits, types.Integer):
@@ -216,7 +216,7 @@ def bits_to_float(typingctx, bits):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def loadu_si256(typingctx, address):
     """32 bytes from any address (`_mm256_loadu_si256`)."""
     if not isinstance(address, types.Integer):
@@ -228,7 +228,7 @@ def loadu_si256(typingctx, address):
     return m256i(address), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def loadu_ps(typingctx, address):
     """8 floats from any address (`_mm256_loadu_ps`)."""
     if not isinstance(address, types.Integer):
@@ -240,7 +240,7 @@ def loadu_ps(typingctx, address):
     return m256(address), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def storeu_ps(typingctx, address, value):
     """Store 8 floats to any address (`_mm256_storeu_ps`)."""
     if not isinstance(address, types.Integer) or value != m256:
@@ -253,7 +253,7 @@ def storeu_ps(typingctx, address, value):
     return types.none(address, value), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def bytes_from_nibbles_32(typingctx, address):
     """16 bytes of packed nibbles -> 32 bytes in [0, 15]: low nibbles first, then high nibbles.
 
@@ -274,7 +274,7 @@ def bytes_from_nibbles_32(typingctx, address):
     return m256i(address), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def bytes_from_bits_32(typingctx, address):
     """32 bits at `address` -> 32 bytes, 0xFF where the bit is set and 0x00 where it is clear.
 
@@ -299,7 +299,7 @@ def bytes_from_bits_32(typingctx, address):
     return m256i(address), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def load_cvtepu8_epi16(typingctx, address):
     """16 bytes at `address`, zero-extended into 16 int16 lanes (`_mm256_cvtepu8_epi16(_mm_loadu_si128(p))`)."""
     if not isinstance(address, types.Integer):
@@ -313,7 +313,7 @@ def load_cvtepu8_epi16(typingctx, address):
 
 
 def _splat_intrinsic(lane: ir.IntType, vec: ir.VectorType, doc: str):
-    @intrinsic
+    @intrinsic(prefer_literal=True)
     def set1(typingctx, value):
         if not isinstance(value, types.Integer):
             return None
@@ -331,7 +331,7 @@ set1_epi8 = _splat_intrinsic(_I8, I8x32, "Every byte = value (`_mm256_set1_epi8`
 set1_epi16 = _splat_intrinsic(_I16, I16x16, "Every int16 lane = value (`_mm256_set1_epi16`).")
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def set_epi16_halves(typingctx, low, high):
     """int16 lanes 0-7 = low, lanes 8-15 = high.
 
@@ -352,7 +352,7 @@ def set_epi16_halves(typingctx, low, high):
     return m256i(low, high), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def set1_ps(typingctx, value):
     """Every float lane = value (`_mm256_set1_ps`)."""
     if not isinstance(value, types.Float):
@@ -365,7 +365,7 @@ def set1_ps(typingctx, value):
     return m256(value), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def setzero_ps(typingctx):
     """8 zero floats (`_mm256_setzero_ps`)."""
 
@@ -376,7 +376,7 @@ def setzero_ps(typingctx):
 
 
 def _bitwise(op: str, doc: str):
-    @intrinsic
+    @intrinsic(prefer_literal=True)
     def fn(typingctx, a, b):
         if a != m256i or b != m256i:
             return None
@@ -399,7 +399,7 @@ andnot_si256 = _bitwise("andnot", "(~a) & b (`_mm256_andnot_si256`).")
 
 
 def _lanewise(op: str, vec: ir.VectorType, doc: str):
-    @intrinsic
+    @intrinsic(prefer_literal=True)
     def fn(typingctx, a, b):
         if a != m256i or b != m256i:
             return None
@@ -422,7 +422,7 @@ add_epi32 = _lanewise("add", I32x8, "Wrapping int32 add (`_mm256_add_epi32`).")
 
 
 def _shift16(op: str, doc: str):
-    @intrinsic
+    @intrinsic(prefer_literal=True)
     def fn(typingctx, a, count):
         if a != m256i or not isinstance(count, types.Integer):
             return None
@@ -443,7 +443,7 @@ srli_epi16 = _shift16("lshr", "Logical right shift of each int16 lane (`_mm256_s
 slli_epi16 = _shift16("shl", "Left shift of each int16 lane (`_mm256_slli_epi16`); count must be < 16.")
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def sign_epi8(typingctx, a, b):
     """a negated where b < 0, zeroed where b == 0 (`_mm256_sign_epi8`, `vpsignb`)."""
     if a != m256i or b != m256i:
@@ -456,7 +456,7 @@ def sign_epi8(typingctx, a, b):
     return m256i(a, b), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def maddubs_epi16(typingctx, a, b):
     """Unsigned bytes of a times signed bytes of b, adjacent pairs summed with int16 saturation (`vpmaddubsw`)."""
     if a != m256i or b != m256i:
@@ -469,7 +469,7 @@ def maddubs_epi16(typingctx, a, b):
     return m256i(a, b), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def madd_epi16(typingctx, a, b):
     """int16 lanes multiplied, adjacent pairs summed into int32 (`vpmaddwd`)."""
     if a != m256i or b != m256i:
@@ -482,7 +482,7 @@ def madd_epi16(typingctx, a, b):
     return m256i(a, b), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def cvtepi32_ps(typingctx, a):
     """int32 lanes -> float32 lanes, rounding to nearest (`vcvtdq2ps`)."""
     if a != m256i:
@@ -494,7 +494,7 @@ def cvtepi32_ps(typingctx, a):
     return m256(a), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def fmadd_ps(typingctx, a, b, c):
     """a * b + c per lane, rounded once (`_mm256_fmadd_ps`)."""
     if a != m256 or b != m256 or c != m256:
@@ -506,7 +506,7 @@ def fmadd_ps(typingctx, a, b, c):
     return m256(a, b, c), codegen
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)
 def half_to_float(typingctx, bits):
     """IEEE fp16 bits -> float32, exact (`vcvtph2ps` with F16C; GGML_CPU_FP16_TO_FP32)."""
     if not isinstance(bits, types.Integer):
@@ -517,6 +517,124 @@ def half_to_float(typingctx, bits):
         return builder.fpext(half, _F32)
 
     return types.float32(bits), codegen
+
+
+def _literal_int(value) -> int | None:
+    return value.literal_value if isinstance(value, types.IntegerLiteral) else None
+
+
+@intrinsic(prefer_literal=True)
+def shuffle_epi16_halves(typingctx, a, low_lane, high_lane):
+    """int16 lanes 0-7 = a[low_lane], lanes 8-15 = a[high_lane]; the lane numbers must be constants.
+
+    Picks one 32-weight chunk's two sub-block scales out of a vector of scales, what ggml does with
+    `_mm256_shuffle_epi8(scales, get_scale_shuffle_k4(i))` / `get_scale_shuffle_q3k(i)`; LLVM picks the shuffles.
+    """
+    lo, hi = _literal_int(low_lane), _literal_int(high_lane)
+    if a != m256i or lo is None or hi is None or not (0 <= lo < 16 and 0 <= hi < 16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I16x16)
+        mask = ir.Constant(ir.VectorType(_I32, 16), [lo] * 8 + [hi] * 8)
+        return builder.bitcast(builder.shuffle_vector(v, ir.Constant(I16x16, ir.Undefined), mask), I64x4)
+
+    return m256i(a, low_lane, high_lane), codegen
+
+
+@intrinsic(prefer_literal=True)
+def duplicate_high_epi16(typingctx, a):
+    """int16 lanes 2k and 2k+1 = a[8 + k]: the Q4_K/Q5_K mins (lanes 8-15) lined up with pairs of 16-sums."""
+    if a != m256i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I16x16)
+        mask = ir.Constant(ir.VectorType(_I32, 16), [8 + k // 2 for k in range(16)])
+        return builder.bitcast(builder.shuffle_vector(v, ir.Constant(I16x16, ir.Undefined), mask), I64x4)
+
+    return m256i(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def add_adjacent_epi32(typingctx, a):
+    """int32 lanes 2l and 2l+1 both = a[2l] + a[2l+1] (a pairwise horizontal add, kept in place)."""
+    if a != m256i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I32x8)
+        swapped = builder.shuffle_vector(
+            v, ir.Constant(I32x8, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [1, 0, 3, 2, 5, 4, 7, 6])
+        )
+        return builder.bitcast(builder.add(v, swapped), I64x4)
+
+    return m256i(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def hsum_epi32(typingctx, a):
+    """Sum of the 8 int32 lanes (ggml's hsum_i32_8; integer, so the order does not matter)."""
+    if a != m256i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I32x8)
+        total = builder.extract_element(v, ir.Constant(_I32, 0))
+        for k in range(1, 8):
+            total = builder.add(total, builder.extract_element(v, ir.Constant(_I32, k)))
+        return total
+
+    return types.int32(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def hsum_float_8(typingctx, a):
+    """Sum of 8 float lanes in ggml's hsum_float_8 order: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+
+    (128-bit halves added, then movehl, then movehdup + add_ss.) The portable kernels add in the same order.
+    """
+    if a != m256:
+        return None
+
+    def codegen(context, builder, signature, args):
+        lane = [builder.extract_element(args[0], ir.Constant(_I32, k)) for k in range(8)]
+        left = builder.fadd(builder.fadd(lane[0], lane[4]), builder.fadd(lane[2], lane[6]))
+        right = builder.fadd(builder.fadd(lane[1], lane[5]), builder.fadd(lane[3], lane[7]))
+        return builder.fadd(left, right)
+
+    return types.float32(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def load_cvtepi8_epi16(typingctx, address):
+    """16 signed bytes at `address`, sign-extended into 16 int16 lanes (`_mm256_cvtepi8_epi16`)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        packed = builder.load(_ptr(builder, args[0], I8x16), align=1)
+        return builder.bitcast(builder.sext(packed, I16x16), I64x4)
+
+    return m256i(address), codegen
+
+
+@intrinsic(prefer_literal=True)
+def cvtepu8_epi16_words(typingctx, w0, w1, w2, w3):
+    """The 16 bytes of four uint32 words (w0 lowest), zero-extended into 16 int16 lanes.
+
+    ggml's `_mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]))` for Q4_K/Q5_K scales and mins.
+    """
+    if not all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        words = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+        for k, w in enumerate(args):
+            words = builder.insert_element(words, _int_arg(builder, w, _I32), ir.Constant(_I32, k))
+        return builder.bitcast(builder.zext(builder.bitcast(words, I8x16), I16x16), I64x4)
+
+    return m256i(w0, w1, w2, w3), codegen
 
 
 # ---------------------------------------------------------------------------------------------------------------
