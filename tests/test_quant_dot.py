@@ -267,17 +267,29 @@ def test_contract_checks():
 
 @needs_avx2
 def test_kernels_compile_to_vpmaddubsw_and_vpmaddwd():
-    """The point of simd.py: the integer dot products are vpmaddubsw + vpmaddwd, not scalar loops."""
+    """The point of simd.py: the integer dot products are vpmaddubsw + vpmaddwd, not scalar loops.
+
+    Kernels loaded from Numba's disk cache carry no assembly text, so we compile fresh (uncached) copies of a
+    32-block kernel (Q8_0, one x-row) and of the Q4_K kernel for the argument types `matmul` gives them.
+    """
+    from numba import njit, typeof, types
+
     rng = np.random.default_rng(7)
-    for qtype in (Q.Q8_0, Q.Q4_K):
-        raw = random_weights(qtype, 4, 1, rng)
-        run(quant_dot.matmul, raw, qtype, random_x(1, columns(qtype, 1), rng))
-    rows_q8_0 = quant_dot._rows_32_avx2
-    rows_q4_k = quant_dot._rows_q4_k_avx2
-    for kernel in (rows_q8_0, rows_q4_k):
-        assembly = "\n".join(kernel.inspect_asm().values())
-        assert "vpmaddubsw" in assembly and "vpmaddwd" in assembly, kernel.__name__
-    assert "vpsignb" in "\n".join(rows_q8_0.inspect_asm().values())
+    raw = random_weights(Q.Q4_K, 4, 1, rng)
+    raw.flags.writeable = False
+    xq, xd, bsums = quant_dot.quantize_q8_K(random_x(1, 256, rng))
+    out = np.empty((1, 4), np.float32)
+    i64 = types.int64
+    q4_k_signature = (typeof(raw), typeof(xq), typeof(xd), typeof(bsums), typeof(out), i64, i64)
+    # w, kind = Q8_0, block bytes, blocks, xq, xd, xs, out, r, i, count = 1
+    q8_0_signature = (i64, types.literal(0), i64, i64, typeof(xq), typeof(xd), typeof(xd), typeof(out), i64, i64)
+    q8_0_signature += (types.literal(1),)
+    for kernel, signature in ((quant_dot._group_32_avx2, q8_0_signature), (quant_dot._rows_q4_k_avx2, q4_k_signature)):
+        fresh = njit(kernel.py_func)
+        fresh.compile(signature)
+        assembly = fresh.inspect_asm(signature)
+        for instruction in ("vpmaddubsw", "vpmaddwd", "vfmadd"):
+            assert instruction in assembly, f"{kernel.__name__}: no {instruction}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
