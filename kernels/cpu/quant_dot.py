@@ -599,7 +599,7 @@ def _lanes_32_avx2(qx, y, kind):
 
 @njit(cache=True)
 def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count):
-    """Weight row r against x-rows i .. i+count-1 (count <= 4), accumulators in registers.
+    """Weight row r against x-rows i .. i+count-1 (count = 1, 2 or 4), accumulators in registers.
 
     Each block is loaded and decoded once for the group. `kind` and `count` are compile-time constants
     (`literally`: one specialization each), so the format and `count > k` tests cost nothing in the loop.
@@ -657,12 +657,10 @@ def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
         while n - i >= 4:
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4)
             i += 4
-        rest = n - i
-        if rest == 3:
-            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 3)
-        elif rest == 2:
+        if n - i >= 2:  # groups of 4, 2, 1 only: each group size is one more specialization to compile
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2)
-        elif rest == 1:
+            i += 2
+        if n - i == 1:
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1)
 
 
