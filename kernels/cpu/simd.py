@@ -11,7 +11,9 @@ Two Numba types stand for the two register kinds: `m256i` (256 integer bits, LLV
 values, so LLVM keeps them in ymm registers. Memory is addressed by integer byte addresses (`address_of(array)`
 plus an offset): the kernels compute block offsets themselves, as C does with pointer arithmetic.
 
-Everything here is module-level so that `@njit(cache=True)` kernels that use it can be cached on disk.
+Everything here is module-level so that `@njit(cache=True)` kernels that use it can be cached on disk. Numba
+keys a cached kernel on its own source file only: after editing this module, touch quant_dot.py (or clear the
+kernel cache) so the kernels are recompiled.
 
 The generic helpers (`address_of`, the scalar `load_*`, `fma_f32`) compile on any CPU and serve the portable
 kernels too; the vector primitives compile to AVX2 instructions and must only be reached when `HAVE_AVX2` is
@@ -163,10 +165,7 @@ def _scalar_load(nb_type, ir_type):
     return load
 
 
-load_u8 = _scalar_load(types.uint8, _I8)
-load_i8 = _scalar_load(types.int8, _I8)
 load_u16 = _scalar_load(types.uint16, _I16)
-load_i16 = _scalar_load(types.int16, _I16)
 load_u32 = _scalar_load(types.uint32, _I32)
 load_f32 = _scalar_load(types.float32, _F32)
 
@@ -332,27 +331,6 @@ set1_epi16 = _splat_intrinsic(_I16, I16x16, "Every int16 lane = value (`_mm256_s
 
 
 @intrinsic(prefer_literal=True)
-def set_epi16_halves(typingctx, low, high):
-    """int16 lanes 0-7 = low, lanes 8-15 = high.
-
-    What ggml builds with `shuffle_epi8(scales, get_scale_shuffle_q3k(i))` (Q2_K, Q3_K) and
-    `cvtepi8_epi16(shuffle_epi8(scales, get_scale_shuffle(i)))` (Q6_K): one 32-weight chunk whose first 16 weights
-    use one sub-block scale and whose last 16 use the next.
-    """
-    if not isinstance(low, types.Integer) or not isinstance(high, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        half = ir.VectorType(_I16, 8)
-        lo = _splat(builder, _int_arg(builder, args[0], _I16), half)
-        hi = _splat(builder, _int_arg(builder, args[1], _I16), half)
-        both = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
-        return builder.bitcast(both, I64x4)
-
-    return m256i(low, high), codegen
-
-
-@intrinsic(prefer_literal=True)
 def set1_ps(typingctx, value):
     """Every float lane = value (`_mm256_set1_ps`)."""
     if not isinstance(value, types.Float):
@@ -416,7 +394,6 @@ def _lanewise(op: str, vec: ir.VectorType, doc: str):
 
 add_epi8 = _lanewise("add", I8x32, "Wrapping int8 add (`_mm256_add_epi8`).")
 sub_epi8 = _lanewise("sub", I8x32, "Wrapping int8 subtract (`_mm256_sub_epi8`).")
-add_epi16 = _lanewise("add", I16x16, "Wrapping int16 add (`_mm256_add_epi16`).")
 sub_epi16 = _lanewise("sub", I16x16, "Wrapping int16 subtract (`_mm256_sub_epi16`).")
 add_epi32 = _lanewise("add", I32x8, "Wrapping int32 add (`_mm256_add_epi32`).")
 
