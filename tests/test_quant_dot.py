@@ -292,6 +292,46 @@ def test_kernels_compile_to_vpmaddubsw_and_vpmaddwd():
             assert instruction in assembly, f"{kernel.__name__}: no {instruction}"
 
 
+GENERIC_CPU_SCRIPT = """
+import sys
+import numpy as np
+from kernels.cpu import quant_dot, simd
+assert not simd.HAVE_AVX2 and not quant_dot.USES_AVX2, "NUMBA_CPU_NAME=generic must select the portable kernels"
+inputs = np.load(sys.argv[1])
+results = {}
+for name in ("Q8_0", "Q4_K"):
+    raw, x = inputs[name + "_raw"], inputs[name + "_x"]
+    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
+    quant_dot.matmul(raw, quant_dot.Q[name], x, out)
+    results[name] = out
+np.savez(sys.argv[2], **results)
+"""
+
+
+def test_cpu_without_avx2_selects_portable_kernels_with_identical_results(tmp_path):
+    """A process whose Numba targets a baseline x86-64 CPU (no AVX2, no FMA: fma becomes a library call) takes
+    the portable path and still produces the bits this process produces."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    inputs, expected = {}, {}
+    for qtype in (Q.Q8_0, Q.Q4_K):
+        blocks = 2 if qtype == Q.Q4_K else 16
+        raw, x = random_weights(qtype, 40, blocks, rng), random_x(3, columns(qtype, blocks), rng)
+        inputs[qtype.name + "_raw"], inputs[qtype.name + "_x"] = raw, x
+        expected[qtype.name] = run(quant_dot.matmul, raw, qtype, x)
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    # Numba's cache keys entries on the target CPU, so the generic build shares the kernel cache directory.
+    env = dict(os.environ, NUMBA_CPU_NAME="generic")
+    args = [sys.executable, "-c", GENERIC_CPU_SCRIPT, str(tmp_path / "inputs.npz"), str(tmp_path / "out.npz")]
+    subprocess.run(args, env=env, check=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
+    results = np.load(tmp_path / "out.npz")
+    for name, out in expected.items():
+        assert np.array_equal(results[name].view(np.uint32), out.view(np.uint32)), name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real tensors of the catalog models
 # ---------------------------------------------------------------------------------------------------------------
