@@ -17,8 +17,8 @@ dequantizing W to floats:
 
 Two implementations of the same arithmetic: `*_avx2` kernels use the AVX2 primitives of `simd.py`; `*_portable`
 kernels are plain Numba loops for CPUs without AVX2 and serve as the test oracle. They agree bit for bit: the
-integer lane sums are exact whatever the order (no int16 saturation can occur for any input, see
-`_lane_sums_32`), and the float work (fp16 scale conversion, the per-block scale product, one fma per lane per
+integer lane sums are exact whatever the order (no int16 saturation can occur for any input, see the notes
+above the portable kernels), and the float work (fp16 scale conversion, the per-block scale product, one fma per lane per
 block, ggml's `hsum_float_8` reduction order) is the same sequence in both, with `llvm.fma` in both.
 
 Differences from ggml: none in the arithmetic of a single dot product that we know of, except that C compilers
@@ -997,7 +997,7 @@ def _n_chunks(rows, cols, threads):
     return max(1, min(threads, rows))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)  # not inlined: one compiled copy serves every 32-block format's driver
 def _quantize_for_32(x, kind):
     if kind == KIND_Q4_1 or kind == KIND_Q5_1:
         return quantize_q8_1(x)
