@@ -7,8 +7,10 @@ dequantizing W to floats:
    (`quantize_row_q8_0` / `quantize_row_q8_1` / `quantize_row_q8_K_ref`): Q8_0 for Q8_0, Q4_0, Q5_0; Q8_1 (with
    per-block sums d*sum(q), which carry the min term of Q4_1/Q5_1) for Q4_1, Q5_1; Q8_K (blocks of 256 with
    per-16 sums, which carry the min terms of the K-quants) for Q2_K..Q6_K.
-2. Each weight block is loaded and decoded once into integer lanes and applied to all n rows of x, so a k-token
-   forward pass (speculative verify, small batches) reads the weights once, like a single decode step.
+2. Each weight block is loaded from memory once and applied to all n rows of x, so a k-token forward pass
+   (speculative verify, small batches) streams the weights once, like a single decode step. K-quant blocks are
+   decoded once for all n rows; 32-element blocks are decoded once per group of up to 4 x-rows (their
+   accumulators live in registers; a fifth row re-decodes the block from L1, a few instructions).
 3. The block dot products are integer: `vpmaddubsw` (u8 x s8 -> s16 pairs) then `vpmaddwd` (s16 x s16 -> s32),
    one float fused multiply-add per block (per 256-block for the K-quants), following ggml's
    `ggml_vec_dot_<fmt>_q8_<0|1|K>` AVX2 code in `ggml/src/ggml-cpu/arch/x86/quants.c` step by step.
