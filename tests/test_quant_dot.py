@@ -14,6 +14,7 @@ worst); the test asserts this bound for every output element.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -211,9 +212,17 @@ def test_batch_invariance(qtype):
     """A row of x gets bit-identical outputs whatever else is in the batch and wherever it sits in it."""
     rng = np.random.default_rng(300 + int(qtype))
     blocks = 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 8
-    raw = random_weights(qtype, 300, blocks, rng)  # 300 rows: enough work for the threaded path at n >= 1
-    x = random_x(8, columns(qtype, blocks), rng)
+    cols = columns(qtype, blocks)
+    rows = quant_dot.SERIAL_BELOW_WEIGHTS // cols + 13  # enough work for the threaded path, split unevenly
+    raw = random_weights(qtype, rows, blocks, rng)
+    x = random_x(8, cols, rng)
     full = run(quant_dot.matmul, raw, qtype, x)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)  # the same rows computed by one thread instead of split over several
+    try:
+        assert np.array_equal(run(quant_dot.matmul, raw, qtype, x), full)
+    finally:
+        numba.set_num_threads(threads)
     for n in range(1, 9):
         assert np.array_equal(run(quant_dot.matmul, raw, qtype, x[:n]), full[:n]), f"first {n} rows"
     for i in range(8):
@@ -227,7 +236,8 @@ def test_odd_shapes(qtype):
     """Row counts that do not split evenly over threads (or are smaller than the thread count), n = 1..16."""
     rng = np.random.default_rng(400 + int(qtype))
     block_size = GGML_QUANT_SIZES[qtype][0]
-    for rows, blocks in ((1, 1), (3, 2), (257, 1), (1001, 256 // block_size * 2)):
+    threaded_rows = quant_dot.SERIAL_BELOW_WEIGHTS // 512 + 1  # 512 columns: the last shape takes the threaded path
+    for rows, blocks in ((1, 1), (3, 2), (257, 1), (threaded_rows, 512 // block_size)):
         raw = random_weights(qtype, rows, blocks, rng)
         x = random_x(16, columns(qtype, blocks), rng)
         full = run(quant_dot.matmul, raw, qtype, x)
