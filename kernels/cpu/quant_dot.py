@@ -50,7 +50,7 @@ from kernels.cpu.simd import (
     float_to_bits,
     fma_f32,
     fmadd_ps,
-    halves_to_float,
+    load_halves,
     add_adjacent_epi32,
     cvtepu8_epi16_words,
     duplicate_high_epi16,
@@ -621,7 +621,7 @@ def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count):
     m0, m1, m2, m3 = _F0, _F0, _F0, _F0
     for b in range(blocks):
         blk = w + block_bytes * b
-        wd, wm = halves_to_float(load_u32(blk))  # d, and m for Q4_1/Q5_1 (else the first bytes of qh/qs, unused)
+        wd, wm = load_halves(blk)  # d, and m for Q4_1/Q5_1 (else the first bytes of qh/qs, unused)
         qx = _decode_32_avx2(blk, kind)
         if has_min:  # summs += m * s (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
             m0 = m0 + wm * load_f32(s0 + 4 * b)
@@ -711,7 +711,7 @@ def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
         w = wbase + r * wstride
         for b in range(blocks):
             blk = w + 144 * b
-            wd, wdmin = halves_to_float(load_u32(blk))
+            wd, wdmin = load_halves(blk)
             scales_mins = _scales_mins_k4_avx2(blk)
             mins_paired = duplicate_high_epi16(scales_mins)
             bits0, bits1 = loadu_si256(blk + 16), loadu_si256(blk + 48)
@@ -770,7 +770,7 @@ def _rows_q5_k_avx2(raw, xq, xd, bsums, out, r0, r1):
         w = wbase + r * wstride
         for b in range(blocks):
             blk = w + 176 * b
-            wd, wdmin = halves_to_float(load_u32(blk))
+            wd, wdmin = load_halves(blk)
             scales_mins = _scales_mins_k4_avx2(blk)
             mins_paired = duplicate_high_epi16(scales_mins)
             hbits = loadu_si256(blk + 16)
@@ -837,7 +837,7 @@ def _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1):
         w = wbase + r * wstride
         for b in range(blocks):
             blk = w + 210 * b
-            wd = halves_to_float(load_u32(blk + 206))[1]  # the block's last word: scales[14:16], then d
+            wd = load_halves(blk + 206)[1]  # the block's last word: scales[14:16], then d
             scales = load_cvtepi8_epi16(blk + 192)
             low_a0, low_b0, high0 = loadu_si256(blk), loadu_si256(blk + 32), loadu_si256(blk + 128)
             low_a1, low_b1, high1 = loadu_si256(blk + 64), loadu_si256(blk + 96), loadu_si256(blk + 160)
@@ -890,7 +890,7 @@ def _rows_q3_k_avx2(raw, xq, xd, bsums, out, r0, r1):
         w = wbase + r * wstride
         for b in range(blocks):
             blk = w + 110 * b
-            wd = halves_to_float(load_u32(blk + 106))[1]  # the block's last word: scales[10:12], then d
+            wd = load_halves(blk + 106)[1]  # the block's last word: scales[10:12], then d
             a0, a1, a2 = load_u32(blk + 96), load_u32(blk + 100), load_u32(blk + 104)
             scales = sub_epi16(
                 cvtepu8_epi16_words(
@@ -952,7 +952,7 @@ def _rows_q2_k_avx2(raw, xq, xd, bsums, out, r0, r1):
         w = wbase + r * wstride
         for b in range(blocks):
             blk = w + 84 * b
-            wd, wdmin = halves_to_float(load_u32(blk + 80))
+            wd, wdmin = load_halves(blk + 80)
             scales_and_mins = load_cvtepu8_epi16(blk)
             scales = and_si256(scales_and_mins, set1_epi16(0xF))
             mins = srli_epi16(scales_and_mins, 4)

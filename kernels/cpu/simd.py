@@ -482,33 +482,43 @@ def fmadd_ps(typingctx, a, b, c):
     return m256(a, b, c), codegen
 
 
-@intrinsic(prefer_literal=True)
-def halves_to_float(typingctx, word):
-    """The two IEEE fp16 values in a little-endian uint32 (low half first) -> (float32, float32), exact.
+class _VolatileLoad(ir.LoadInstr):
+    """`load volatile`: llvmlite's IRBuilder has no flag for it. LLVM keeps a volatile load's exact width."""
 
-    `vcvtph2ps` (F16C) on a register loaded whole by `vmovd`. Why not one uint16: LLVM inserts a lone 16-bit
-    value with `vpinsrw` into whatever register it picks, and when that register holds a loop-carried sum
-    (Q4_1's `summs`) the conversion waits on it every block - measured, Q4_1 ran ~25% slower. Converting
-    a 32-bit word has no such false dependency, and block fields come in pairs anyway (d and m, d and dmin).
+    def descr(self, buf):
+        plain: list[str] = []
+        super().descr(plain)
+        buf.append(plain[0].replace("load ", "load volatile ", 1))
+
+
+@intrinsic(prefer_literal=True)
+def load_halves(typingctx, address):
+    """The two IEEE fp16 values at `address` (4 bytes, little-endian) -> (float32, float32), exact.
+
+    One 32-bit load into a whole xmm register, then `vcvtph2ps` (F16C). Why not a 16-bit load: there is no
+    instruction that loads 16 bits into a fresh xmm register, so LLVM merges them with `vpinsrw` into whatever
+    register it picks, and when that register holds a loop-carried accumulator the conversion waits on it every
+    block (measured: Q4_1 ran at half speed). The load is volatile so that LLVM cannot narrow it back to 16 bits
+    when only one of the two values is used. Block fields come in pairs anyway (d and m, d and dmin).
     """
-    if not isinstance(word, types.Integer):
+    if not isinstance(address, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
-        words = builder.insert_element(
-            ir.Constant(ir.VectorType(_I32, 4), ir.Undefined), _int_arg(builder, args[0], _I32), ir.Constant(_I32, 0)
-        )
+        word = _VolatileLoad(builder.block, _ptr(builder, args[0], _I32), typ=_I32)
+        word.align = 1
+        builder._insert(word)  # what IRBuilder.load does, with our instruction class
+        words = builder.insert_element(ir.Constant(ir.VectorType(_I32, 4), ir.Undefined), word, ir.Constant(_I32, 0))
         halves = builder.bitcast(words, ir.VectorType(ir.HalfType(), 8))
-        pair = builder.shuffle_vector(
-            halves, ir.Constant(ir.VectorType(ir.HalfType(), 8), ir.Undefined), ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])
-        )
-        floats = builder.fpext(pair, ir.VectorType(_F32, 4))
+        low4 = ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])
+        quad = builder.shuffle_vector(halves, ir.Constant(ir.VectorType(ir.HalfType(), 8), ir.Undefined), low4)
+        floats = builder.fpext(quad, ir.VectorType(_F32, 4))
         result = cgutils.get_null_value(context.get_value_type(signature.return_type))
         for k in range(2):
             result = builder.insert_value(result, builder.extract_element(floats, ir.Constant(_I32, k)), k)
         return result
 
-    return types.UniTuple(types.float32, 2)(word), codegen
+    return types.UniTuple(types.float32, 2)(address), codegen
 
 
 def _literal_int(value) -> int | None:
