@@ -30,12 +30,15 @@ itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation 
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_num_threads, literally, njit, prange
 
+from kernels.cpu import simd
 from kernels.cpu.simd import (
     HAVE_AVX2,
     add_epi8,
@@ -1135,6 +1138,30 @@ def _matmul_q2_k_avx2(raw, x, out, threads):
         r0, r1 = _chunk_bounds(c, chunks, rows)
         _rows_q2_k_avx2(raw, xq, xd, bsums, out, r0, r1)
 
+
+def _forget_kernels_built_with_another_simd() -> None:
+    """Drop this module's cached kernels when simd.py has changed since they were compiled.
+
+    Numba checks a cached kernel against the content of its own source file only, but these kernels also contain
+    simd.py's intrinsics: after an edit there, Numba would keep loading kernels built from the old primitives. So a
+    stamp of simd.py's content lives beside the cache; when it does not match, this module's cache files go (the
+    kernels recompile on first use). Runs at import, before any kernel is loaded.
+    """
+    try:
+        cache_dir = Path(_matmul_q8_0_avx2._cache.cache_path)
+        digest = hashlib.sha256(Path(simd.__file__).read_bytes()).hexdigest()[:16]
+        stamp = cache_dir / f"quant_dot.simd-{digest}.stamp"
+        if stamp.exists():
+            return
+        for stale in cache_dir.glob("quant_dot.*"):
+            stale.unlink(missing_ok=True)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    except OSError:
+        pass  # an unwritable cache directory: Numba does not cache there either
+
+
+_forget_kernels_built_with_another_simd()
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public interface (called by kernels.ops.matmul)

@@ -12,11 +12,11 @@ values, so LLVM keeps them in ymm registers. Memory is addressed by integer byte
 plus an offset): the kernels compute block offsets themselves, as C does with pointer arithmetic.
 
 Everything here is module-level so that `@njit(cache=True)` kernels that use it can be cached on disk. Numba
-keys a cached kernel on its own source file only: after editing this module, touch quant_dot.py (or clear the
-kernel cache) so the kernels are recompiled.
+checks a cached kernel against its own source file only, so quant_dot.py drops its cached kernels itself when
+this file's content changes (`_forget_kernels_built_with_another_simd`).
 
-The generic helpers (`address_of`, the scalar `load_*`, `fma_f32`) compile on any CPU and serve the portable
-kernels too; the vector primitives compile to AVX2 instructions and must only be reached when `HAVE_AVX2` is
+The generic helpers (`address_of`, the scalar `load_*`, `fma_f32`, `float_to_bits`, `bits_to_float`) compile
+on any CPU and serve the portable kernels too; the vector primitives compile to AVX2 instructions and must only be reached when `HAVE_AVX2` is
 true (LLVM cannot select them for a CPU without it).
 """
 
@@ -124,7 +124,8 @@ def _int_arg(builder: ir.IRBuilder, value: ir.Value, width: ir.IntType) -> ir.Va
     return value
 
 
-def _x86(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+def _call_intrinsic(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    """Call an LLVM intrinsic (`llvm.x86.*` or a generic one such as `llvm.fma.*`) by name."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, args)
 
@@ -180,7 +181,7 @@ def fma_f32(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, signature, args):
-        return _x86(builder, "llvm.fma.f32", _F32, list(args))
+        return _call_intrinsic(builder, "llvm.fma.f32", _F32, list(args))
 
     return types.float32(types.float32, types.float32, types.float32), codegen
 
@@ -427,7 +428,7 @@ def sign_epi8(typingctx, a, b):
 
     def codegen(context, builder, signature, args):
         x, y = (builder.bitcast(v, I8x32) for v in args)
-        return builder.bitcast(_x86(builder, "llvm.x86.avx2.psign.b", I8x32, [x, y]), I64x4)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx2.psign.b", I8x32, [x, y]), I64x4)
 
     return m256i(a, b), codegen
 
@@ -440,7 +441,7 @@ def maddubs_epi16(typingctx, a, b):
 
     def codegen(context, builder, signature, args):
         x, y = (builder.bitcast(v, I8x32) for v in args)
-        return builder.bitcast(_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16, [x, y]), I64x4)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", I16x16, [x, y]), I64x4)
 
     return m256i(a, b), codegen
 
@@ -453,7 +454,7 @@ def madd_epi16(typingctx, a, b):
 
     def codegen(context, builder, signature, args):
         x, y = (builder.bitcast(v, I16x16) for v in args)
-        return builder.bitcast(_x86(builder, "llvm.x86.avx2.pmadd.wd", I32x8, [x, y]), I64x4)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", I32x8, [x, y]), I64x4)
 
     return m256i(a, b), codegen
 
@@ -477,7 +478,7 @@ def fmadd_ps(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, signature, args):
-        return _x86(builder, "llvm.fma.v8f32", F32x8, list(args))
+        return _call_intrinsic(builder, "llvm.fma.v8f32", F32x8, list(args))
 
     return m256(a, b, c), codegen
 
