@@ -37,9 +37,11 @@ except ImportError:
 # crossover table). Measured single-threaded on Zen 3, 4864x896 Q5_0 and 896x4864 Q4_K: dequantizing a tile
 # costs about as much as 2-4 rows through the portable fused kernel, so it would lose from n ~ 3, but n <= 8
 # (speculative verify, small server batches) must stay on the batch-invariant path: 9. The integer SIMD path
-# is still faster than tiling at n = 32 (4.6 vs 5.9 ms), so with it the switch is at 48.
+# is faster than tiling up to n = 32 (4.6 vs 5.9 ms) but we switch at 17 anyway: prompt chunks are more
+# accurate in float32 (closer to llama.cpp's reference logits than a second, independent 8-bit rounding of the
+# activations), and n <= 16 covers decode, speculative verify and batched decode, which need the fast path.
 BLAS_MIN_N = 9
-BLAS_MIN_N_QUANT_DOT = 48
+BLAS_MIN_N_QUANT_DOT = 17
 # Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
 TILE_BYTES = 1 << 20
 # The integer 16, handed to the kernels at run time (see kernels/cpu/dequant.py).
@@ -169,4 +171,31 @@ def dequantize(w: Weight) -> np.ndarray:
     return out
 
 
-__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "FORMATS", "BLAS_MIN_N"]
+def warm_up_calls(weights) -> list[tuple[str, object]]:
+    """(label, thunk) pairs that call every kernel variant these weights will use, once, on tiny inputs.
+
+    Numba compiles a kernel on its first call (several seconds each); running these up front lets a front end
+    show progress instead of freezing on the first token. Thunks use slices of the real weights, so the
+    compiled signatures (read-only memory-mapped uint8 rows) are exactly those used later.
+    """
+    calls, seen = [], set()
+    for w in weights:
+        if w._dense is not None:
+            continue
+        small = Weight(w.raw[: min(w.rows, 64)], w.qtype)
+        variants = [("decode", w, 1), ("prompt", small, max(w._blas_min_n, BLAS_MIN_N)), ("embed", small, 0)]
+        for kind, target, n in variants:
+            serial = target.rows * target.cols < 256 * 1024  # quant_dot's serial/threaded split
+            key = (w.qtype, kind, serial)
+            if key in seen:
+                continue
+            seen.add(key)
+            if kind == "embed":
+                calls.append((f"{w.format.name} rows", lambda t=target: embed(t, np.zeros(1, np.int64))))
+            else:
+                x = np.zeros((n, target.cols), _F32)
+                calls.append((f"{w.format.name} {kind}", lambda t=target, x=x: matmul(t, x)))
+    return calls
+
+
+__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "warm_up_calls", "FORMATS", "BLAS_MIN_N"]

@@ -225,12 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
     p.set_defaults(func=cmd_tokenize)
 
+    from localllm import cli_generate
+
+    cli_generate.add_commands(sub)
+
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # argparse cannot place an optional positional after flags (`run MODEL --chat "PROMPT"`): take it back.
+    args, extra = parser.parse_known_args(argv)
+    if len(extra) == 1 and not extra[0].startswith("-") and getattr(args, "prompt", "") is None:
+        args.prompt = extra[0]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except LocalLLMError as e:

@@ -15,20 +15,22 @@ from typing import Iterator
 class Bar:
     """One bar. `advance(n)` / `update(completed)` from any thread."""
 
-    def __init__(self, label: str, total: int | None, quiet: bool):
+    def __init__(self, label: str, total: int | None, quiet: bool, unit: str = "bytes"):
         self.label = label
         self.total = total
         self.completed = 0
+        self.unit = unit
         self._quiet = quiet
         self._interactive = sys.stderr.isatty() and not quiet
         self._last_line = 0.0
         self._rich = None
         if self._interactive:
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
+            from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
 
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                  TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+            columns = [DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()] if unit == "bytes" else \
+                [MofNCompleteColumn(), TimeElapsedColumn()]
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), *columns, transient=False)
             self._task = self._rich.add_task(label, total=total)
             self._rich.start()
 
@@ -39,7 +41,8 @@ class Bar:
         elif not self._quiet and time.monotonic() - self._last_line > 5:
             self._last_line = time.monotonic()
             pct = f" {100 * completed / self.total:.0f}%" if self.total else ""
-            print(f"{self.label}: {completed / 1e6:.0f} MB{pct}", file=sys.stderr, flush=True)
+            amount = f"{completed / 1e6:.0f} MB" if self.unit == "bytes" else f"{completed}/{self.total}"
+            print(f"{self.label}: {amount}{pct}", file=sys.stderr, flush=True)
 
     def advance(self, n: int) -> None:
         self.update(self.completed + n)
@@ -50,8 +53,8 @@ class Bar:
 
 
 @contextmanager
-def progress_bar(label: str, total: int | None, quiet: bool = False) -> Iterator[Bar]:
-    bar = Bar(label, total, quiet)
+def progress_bar(label: str, total: int | None, quiet: bool = False, unit: str = "bytes") -> Iterator[Bar]:
+    bar = Bar(label, total, quiet, unit)
     try:
         yield bar
     finally:

@@ -1,0 +1,261 @@
+"""The decoder-only transformer every supported architecture is: weights from GGUF, and one forward pass.
+
+Shared blocks live here once (RMSNorm, RoPE in both pairings, grouped-query attention with causal and
+sliding-window masks, gated FFN); an architecture's `ArchTraits` switch between their variants. Matrix
+products go through `kernels.ops`, which picks the kernel for each weight's quant format and shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import ops
+from localllm.architectures.base import ModelConfig
+from localllm.errors import ModelFileError
+from localllm.gguf_file import GGUFFile
+from localllm.kv_cache import KVCache
+
+# ---- blocks ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis. The mean of squares is accumulated in float64, as ggml does."""
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    # ggml_gelu: the tanh approximation, as GeGLU models were trained with.
+    return 0.5 * x * (1.0 + np.tanh(_GELU_C * x * (1.0 + 0.044715 * x * x)))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+class RopeTable:
+    """cos/sin of every position for one (base, scale), grown on demand."""
+
+    def __init__(self, rope_dim: int, base: float, scale: float):
+        # ggml_rope: theta_i = pos * scale * base^(-2i/d)
+        self.inv_freq = scale * base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+        self.cos = np.empty((0, rope_dim // 2), np.float32)
+        self.sin = self.cos
+
+    def get(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        end = int(positions[-1]) + 1
+        if end > len(self.cos):
+            n = max(end, 2 * len(self.cos), 1024)
+            angles = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+            self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, style: str) -> None:
+    """Rotate x (n, heads, head_dim) in place; cos/sin are (n, rope_dim/2)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "neox":
+        half = rope_dim // 2
+        a, b = x[..., :half].copy(), x[..., half:rope_dim].copy()
+        x[..., :half] = a * c - b * s
+        x[..., half:rope_dim] = a * s + b * c
+    else:
+        a, b = x[..., 0:rope_dim:2].copy(), x[..., 1:rope_dim:2].copy()
+        x[..., 0:rope_dim:2] = a * c - b * s
+        x[..., 1:rope_dim:2] = a * s + b * c
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
+              window: int) -> np.ndarray:
+    """Grouped-query attention of n queries over the T cached tokens (positions 0..T-1).
+
+    q: (n, n_head, d); keys: (n_kv, T, d); values: (n_kv, T, dv). Query head h reads KV head h // group, as
+    ggml's broadcasting does. Causal; with `window` > 0 a query at p sees only keys at p - window < j <= p.
+    Returns (n, n_head * dv).
+    """
+    n, n_head, d = q.shape
+    n_kv, t, dv = values.shape
+    group = n_head // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n, d)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)).reshape(n_kv, group, n, t)
+    scores *= scale
+    key_pos = np.arange(t)
+    masked = key_pos[None, :] > q_positions[:, None]
+    if window > 0:
+        masked |= key_pos[None, :] <= q_positions[:, None] - window
+    if masked.any():
+        scores[:, :, masked] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores.reshape(n_kv, group * n, t), values)  # (n_kv, group*n, dv)
+    return out.reshape(n_kv, group, n, dv).transpose(2, 0, 1, 3).reshape(n, n_head * dv)
+
+
+# ---- weights ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    wq: ops.Weight
+    wk: ops.Weight
+    wv: ops.Weight
+    wo: ops.Weight
+    ffn_norm: np.ndarray
+    ffn_gate: ops.Weight
+    ffn_up: ops.Weight
+    ffn_down: ops.Weight
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None
+    ffn_post_norm: np.ndarray | None = None
+
+
+def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
+    info = g.tensor_info(name)
+    if info.qtype.name != "F32" or info.n_elements != length:
+        raise ModelFileError(f"{g.path}: tensor {name!r} should be {length} F32 values, is {info.qtype.name} "
+                             f"{info.shape}")
+    return g.raw(name).view(np.float32).reshape(length)
+
+
+def _matrix(g: GGUFFile, name: str, rows: int, cols: int) -> ops.Weight:
+    w = ops.Weight.from_gguf(g, name)
+    if (w.rows, w.cols) != (rows, cols):
+        raise ModelFileError(f"{g.path}: tensor {name!r} has shape ({w.rows}, {w.cols}), expected ({rows}, {cols})")
+    return w
+
+
+class Transformer:
+    """Weights of a decoder-only model (views into the GGUF file) and its forward pass."""
+
+    def __init__(self, g: GGUFFile, config: ModelConfig):
+        self.config = c = config
+        tr = c.traits
+        q_dim, kv_dim, v_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.value_dim
+        self.token_embd = _matrix(g, "token_embd.weight", c.vocab_size, c.n_embd)
+        # Tied embeddings (no output.weight, e.g. SmolLM2, Gemma): the embedding matrix is the output head.
+        self.output = _matrix(g, "output.weight", c.vocab_size, c.n_embd) if "output.weight" in g.tensors \
+            else self.token_embd
+        self.output_norm = _vector(g, "output_norm.weight", c.n_embd)
+
+        def optional_vector(name: str, length: int):
+            return _vector(g, name, length) if name in g.tensors else None
+
+        self.layers = []
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            layer = LayerWeights(
+                attn_norm=_vector(g, p + "attn_norm.weight", c.n_embd),
+                wq=_matrix(g, p + "attn_q.weight", q_dim, c.n_embd),
+                wk=_matrix(g, p + "attn_k.weight", kv_dim, c.n_embd),
+                wv=_matrix(g, p + "attn_v.weight", v_dim, c.n_embd),
+                wo=_matrix(g, p + "attn_output.weight", c.n_embd, c.n_head * c.value_dim),
+                ffn_norm=_vector(g, p + "ffn_norm.weight", c.n_embd),
+                ffn_gate=_matrix(g, p + "ffn_gate.weight", c.n_ff, c.n_embd),
+                ffn_up=_matrix(g, p + "ffn_up.weight", c.n_ff, c.n_embd),
+                ffn_down=_matrix(g, p + "ffn_down.weight", c.n_embd, c.n_ff),
+                bq=optional_vector(p + "attn_q.bias", q_dim),
+                bk=optional_vector(p + "attn_k.bias", kv_dim),
+                bv=optional_vector(p + "attn_v.bias", v_dim),
+            )
+            if tr.qk_norm:
+                layer.q_norm = _vector(g, p + "attn_q_norm.weight", c.head_dim)
+                layer.k_norm = _vector(g, p + "attn_k_norm.weight", c.head_dim)
+            if tr.post_norms:
+                layer.attn_post_norm = _vector(g, p + "post_attention_norm.weight", c.n_embd)
+                layer.ffn_post_norm = _vector(g, p + "post_ffw_norm.weight", c.n_embd)
+            self.layers.append(layer)
+
+        self._rope = {}
+        self.layer_rope = []
+        for i in range(c.n_layers):
+            key = (c.layer_rope_base(i), c.layer_rope_scale(i))
+            if key not in self._rope:
+                self._rope[key] = RopeTable(c.rope_dim, *key)
+            self.layer_rope.append(self._rope[key])
+        self.layer_window = [c.sliding_window if c.layer_is_sliding(i) else 0 for i in range(c.n_layers)]
+        self.activation = ACTIVATIONS[tr.activation]
+
+    def weights(self) -> list[ops.Weight]:
+        """Every weight matrix (for kernel warm-up and accounting)."""
+        mats = [self.token_embd, self.output]
+        for L in self.layers:
+            mats += [L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down]
+        return mats
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_head_kv, c.head_dim, c.value_dim, max_tokens)
+
+    def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None) -> np.ndarray:
+        """Process `tokens` (appended after the cache's contents); return logits (len(output_rows), vocab).
+
+        output_rows selects which of the new tokens get logits (default: the last one only), so a prompt does
+        not pay for a vocabulary-sized matmul per token.
+        """
+        c = self.config
+        tr = c.traits
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        start = cache.length
+        positions = np.arange(start, start + n)
+        cache.reserve(n)
+
+        x = ops.embed(self.token_embd, tokens)
+        if tr.scale_embeddings:
+            x *= np.float32(math.sqrt(c.n_embd))
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L.attn_norm, c.rms_eps)
+            q = ops.matmul(L.wq, h)
+            k = ops.matmul(L.wk, h)
+            v = ops.matmul(L.wv, h)
+            if L.bq is not None:
+                q += L.bq
+            if L.bk is not None:
+                k += L.bk
+            if L.bv is not None:
+                v += L.bv
+            q = q.reshape(n, c.n_head, c.head_dim)
+            k = k.reshape(n, c.n_head_kv, c.head_dim)
+            v = v.reshape(n, c.n_head_kv, c.value_dim)
+            if tr.qk_norm:
+                q = rms_norm(q, L.q_norm, c.rms_eps)
+                k = rms_norm(k, L.k_norm, c.rms_eps)
+            cos, sin = self.layer_rope[i].get(positions)
+            apply_rope(q, cos, sin, c.rope_dim, tr.rope_style)
+            apply_rope(k, cos, sin, c.rope_dim, tr.rope_style)
+            cache.write(i, k, v)
+            attn = attention(q, cache.keys(i), cache.values(i), positions, c.attention_scale, self.layer_window[i])
+            o = ops.matmul(L.wo, np.ascontiguousarray(attn))
+            if tr.post_norms:
+                o = rms_norm(o, L.attn_post_norm, c.rms_eps)
+            x = x + o
+
+            h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            gate = ops.matmul(L.ffn_gate, h)
+            up = ops.matmul(L.ffn_up, h)
+            d = ops.matmul(L.ffn_down, self.activation(gate) * up)
+            if tr.post_norms:
+                d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
+            x = x + d
+        cache.commit()
+
+        rows = np.array([n - 1]) if output_rows is None else output_rows
+        if len(rows) == 0:
+            return np.empty((0, c.vocab_size), np.float32)
+        out = rms_norm(x[rows], self.output_norm, c.rms_eps)
+        return ops.matmul(self.output, np.ascontiguousarray(out, dtype=np.float32))

@@ -1,0 +1,219 @@
+"""Commands that run a model: `run`, `chat` (a plain REPL until the TUI lands) and `perplexity`.
+
+All of them consume `Engine.generate()` (or its scoring sibling); none touches tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from localllm.errors import LocalLLMError
+
+MODEL_HELP = "catalog name or path to a .gguf file"
+
+
+def add_sampling_options(p) -> None:
+    g = p.add_argument_group("sampling (llama.cpp's defaults)")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate at most (default 256; "
+                   "-1: until the model stops or the context is full)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the top probability "
+                   "(default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise repeats of the last 64 tokens "
+                   "(default 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed: same seed and settings, same text")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text is generated (repeatable; never printed)")
+    g.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's, at most "
+                   "4096)")
+
+
+def generation_params(args):
+    from localllm.engine import GenerationParams
+    from localllm.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repeat_penalty=args.repeat_penalty, seed=args.seed)
+    max_tokens = None if args.max_tokens is not None and args.max_tokens < 0 else args.max_tokens
+    return GenerationParams(max_tokens=max_tokens, stop=list(args.stop), sampling=sampling)
+
+
+def load_engine(args):
+    from localllm.engine import Engine
+
+    return Engine.load(args.model, ctx=args.ctx)
+
+
+# ---- run -------------------------------------------------------------------------------------------------
+
+
+def cmd_run(args) -> int:
+    if args.prompt_file:
+        try:
+            prompt = open(args.prompt_file, encoding="utf-8").read()
+        except OSError as e:
+            raise LocalLLMError(f"cannot read {args.prompt_file}: {e.strerror}") from None
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise LocalLLMError("give a prompt, or --prompt-file FILE")
+    engine = load_engine(args)
+    if args.chat:
+        prompt = engine.render_chat([{"role": "user", "content": prompt}])
+    tokens = engine.tokenize_prompt(prompt, chat=args.chat)
+    generated, pieces, final = [], [], None
+    for event in engine.generate(tokens, generation_params(args)):
+        generated.append(event.token)
+        pieces.append(event.text)
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        final = event
+    timings = final.timings.to_dict()
+    if args.json:
+        print(json.dumps({"tokens": generated, "text": "".join(pieces), "prompt_tokens": len(tokens),
+                          "timings": timings}, ensure_ascii=False))
+    else:
+        print()
+        if args.verbose:
+            print(f"[prompt {timings['prompt_n']} tokens, {timings['prompt_per_second']:.1f} tok/s; "
+                  f"generated {timings['predicted_n']} tokens, {timings['predicted_per_second']:.1f} tok/s; "
+                  f"finish: {final.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# ---- chat (plain REPL) -----------------------------------------------------------------------------------
+
+
+def cmd_chat(args) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    from localllm import catalog
+
+    if args.model is None:
+        args.model = catalog.default_entry().name
+    engine = load_engine(args)
+    params = generation_params(args)
+    seq = engine.new_sequence()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"Chatting with {engine.name}. Ctrl-C stops an answer, Ctrl-D (or /bye) quits, /clear forgets.")
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            return 0
+        if line.strip() == "/clear":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = engine.render_chat(messages)
+        answer = []
+        try:
+            for event in engine.generate(engine.tokenize_prompt(prompt, chat=True), params, seq=seq):
+                answer.append(event.text)
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write(" [stopped]")
+        except LocalLLMError as e:
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print()
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+# ---- perplexity ------------------------------------------------------------------------------------------
+
+
+def perplexity(engine, text: str, n_ctx: int = 512, progress=None) -> dict:
+    """llama.cpp's `llama-perplexity` protocol: chunks of n_ctx tokens, each from an empty cache (BOS first when
+    the model adds one), scoring the second half of each chunk."""
+    import numpy as np
+
+    tokens = engine.tokenizer.encode(text, add_special=True, parse_special=False)
+    n_chunks = len(tokens) // n_ctx
+    if n_chunks == 0:
+        raise LocalLLMError(f"the text is {len(tokens)} tokens, shorter than one {n_ctx}-token chunk")
+    if n_ctx > engine.ctx:
+        raise LocalLLMError(f"-c {n_ctx} is larger than the context ({engine.ctx}); raise --ctx")
+    nll, count = 0.0, 0
+    first = n_ctx // 2
+    for i in range(n_chunks):
+        chunk = tokens[i * n_ctx : (i + 1) * n_ctx]
+        if engine.tokenizer.add_bos and engine.tokenizer.bos_id is not None:
+            chunk[0] = engine.tokenizer.bos_id
+        scored = np.arange(first, n_ctx - 1)
+        logprobs = engine.log_probs(chunk, positions=scored)
+        targets = np.asarray(chunk[first + 1 :])
+        nll -= float(logprobs[np.arange(len(scored)), targets].sum(dtype=np.float64))
+        count += len(targets)
+        if progress:
+            progress(i + 1, n_chunks, math.exp(nll / count))
+    return {"ppl": math.exp(nll / count), "chunks": n_chunks, "n_ctx": n_ctx, "tokens": len(tokens),
+            "scored": count}
+
+
+def cmd_perplexity(args) -> int:
+    try:
+        text = open(args.file, encoding="utf-8").read()
+    except OSError as e:
+        raise LocalLLMError(f"cannot read {args.file}: {e.strerror}") from None
+    engine = load_engine(args)
+
+    def show(done, total, ppl):
+        if not args.json:
+            print(f"[{done}/{total}] ppl {ppl:.4f}", file=sys.stderr, flush=True)
+
+    result = perplexity(engine, text, args.c, progress=show)
+    if args.json:
+        print(json.dumps({**result, "model": engine.name}))
+    else:
+        print(f"perplexity {result['ppl']:.4f} over {result['chunks']} chunks of {result['n_ctx']} tokens")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("run", help="generate text from a prompt (streamed)",
+                       description="Generate a completion of a prompt, streamed to stdout. Raw completion by "
+                                   "default; --chat wraps the prompt in the model's chat template.")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("prompt", nargs="?", help="the prompt text")
+    p.add_argument("-f", "--prompt-file", help="read the prompt from a file")
+    p.add_argument("--chat", action="store_true", help="apply the chat template (the prompt is a user message)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"tokens", "text", "prompt_tokens", "timings"} once at the end')
+    p.add_argument("-v", "--verbose", action="store_true", help="print speed and finish reason to stderr")
+    add_sampling_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="chat with a model in the terminal",
+                       description="Chat with a model in the terminal. Each turn reuses the cached conversation.")
+    p.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP + " (default: the default model)")
+    p.add_argument("--system", help="a system prompt")
+    add_sampling_options(p)
+    p.set_defaults(func=cmd_chat, max_tokens=1024)
+
+    p = sub.add_parser("perplexity", help="measure perplexity on a text file (llama.cpp's protocol)",
+                       description="Perplexity of a model on a text file, as llama-perplexity computes it: "
+                                   "chunks of -c tokens from an empty cache, scoring the second half of each.")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("file", help="a UTF-8 text file")
+    p.add_argument("-c", type=int, default=512, help="tokens per chunk (default 512)")
+    p.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 4096)")
+    p.add_argument("--json", action="store_true", help='print {"ppl", "chunks", ...}')
+    p.set_defaults(func=cmd_perplexity)

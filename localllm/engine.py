@@ -1,0 +1,230 @@
+"""The engine: a loaded model (weights, tokenizer, chat template) and `generate()`, the one token stream that
+the CLI, the TUI and the server all consume.
+
+`generate()` is an iterator of `TokenEvent`s. Stopping early is simply not asking for the next event; the
+final event carries the finish reason and the timings, named as llama.cpp's server names them.
+A `Sequence` keeps a conversation's tokens and KV cache between calls, so the next turn only processes the
+tokens that are new (its common prefix with the cached tokens is reused).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from localllm.architectures import load_config
+from localllm.architectures.transformer import Transformer
+from localllm.chat_template import ChatTemplate
+from localllm.errors import ContextOverflowError, LocalLLMError
+from localllm.gguf_file import GGUFFile
+from localllm.kv_cache import KVCache
+from localllm.sampling import Sampler, SamplingParams
+from localllm.stop import StopMatcher
+from localllm.tokenizer import Tokenizer
+from localllm.warmup import warm_up
+
+DEFAULT_CTX = 4096
+PROMPT_CHUNK = 256  # tokens per forward while processing a prompt: bounds attention-score memory
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int | None = 256  # None: until end of generation or the context is full
+    stop: list[str] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Timings:
+    """What llama.cpp's server reports as `timings`."""
+
+    prompt_n: int = 0  # prompt tokens evaluated
+    cache_n: int = 0  # prompt tokens reused from the cache
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    token_ms: list[float] = field(default_factory=list)  # wall time of each generated token
+
+    @property
+    def prompt_per_second(self) -> float:
+        return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_n": self.prompt_n,
+            "cache_n": self.cache_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_second": round(self.prompt_per_second, 3),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_second": round(self.predicted_per_second, 3),
+        }
+
+
+@dataclass
+class TokenEvent:
+    token: int | None  # None on a final event that generated nothing new (e.g. flushed text)
+    text: str  # text this step releases (may be "" while a character or a possible stop string is pending)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end of generation or a stop string) or "length"
+    timings: Timings | None = None
+
+
+class Sequence:
+    """One conversation's state in the engine: the tokens in its KV cache, and the cache."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.tokens: list[int] = []
+
+    def reuse_prefix(self, tokens: list[int]) -> int:
+        """Keep the longest cached prefix of `tokens` (at least one token is always left to evaluate, since the
+        forward pass must produce the logits of the last prompt position). Returns how many are reused."""
+        common = 0
+        limit = min(len(self.tokens), len(tokens) - 1)
+        while common < limit and self.tokens[common] == tokens[common]:
+            common += 1
+        self.cache.truncate(common)
+        del self.tokens[common:]
+        return common
+
+
+class Engine:
+    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False):
+        self.path = Path(path)
+        self.gguf = GGUFFile(self.path)
+        meta = self.gguf.metadata
+        self.config = load_config(meta)
+        self.tokenizer = Tokenizer.from_metadata(meta)
+        self.template = ChatTemplate.from_metadata(meta, model_name=self.path.stem)
+        self.model = Transformer(self.gguf, self.config)
+        self.ctx = int(ctx) if ctx else min(self.config.context_length, DEFAULT_CTX)
+        if self.ctx < 8:
+            raise LocalLLMError(f"context size {self.ctx} is too small")
+        self.name = self.path.stem
+        warm_up(self.model.weights(), quiet=quiet)
+
+    @classmethod
+    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False) -> "Engine":
+        from localllm import store
+
+        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet)
+
+    # ---- building blocks -------------------------------------------------------------------------------
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(self.model.new_cache(self.ctx))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def tokenize_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        """Tokens for a raw prompt (BOS added as the model wants) or an already templated chat prompt (whose
+        template may have written the BOS itself: never two)."""
+        tokens = self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if chat and bos is not None and len(tokens) > 1 and tokens[0] == tokens[1] == bos:
+            tokens = tokens[1:]
+        return tokens
+
+    def check_fits(self, n_prompt: int, room: int = 1) -> None:
+        """The prompt plus `room` tokens to generate must fit the context (scoring needs no room)."""
+        if n_prompt + room > self.ctx:
+            raise ContextOverflowError(
+                f"the prompt is {n_prompt} tokens but the context holds {self.ctx} "
+                f"(the model supports up to {self.config.context_length}; raise it with --ctx, or shorten the prompt)"
+            )
+        if n_prompt == 0:
+            raise LocalLLMError("the prompt is empty")
+
+    def evaluate(self, seq: Sequence, tokens: list[int], logit_positions=None) -> np.ndarray:
+        """Append `tokens` to the sequence. Returns the logits of the last token, or, with `logit_positions`
+        (indices into `tokens`, ascending), a (len(logit_positions), vocab) array for those positions only."""
+        wanted = np.asarray([len(tokens) - 1] if logit_positions is None else logit_positions, dtype=np.int64)
+        outs = []
+        for start in range(0, len(tokens), PROMPT_CHUNK):
+            chunk = tokens[start : start + PROMPT_CHUNK]
+            rows = wanted[(wanted >= start) & (wanted < start + len(chunk))] - start
+            outs.append(self.model.forward(chunk, seq.cache, output_rows=rows))
+            seq.tokens.extend(chunk)
+        logits = np.concatenate(outs)
+        return logits[-1] if logit_positions is None else logits
+
+    # ---- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[int], params: GenerationParams | None = None,
+                 seq: Sequence | None = None, chat: bool = False) -> Iterator[TokenEvent]:
+        params = params or GenerationParams()
+        tokens = self.tokenize_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        self.check_fits(len(tokens))
+        seq = seq or self.new_sequence()
+        timings = Timings()
+
+        t0 = time.perf_counter()
+        timings.cache_n = seq.reuse_prefix(tokens)
+        new = tokens[timings.cache_n :]
+        logits = self.evaluate(seq, new)
+        timings.prompt_n = len(new)
+        timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+
+        sampler = Sampler(params.sampling, self.config.vocab_size)
+        # As llama.cpp's server does: the prompt counts for repetition penalties.
+        sampler.accept_many(tokens)
+        decoder = self.tokenizer.stream_decoder()
+        stops = StopMatcher(params.stop)
+        limit = params.max_tokens if params.max_tokens is not None else self.ctx
+        t_gen = time.perf_counter()
+
+        while True:
+            t_tok = time.perf_counter()
+            picked = sampler.sample(logits)
+            sampler.accept(picked.id)
+            finish = None
+            if self.tokenizer.is_eog(picked.id) and not params.ignore_eos:
+                text, finish = decoder.flush(), "stop"
+            else:
+                text = decoder.feed(picked.id)
+            text, stopped = stops.feed(text)
+            if stopped:
+                finish = "stop"
+            timings.predicted_n += 1
+            if finish is None and timings.predicted_n >= limit:
+                finish = "length"
+            if finish is None and len(seq.tokens) + 1 >= self.ctx:
+                finish = "length"  # the context is full (the context-shift option comes with the KV cache)
+            if finish is None:
+                logits = self.evaluate(seq, [picked.id])
+            elif not stopped:
+                # Release what was held back: a partial character (at "length") and a possible stop-string start.
+                tail, stopped = stops.feed(decoder.flush() if finish == "length" else "")
+                text += tail + ("" if stopped else stops.flush())
+            now = time.perf_counter()
+            timings.token_ms.append(1000 * (now - t_tok))
+            timings.predicted_ms = 1000 * (now - t_gen)
+            yield TokenEvent(picked.id, text, picked.logprob, picked.top_logprobs, finish, timings)
+            if finish is not None:
+                return
+
+    # ---- scoring ---------------------------------------------------------------------------------------
+
+    def log_probs(self, tokens: list[int], positions=None) -> np.ndarray:
+        """Teacher forcing: log-softmax of the logits at `positions` of `tokens` (default: all), from an empty
+        cache."""
+        self.check_fits(len(tokens), room=0)
+        positions = np.arange(len(tokens)) if positions is None else positions
+        logits = self.evaluate(self.new_sequence(), tokens, logit_positions=positions)
+        logits -= logits.max(axis=1, keepdims=True)
+        logits -= np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        return logits

@@ -1,0 +1,54 @@
+"""Compile the kernels a model needs before its first token, with progress the first time.
+
+Numba compiles each kernel on first use and caches the machine code on disk (`paths.kernel_cache_dir()`). A
+cold start would otherwise sit silent for many seconds inside the first forward pass. Warm-up calls every
+kernel variant the model's weights use once; a marker per variant, keyed by the kernels' source, Numba's
+version and the CPU, says whether it was compiled before, so only a real compile shows a progress bar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import cache
+from pathlib import Path
+
+from localllm import paths
+from localllm.progress import note, progress_bar
+
+
+@cache
+def _build_key() -> str:
+    import llvmlite.binding as llvm
+    import numba
+
+    import kernels
+
+    digest = hashlib.sha256()
+    for src in sorted(Path(kernels.__file__).parent.rglob("*.py")):
+        digest.update(src.read_bytes())
+    digest.update(numba.__version__.encode())
+    digest.update(llvm.get_host_cpu_name().encode())
+    return digest.hexdigest()[:16]
+
+
+def _marker(label: str) -> Path:
+    return paths.kernel_cache_dir() / "compiled" / _build_key() / label.replace(" ", "_")
+
+
+def warm_up(weights, quiet: bool = False) -> int:
+    """Run the warm-up calls; returns how many kernels had to be compiled (0 on a warm start)."""
+    from kernels import ops
+
+    calls = ops.warm_up_calls(weights)
+    cold = [(label, thunk) for label, thunk in calls if not _marker(label).exists()]
+    if not cold:
+        return 0
+    note("Compiling kernels for this CPU (first run only; later runs start in about a second)", quiet)
+    with progress_bar("compiling kernels", len(cold), quiet, unit="items") as bar:
+        for i, (label, thunk) in enumerate(cold):
+            thunk()
+            marker = _marker(label)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            bar.update(i + 1)
+    return len(cold)

@@ -1,0 +1,29 @@
+"""Perplexity of GPL-3 at n_ctx 512 within 2% of llama.cpp's llama-perplexity (tests/data/perplexity.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, model_file
+from localllm.cli_generate import perplexity
+from localllm.engine import Engine
+
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+REFERENCE = json.loads((DATA / "perplexity.json").read_text())["ppl"]
+MODELS = {
+    "smollm2-135m-instruct": "smollm2-135m-instruct-q4_1",
+    "gemma3-270m": "gemma3-270m-q4_k_m",
+    "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct-q4_k_m",
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_perplexity_matches_llamacpp(name):
+    ref = REFERENCE[MODELS[name]]
+    result = perplexity(Engine(model_file(name), ctx=512), GPL3.read_text(), n_ctx=512)
+    print(f"{name}: ppl {result['ppl']:.4f} (llama.cpp {ref['ppl']}) over {result['chunks']} chunks")
+    assert result["chunks"] == ref["chunks"]
+    assert abs(result["ppl"] / ref["ppl"] - 1) <= 0.02
