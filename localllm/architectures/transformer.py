@@ -133,7 +133,12 @@ def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
 
 
 def _matrix(g: GGUFFile, name: str, rows: int, cols: int) -> ops.Weight:
-    w = ops.Weight.from_gguf(g, name)
+    try:
+        w = ops.Weight.from_gguf(g, name)
+    except ModelFileError as e:
+        if str(g.path) in str(e):
+            raise
+        raise ModelFileError(f"{g.path}: tensor {name!r}: {e}") from None
     if (w.rows, w.cols) != (rows, cols):
         raise ModelFileError(f"{g.path}: tensor {name!r} has shape ({w.rows}, {w.cols}), expected ({rows}, {cols})")
     return w
