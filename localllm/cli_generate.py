@@ -187,6 +187,32 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import numba
+
+    from localllm import bench, store
+    from localllm.engine import Engine
+
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    names = list(args.models)
+    if args.present:
+        names += [m.name for m in store.local_models() if m.entry is not None and m.name not in names]
+    if not names:
+        raise LocalLLMError("name a model, or use --present for every downloaded catalog model")
+    results = []
+    for name in names:
+        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16), quiet=args.json)
+        results.append(bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r))
+        if not args.json:
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+    else:
+        print(bench.format_rows(results, numba.get_num_threads()))
+    return 0
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("run", help="generate text from a prompt (streamed)",
                        description="Generate a completion of a prompt, streamed to stdout. Raw completion by "
@@ -217,3 +243,16 @@ def add_commands(sub) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 4096)")
     p.add_argument("--json", action="store_true", help='print {"ppl", "chunks", ...}')
     p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("bench", help="measure prompt and generation speed (like llama-bench)",
+                       description="Prompt processing (pp) and generation (tg) tokens/s, mean ± sd over "
+                                   "repetitions, measured as llama-bench measures them.")
+    p.add_argument("models", nargs="*", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--present", action="store_true", help="every downloaded catalog model")
+    p.add_argument("-p", type=int, default=512, help="prompt tokens (default 512; 0 skips)")
+    p.add_argument("-n", type=int, default=128, help="generated tokens (default 128; 0 skips)")
+    p.add_argument("-r", type=int, default=3, help="repetitions (default 3)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=None, help="context size (default: enough for the test)")
+    p.add_argument("--json", action="store_true", help='print {"pp", "tg", "pp_sd", "tg_sd", ...}')
+    p.set_defaults(func=cmd_bench)
