@@ -342,6 +342,33 @@ def test_cpu_without_avx2_selects_portable_kernels_with_identical_results(tmp_pa
         assert np.array_equal(results[name].view(np.uint32), out.view(np.uint32)), name
 
 
+CACHE_CHECK_SCRIPT = """
+import numpy as np
+from kernels.cpu import quant_dot
+raw = np.zeros((8, 34), np.uint8)
+x = np.ones((1, 32), np.float32)
+out = np.empty((1, 8), np.float32)
+quant_dot.matmul(raw, quant_dot.Q.Q8_0, x, out)
+quant_dot.matmul_portable(raw, quant_dot.Q.Q8_0, x, out)
+entries = [quant_dot._matmul_32_portable] + ([quant_dot._matmul_q8_0_avx2] if quant_dot.USES_AVX2 else [])
+print(sum(sum(entry.stats.cache_misses.values()) for entry in entries))
+"""
+
+
+def test_second_process_loads_kernels_from_the_disk_cache():
+    """Every kernel must be cacheable (a kernel Numba refuses to cache, e.g. one using dynamic globals, would
+    be compiled again at every start, seconds per format)."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-c", CACHE_CHECK_SCRIPT]
+    root = os.path.dirname(os.path.dirname(__file__))
+    subprocess.run(args, check=True, cwd=root, timeout=600, capture_output=True)  # fills the cache if needed
+    second = subprocess.run(args, check=True, cwd=root, timeout=600, capture_output=True, text=True)
+    assert second.stdout.strip() == "0", f"cache misses in a second process: {second.stdout} {second.stderr}"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real tensors of the catalog models
 # ---------------------------------------------------------------------------------------------------------------
