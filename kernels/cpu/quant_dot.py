@@ -270,7 +270,7 @@ def quantize_q8_K(x):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Pieces shared by both paths
+# Scalar pieces: block fields for the portable kernels, reductions that both paths use
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -310,7 +310,7 @@ def _scales_q3_k(raw, r, offset, scales):
 
 @njit(cache=True, inline="always")
 def _min_lanes_q4_k(acc_m, i, dmin, mins, bsums, b):
-    """The dmin * mins . bsums term of Q4_K/Q5_K in ggml's 4 float lanes (acc_m of ggml_vec_dot_q4_K_q8_K).
+    """The dmin * mins . bsums term of Q4_K in ggml's 4 float lanes (acc_m of ggml_vec_dot_q4_K_q8_K).
 
     Lane l holds mins[2l] * (bsum of sub-block 2l) + mins[2l+1] * (sub-block 2l+1), one fma per block;
     a 32-element sub-block's sum is the two 16-sums added (_mm_hadd_epi16).
