@@ -397,6 +397,7 @@ def test_real_model_tensor(model, name, qtype):
         weights = dequantize(rows, qtype).astype(np.float64)
         reference = x.astype(np.float64) @ weights.T
         relative = np.linalg.norm(out - reference) / np.linalg.norm(reference)
-        assert relative < 0.01, f"relative error {relative:.4f}"  # typical: a few 1e-3
+        # 8-bit activations cost ~0.6-0.9% here (heavy-tailed x: a block's step is set by its largest value)
+        assert relative < 0.02, f"relative error {relative:.4f}"
         if simd.HAVE_AVX2:
             assert np.array_equal(run(quant_dot.matmul_portable, rows, qtype, x), out)
