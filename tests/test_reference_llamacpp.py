@@ -9,16 +9,23 @@ missing bias or norm, a wrong window) falls far below the bars.
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import numpy as np
 import pytest
 
-from conftest import CATALOG_MODELS, model_file, reference_cases
+from conftest import CATALOG_MODELS, DATA, model_file, reference_cases
 from localllm.engine import Engine
 
 MIN_TOP1 = 0.97
 MAX_MEAN_ERR = 0.15
+# gemma3-270m's 262k-token distributions are flat: llama.cpp's 8-bit activation rounding alone moves its
+# log-probs by ~0.13 nats, and an independent float32 Hugging Face Gemma3 on the same weights agrees with
+# llama.cpp on exactly the same 230 of 240 steps as we do (95.8%, the same 10 near-ties). 97% is below the
+# noise floor of the reference for this model, so its bar is 95%, and exactness is pinned instead against that
+# independent float reference (test_matches_independent_float_reference).
+MIN_TOP1_BY_MODEL = {"gemma3-270m": 0.95}
 
 
 @cache
@@ -49,7 +56,25 @@ def test_teacher_forced_agreement_with_llamacpp(name):
     top1, mean_err, steps = score(name, one_pass)
     print(f"{name}: top-1 {top1:.3f}, mean |dlogprob| {mean_err:.3f} over {steps} steps")
     assert mean_err <= MAX_MEAN_ERR
-    assert top1 >= MIN_TOP1
+    assert top1 >= MIN_TOP1_BY_MODEL.get(name, MIN_TOP1)
+
+
+def test_matches_independent_float_reference():
+    """gemma3 against a float32 Hugging Face Gemma3 built independently on the same dequantized weights
+    (tests/data/float_reference): an exact forward pass agrees to float32 noise, on every step."""
+    reference = json.loads((DATA / "float_reference" / "gemma3-270m-hf-float32.json").read_text())
+    e = engine("gemma3-270m")
+    by_name = {c["name"]: c for c in reference_cases("gemma3-270m")}
+    diffs, top1 = [], 0
+    for ref in reference["cases"]:
+        case = by_name[ref["name"]]
+        p = len(case["prompt_tokens"])
+        lp = e.log_probs(case["prompt_tokens"] + case["tokens"], positions=np.arange(p - 1, p - 1 + len(case["tokens"])))
+        for i, top in enumerate(ref["top_logprobs"]):
+            diffs += [abs(float(lp[i][tok]) - value) for tok, value in top]
+            top1 += int(np.argmax(lp[i])) == top[0][0]
+    assert top1 == sum(len(c["top_logprobs"]) for c in reference["cases"])
+    assert max(diffs) < 2e-3 and float(np.mean(diffs)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
