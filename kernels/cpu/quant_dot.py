@@ -31,7 +31,6 @@ itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +83,6 @@ from kernels.cpu.simd import (
 
 Q = GGMLQuantizationType
 
-# Numba's OpenMP thread pool: GNU OpenMP's default lets idle threads spin before sleeping, and on a busy machine a
-# spinning thread takes the core its partner needs: measured here, with other work on both cores, a 2-thread
-# fork/join took ~8 ms (spin policy) against ~10 us (passive: sleep at once, futex wake-up). A token makes
-# hundreds of calls, so we ask for the passive policy unless the user chose one. It is read when libgomp loads,
-# i.e. at the first parallel kernel call, so it must be set at import time.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Below this many weights a matmul runs on the calling thread. A 2-thread fork/join costs ~10 us (measured with
 # the passive wait policy below) and one core does ~14 G weights/s, so splitting pays from ~2 * 10 us * 14 G/s
