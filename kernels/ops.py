@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -56,7 +57,7 @@ class Weight:
 
     __slots__ = (
         "raw", "qtype", "rows", "cols", "format",
-        "_dense", "_fused", "_use_quant_dot", "_tile_rows", "_blas_min_n",
+        "_dense", "_fused", "_use_quant_dot", "_quant_dot", "_tile_rows", "_blas_min_n",
     )
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
@@ -77,6 +78,7 @@ class Weight:
         self._dense = view.view(np.float32) if fmt.qtype == GGMLQuantizationType.F32 else None
         self._fused = fmt.matmul
         self._use_quant_dot = fmt.qtype in _QUANT_DOT_SUPPORTED
+        self._quant_dot = _quant_dot.bind(self.raw, fmt.qtype) if self._use_quant_dot else None
         self._blas_min_n = BLAS_MIN_N_QUANT_DOT if self._use_quant_dot else BLAS_MIN_N
         self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
 
@@ -87,6 +89,16 @@ class Weight:
 
     def __repr__(self) -> str:
         return f"Weight({self.format.name}, rows={self.rows}, cols={self.cols})"
+
+
+# Threads for the parallel kernels, read once: numba.get_num_threads() costs microseconds per call.
+_threads = [numba.get_num_threads()]
+
+
+def set_threads(n: int) -> None:
+    """Use n threads in the kernels (at most the cores Numba was started with)."""
+    numba.set_num_threads(n)
+    _threads[0] = n
 
 
 def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -106,7 +118,7 @@ def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
             np.matmul(x, w._dense.T, out=out)
     elif n < w._blas_min_n:
         if w._use_quant_dot:
-            _quant_dot.matmul(w.raw, w.qtype, x, out)
+            w._quant_dot(x, out, _threads[0])
         else:
             w._fused(w.raw, x, out, _N16)
     else:

@@ -190,11 +190,12 @@ def cmd_perplexity(args) -> int:
 def cmd_bench(args) -> int:
     import numba
 
+    from kernels import ops
     from localllm import bench, store
     from localllm.engine import Engine
 
     if args.threads:
-        numba.set_num_threads(args.threads)
+        ops.set_threads(args.threads)
     names = list(args.models)
     if args.present:
         names += [m.name for m in store.local_models() if m.entry is not None and m.name not in names]

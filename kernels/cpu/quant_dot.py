@@ -30,6 +30,7 @@ itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -1213,6 +1214,26 @@ def matmul(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
         matmul_avx2(raw, qtype, x, out)
     else:
         matmul_portable(raw, qtype, x, out)
+
+
+def bind(raw: np.ndarray, qtype):
+    """Validate a weight once and return `kernel(x, out, n_threads)` for it.
+
+    The per-token path calls hundreds of matmuls; checking the contract, converting the enum and asking Numba
+    for its thread count on every call cost ~15 us each (measured), as much as a small matmul itself.
+    """
+    rows, row_bytes = raw.shape
+    block_size, _ = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    cols = row_bytes // GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1] * block_size
+    probe_x, probe_out = np.zeros((1, cols), np.float32), np.zeros((1, rows), np.float32)
+    raw, _, block_bytes = _checked(raw, qtype, probe_x, probe_out)
+    qtype = GGMLQuantizationType(qtype)
+    if USES_AVX2:
+        return functools.partial(_AVX2[qtype], raw)
+    kind = _KIND_32.get(qtype)
+    if kind is not None:
+        return lambda x, out, threads: _matmul_32_portable(raw, kind, block_bytes, x, out, threads)
+    return lambda x, out, threads: _matmul_k_portable(raw, int(qtype), block_bytes, x, out, threads)
 
 
 def matmul_avx2(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
