@@ -4,7 +4,9 @@ the CLI, the TUI and the server all consume.
 `generate()` is an iterator of `TokenEvent`s. Stopping early is simply not asking for the next event; the
 final event carries the finish reason and the timings, named as llama.cpp's server names them.
 A `Sequence` keeps a conversation's tokens and KV cache between calls, so the next turn only processes the
-tokens that are new (its common prefix with the cached tokens is reused).
+tokens that are new (its common prefix with the cached tokens is reused). All sequences draw their KV blocks
+from the engine's `KVPool`, which also keeps the blocks of finished sequences: a new sequence whose prompt
+starts with cached blocks (a shared system prompt, a regenerated answer) attaches them instead of recomputing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KVCache
+from localllm.kv_cache import BLOCK as KV_BLOCK
+from localllm.kv_cache import KVCache, KVPool
 from localllm.sampling import Sampler, SamplingParams
 from localllm.stop import StopMatcher
 from localllm.tokenizer import Tokenizer
@@ -90,15 +93,28 @@ class Sequence:
         self.tokens: list[int] = []
 
     def reuse_prefix(self, tokens: list[int]) -> int:
-        """Keep the longest cached prefix of `tokens` (at least one token is always left to evaluate, since the
-        forward pass must produce the logits of the last prompt position). Returns how many are reused."""
+        """Keep the longest cached prefix of `tokens`: from this sequence's own history, or from blocks the pool
+        still caches when those go further. At least one token is always left to evaluate, since the forward
+        pass must produce the logits of the last prompt position. Returns how many are reused."""
         common = 0
         limit = min(len(self.tokens), len(tokens) - 1)
         while common < limit and self.tokens[common] == tokens[common]:
             common += 1
-        self.cache.truncate(common)
-        del self.tokens[common:]
+        if not self.cache.can_truncate(common):
+            common = 0  # a sliding-window layer already dropped keys this position would need
+        pooled, _ = self.cache.cached_prefix(tokens[: len(tokens) - 1])
+        if pooled * KV_BLOCK > common:
+            self.cache.truncate(0)
+            common = self.cache.attach_prefix(tokens[: len(tokens) - 1])
+        else:
+            self.cache.truncate(common)
+        self.tokens[:] = tokens[:common]
         return common
+
+    def close(self) -> None:
+        """Give the KV blocks back to the engine's pool (they stay cached for other sequences)."""
+        self.cache.release()
+        self.tokens.clear()
 
 
 class Engine:
@@ -114,6 +130,9 @@ class Engine:
         if self.ctx < 8:
             raise LocalLLMError(f"context size {self.ctx} is too small")
         self.name = self.path.stem
+        # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.
+        self.kv_pool = KVPool.for_model(self.config)
+        self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
         warm_up(self.model.weights(), quiet=quiet)
 
     @classmethod
@@ -125,7 +144,7 @@ class Engine:
     # ---- building blocks -------------------------------------------------------------------------------
 
     def new_sequence(self) -> Sequence:
-        return Sequence(self.model.new_cache(self.ctx))
+        return Sequence(self.kv_pool.new_cache(self.ctx))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
@@ -159,6 +178,7 @@ class Engine:
             rows = wanted[(wanted >= start) & (wanted < start + len(chunk))] - start
             outs.append(self.model.forward(chunk, seq.cache, output_rows=rows))
             seq.tokens.extend(chunk)
+            seq.cache.remember(seq.tokens)
         logits = np.concatenate(outs)
         return logits[-1] if logit_positions is None else logits
 
@@ -169,7 +189,15 @@ class Engine:
         params = params or GenerationParams()
         tokens = self.tokenize_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         self.check_fits(len(tokens))
-        seq = seq or self.new_sequence()
+        if seq is None:
+            # A one-off sequence: when generation ends (or the caller stops iterating) its blocks go back to the
+            # pool, still cached for the next prompt that starts the same way.
+            seq = self.new_sequence()
+            try:
+                yield from self.generate(tokens, params, seq)
+            finally:
+                seq.close()
+            return
         timings = Timings()
 
         t0 = time.perf_counter()
@@ -224,7 +252,11 @@ class Engine:
         cache."""
         self.check_fits(len(tokens), room=0)
         positions = np.arange(len(tokens)) if positions is None else positions
-        logits = self.evaluate(self.new_sequence(), tokens, logit_positions=positions)
+        seq = self.new_sequence()
+        try:
+            logits = self.evaluate(seq, tokens, logit_positions=positions)
+        finally:
+            seq.close()
         logits -= logits.max(axis=1, keepdims=True)
         logits -= np.log(np.exp(logits).sum(axis=1, keepdims=True))
         return logits

@@ -1,70 +1,342 @@
-"""The KV cache: keys and values of every layer for the tokens a sequence has processed.
+"""The KV cache: keys and values of every layer for the tokens each sequence has processed.
 
-Narrow interface, so the storage can change (paged blocks, prefix sharing, 8-bit) without the model knowing:
-`reserve(n)` before a forward of n tokens, `write(layer, k, v)` for those tokens, `keys(layer)` / `values(layer)`
-for attention over everything up to and including them, `commit(n)` after the forward, `truncate(n)` to roll
-back (speculative decoding). Storage grows in chunks as tokens arrive: nothing is preallocated up to the
-context size.
+Design (vLLM-style paged attention with prefix caching, kept small):
+
+* `KVPool` (one per engine) owns all K/V storage as fixed-size blocks of BLOCK tokens. Each layer's keys are one
+  array (n_kv_heads, n_blocks * BLOCK, head_dim); block b is columns [b*BLOCK, (b+1)*BLOCK). Storage grows in
+  chunks of GROWTH_BLOCKS as tokens arrive: memory follows tokens used, never the context size.
+* `KVCache` (one per sequence) is a block table per layer group plus the narrow interface the model uses:
+  `reserve(n)` before a forward of n tokens, `write(layer, k, v)`, `keys(layer)` / `values(layer)` with
+  `start(layer)` (absolute position of their first column) for attention, `commit()`, `truncate(n)` to roll
+  back (speculative decoding).
+* Contiguous vs paged: the pool hands a sequence the block right after its last one whenever it is free, so a
+  lone sequence's table is one run of consecutive blocks and `keys()` is a zero-copy slice of storage that
+  grows in chunks, exactly the old contiguous cache. Once several sequences allocate in turn, tables
+  interleave and `keys()` gathers the blocks with one vectorised fancy index. Nothing outside this module
+  sees which of the two it got.
+* Prefix caching: each full block is named by a hash of its tokens chained with its parent block's hash, so a
+  name stands for the whole prefix up to it. Blocks are refcounted; a sequence whose prompt starts with named
+  blocks attaches them (refcount + 1) instead of recomputing them, so two sequences sharing a prefix hold it
+  once. Blocks of finished sequences stay named in an LRU of idle blocks; they are recycled (oldest first)
+  only when the pool would otherwise grow past its byte budget. A block about to be written while shared or
+  named is copied first (copy-on-write), so a rollback never corrupts what others see.
+* Sliding-window layers (gemma3) form their own layer group with their own tables: blocks that the next query
+  can no longer see are released, so those layers hold about `window` tokens whatever the sequence length.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
 import numpy as np
 
-GROWTH_CHUNK = 256  # tokens
+BLOCK = 16  # tokens per block: small enough that sharing and trimming waste little, large enough to gather fast
+GROWTH_BLOCKS = 16  # storage grows 256 tokens at a time
+
+
+def block_hashes(tokens, n_blocks: int, parent: bytes = b"") -> list[bytes]:
+    """Chained names of the first n_blocks full blocks of `tokens` (each names the whole prefix up to it)."""
+    out = []
+    for j in range(n_blocks):
+        chunk = np.asarray(tokens[j * BLOCK : (j + 1) * BLOCK], dtype=np.int64).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+class _Group:
+    """Storage and block bookkeeping for layers that share block tables (all of them, or gemma3's global and
+    sliding layers separately, since only the sliding ones drop old blocks)."""
+
+    def __init__(self, layers: list[int], window: int, n_kv: int, head_dim: int, value_dim: int):
+        self.layers, self.window = layers, window
+        self.k = [np.empty((n_kv, 0, head_dim), np.float32) for _ in layers]
+        self.v = [np.empty((n_kv, 0, value_dim), np.float32) for _ in layers]
+        self.block_bytes = BLOCK * n_kv * (head_dim + value_dim) * 4 * len(layers)
+        self.refs = np.zeros(0, np.int64)  # sequences holding each block
+        self.free: set[int] = set()  # blocks holding nothing worth keeping
+        self.index: dict[bytes, int] = {}  # prefix name -> block holding it
+        self.name_of: dict[int, bytes] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks no sequence holds, oldest first
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.refs)
+
+    def grow(self) -> None:
+        n = self.n_blocks
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                new = np.empty((old.shape[0], (n + GROWTH_BLOCKS) * BLOCK, old.shape[2]), np.float32)
+                new[:, : old.shape[1]] = old
+                store[i] = new
+        self.refs = np.concatenate([self.refs, np.zeros(GROWTH_BLOCKS, np.int64)])
+        self.free.update(range(n, n + GROWTH_BLOCKS))
+
+    def forget(self, b: int) -> None:
+        name = self.name_of.pop(b, None)
+        if name is not None:
+            del self.index[name]
+
+
+class KVPool:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int, windows=None,
+                 budget_bytes: int = 0, trim_windows: bool = True):
+        """windows[i] > 0 marks layer i as sliding-window. budget_bytes caps growth while idle cached blocks
+        could be recycled instead (live sequences always get the blocks they need)."""
+        windows = list(windows) if windows is not None else [0] * n_layers
+        if not trim_windows:
+            windows = [0] * n_layers  # sliding layers then keep everything (the mask still applies the window)
+        by_window: dict[int, list[int]] = {}
+        for i, w in enumerate(windows):
+            by_window.setdefault(w, []).append(i)
+        self.groups = [_Group(layers, w, n_kv_heads, head_dim, value_dim) for w, layers in sorted(by_window.items())]
+        self.where = {layer: (gi, slot) for gi, g in enumerate(self.groups) for slot, layer in enumerate(g.layers)}
+        self.budget_bytes = budget_bytes
+
+    @classmethod
+    def for_model(cls, config, budget_bytes: int = 0, trim_windows: bool = True) -> "KVPool":
+        windows = [config.sliding_window if config.layer_is_sliding(i) else 0 for i in range(config.n_layers)]
+        return cls(config.n_layers, config.n_head_kv, config.head_dim, config.value_dim, windows, budget_bytes,
+                   trim_windows)
+
+    def new_cache(self, max_tokens: int) -> "KVCache":
+        return KVCache(self, max_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.n_blocks * g.block_bytes for g in self.groups)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(g.block_bytes for g in self.groups) // BLOCK
+
+    def blocks_held(self) -> int:
+        """Blocks some sequence holds (a shared block counts once)."""
+        return sum(int((g.refs > 0).sum()) for g in self.groups)
+
+    def blocks_idle(self) -> int:
+        return sum(len(g.idle) for g in self.groups)
+
+    # ---- block lifecycle -------------------------------------------------------------------------------
+
+    def allocate(self, gi: int, prefer: int | None = None) -> int:
+        g = self.groups[gi]
+        if not g.free and g.idle and self.nbytes + GROWTH_BLOCKS * g.block_bytes > self.budget_bytes:
+            b, _ = g.idle.popitem(last=False)  # evict the least recently used idle block
+            g.forget(b)
+            g.free.add(b)
+        if not g.free:
+            g.grow()
+        # The block right after the sequence's last one keeps its storage one contiguous run.
+        b = prefer if prefer in g.free else min(g.free)
+        g.free.remove(b)
+        g.refs[b] = 1
+        return b
+
+    def ref(self, gi: int, b: int) -> None:
+        g = self.groups[gi]
+        if g.refs[b] == 0:
+            del g.idle[b]
+        g.refs[b] += 1
+
+    def unref(self, gi: int, b: int, keep: bool = True) -> None:
+        """Drop one holder. A block nobody holds stays cached (idle, LRU) if it is named and `keep`, else is free."""
+        g = self.groups[gi]
+        g.refs[b] -= 1
+        if g.refs[b] == 0:
+            if keep and b in g.name_of:
+                g.idle[b] = None
+            else:
+                g.forget(b)
+                g.free.add(b)
+
+    def name(self, gi: int, b: int, name: bytes) -> None:
+        g = self.groups[gi]
+        if name not in g.index and b not in g.name_of:  # the first block with that content stays its holder
+            g.index[name] = b
+            g.name_of[b] = name
 
 
 class KVCache:
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int, max_tokens: int):
-        self.n_layers = n_layers
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
-        self.value_dim = value_dim
+    """One sequence's view of the pool: a block table per layer group (None where a sliding group dropped one)."""
+
+    def __init__(self, pool: KVPool, max_tokens: int):
+        self.pool = pool
         self.max_tokens = max_tokens
         self.length = 0  # committed tokens
         self._pending = 0  # tokens written by the forward in progress
-        self.capacity = 0
-        self._k = [np.empty((n_kv_heads, 0, head_dim), np.float32) for _ in range(n_layers)]
-        self._v = [np.empty((n_kv_heads, 0, value_dim), np.float32) for _ in range(n_layers)]
+        self.tables: list[list[int | None]] = [[] for _ in pool.groups]
+        self.first = [0] * len(pool.groups)  # first block each group still holds
+        self.names: list[bytes] = []  # prefix names of the full blocks whose tokens we were told
+
+    # ---- the interface the forward pass uses ----------------------------------------------------------
 
     def reserve(self, n: int) -> None:
         need = self.length + n
         if need > self.max_tokens:
             raise ValueError(f"KV cache holds at most {self.max_tokens} tokens, {need} requested")
-        if need > self.capacity:
-            # Grow geometrically (amortised O(1) per token) in whole chunks, never past the limit.
-            new_cap = min(self.max_tokens, max(need, 2 * self.capacity, GROWTH_CHUNK))
-            new_cap = min(self.max_tokens, -(-new_cap // GROWTH_CHUNK) * GROWTH_CHUNK)
-            for store, dim in ((self._k, self.head_dim), (self._v, self.value_dim)):
-                for layer, old in enumerate(store):
-                    grown = np.empty((self.n_kv_heads, new_cap, dim), np.float32)
-                    grown[:, : self.length] = old[:, : self.length]
-                    store[layer] = grown
-            self.capacity = new_cap
+        for gi, table in enumerate(self.tables):
+            j = self.length // BLOCK
+            if self.length % BLOCK:
+                self._own(gi, j)  # the partial block is about to receive tokens
+            while len(table) * BLOCK < need:
+                last = table[-1] if table else None
+                table.append(self.pool.allocate(gi, None if last is None else last + 1))
         self._pending = n
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """k: (n, n_kv_heads, head_dim), v: (n, n_kv_heads, value_dim) for the n reserved tokens."""
-        end = self.length + self._pending
-        self._k[layer][:, self.length : end] = k.transpose(1, 0, 2)
-        self._v[layer][:, self.length : end] = v.transpose(1, 0, 2)
+        gi, slot = self.pool.where[layer]
+        g = self.pool.groups[gi]
+        cols = self._columns(gi, self.length, self.length + self._pending)
+        g.k[slot][:, cols] = k.transpose(1, 0, 2)
+        g.v[slot][:, cols] = v.transpose(1, 0, 2)
+
+    def start(self, layer: int) -> int:
+        """Absolute position of the first token `keys(layer)` holds (> 0 once a sliding layer dropped blocks)."""
+        return self.first[self.pool.where[layer][0]] * BLOCK
 
     def keys(self, layer: int) -> np.ndarray:
-        return self._k[layer][:, : self.length + self._pending]
+        gi, slot = self.pool.where[layer]
+        return self.pool.groups[gi].k[slot][:, self._columns(gi, self.start(layer), self.length + self._pending)]
 
     def values(self, layer: int) -> np.ndarray:
-        return self._v[layer][:, : self.length + self._pending]
+        gi, slot = self.pool.where[layer]
+        return self.pool.groups[gi].v[slot][:, self._columns(gi, self.start(layer), self.length + self._pending)]
 
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
+        for gi, g in enumerate(self.pool.groups):
+            if g.window:
+                # The next query (at `length`) sees keys after length - window. One spare block lets a short
+                # rollback (speculative decoding) still find its window.
+                keep_from = max(0, self.length - g.window + 1) // BLOCK - 1
+                while self.first[gi] < keep_from:
+                    self.pool.unref(gi, self.tables[gi][self.first[gi]], keep=False)
+                    self.tables[gi][self.first[gi]] = None
+                    self.first[gi] += 1
 
     def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
+        if not 0 <= n <= self.length or not self.can_truncate(n):
             raise ValueError(f"cannot truncate a {self.length}-token cache to {n}")
+        if n == 0:
+            self.release()
+            return
+        keep_blocks = -(-n // BLOCK)
+        for gi, table in enumerate(self.tables):
+            for b in reversed(table[keep_blocks:]):
+                self.pool.unref(gi, b)
+            del table[keep_blocks:]
+        del self.names[n // BLOCK :]
         self.length = n
         self._pending = 0
 
+    # ---- prefix sharing -------------------------------------------------------------------------------
+
+    def can_truncate(self, n: int) -> bool:
+        """Whether a rollback to n tokens still has every key the next query would see."""
+        return n == 0 or all(self.first[gi] * BLOCK <= max(0, n - g.window + 1)
+                             for gi, g in enumerate(self.pool.groups) if g.window)
+
+    def remember(self, tokens) -> None:
+        """Name the full blocks of `tokens` (what this cache holds, in order), so other sequences can reuse them."""
+        n_full = min(len(tokens), self.length) // BLOCK
+        parent = self.names[-1] if self.names else b""
+        for j, name in enumerate(block_hashes(tokens[len(self.names) * BLOCK :], n_full - len(self.names), parent),
+                                 start=len(self.names)):
+            self.names.append(name)
+            for gi, table in enumerate(self.tables):
+                if table[j] is not None:
+                    self.pool.name(gi, table[j], name)
+
+    def cached_prefix(self, tokens) -> tuple[int, list[bytes]]:
+        """How many leading full blocks of `tokens` the pool holds for every layer (sliding groups only need
+        the blocks the next query sees), and their names."""
+        names = block_hashes(tokens, len(tokens) // BLOCK)
+        groups = self.pool.groups
+        m = 0
+        while m < len(names) and all(names[m] in g.index for g in groups if not g.window):
+            m += 1
+        while m > 0 and not all(names[j] in g.index for g in groups if g.window
+                                for j in range(max(0, m * BLOCK - g.window + 1) // BLOCK, m)):
+            m -= 1
+        return m, names[:m]
+
+    def attach_prefix(self, tokens) -> int:
+        """On an empty cache: take the pool's cached blocks for the start of `tokens` instead of computing
+        them. Returns how many tokens are now cached (a multiple of BLOCK)."""
+        assert self.length == 0
+        m, names = self.cached_prefix(tokens)
+        for gi, g in enumerate(self.pool.groups):
+            self.first[gi] = max(0, m * BLOCK - g.window + 1) // BLOCK if g.window else 0
+            self.tables[gi] = [None] * self.first[gi]
+            for name in names[self.first[gi] :]:
+                b = g.index[name]
+                self.pool.ref(gi, b)
+                self.tables[gi].append(b)
+        self.names = names
+        self.length = m * BLOCK
+        return self.length
+
+    def release(self) -> None:
+        """Give every block back to the pool (named ones stay cached for reuse). Last blocks first, so they are
+        evicted first: a prefix's head is worth more, since every longer prefix needs it."""
+        for gi, table in enumerate(self.tables):
+            for b in reversed(table):
+                if b is not None:
+                    self.pool.unref(gi, b)
+            table.clear()
+        self.first = [0] * len(self.tables)
+        self.names.clear()
+        self.length = self._pending = 0
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the pool may already be gone
+            pass
+
+    # ---- accounting and layout ------------------------------------------------------------------------
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._k) + sum(a.nbytes for a in self._v)
+        """Bytes of the blocks this sequence holds (shared blocks count for each holder)."""
+        return sum(sum(b is not None for b in t) * g.block_bytes for t, g in zip(self.tables, self.pool.groups))
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every group's live blocks form one run of storage (then attention reads a view, no copy)."""
+        return all(self._run(gi, self.first[gi], len(t)) for gi, t in enumerate(self.tables) if len(t) > self.first[gi])
+
+    def _run(self, gi: int, first: int, end: int) -> bool:
+        blocks = self.tables[gi][first:end]
+        return all(b == blocks[0] + i for i, b in enumerate(blocks))
+
+    def _own(self, gi: int, j: int) -> None:
+        """Copy-on-write: make block j exclusively ours and unnamed before its contents change."""
+        g, b = self.pool.groups[gi], self.tables[gi][j]
+        if g.refs[b] > 1:
+            new = self.pool.allocate(gi)
+            for store in (g.k, g.v):
+                for arr in store:
+                    arr[:, new * BLOCK : (new + 1) * BLOCK] = arr[:, b * BLOCK : (b + 1) * BLOCK]
+            self.pool.unref(gi, b)
+            self.tables[gi][j] = new
+        else:
+            g.forget(b)
+
+    def _columns(self, gi: int, start: int, end: int):
+        """Storage columns of positions [start, end): a slice when their blocks are consecutive, else indices."""
+        first, last = start // BLOCK, (end - 1) // BLOCK
+        blocks = self.tables[gi][first : last + 1]
+        offset = start - first * BLOCK
+        if end <= start:
+            return slice(0, 0)
+        if self._run(gi, first, last + 1):
+            s = blocks[0] * BLOCK + offset
+            return slice(s, s + end - start)
+        cols = (np.asarray(blocks)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
+        return cols[offset : offset + end - start]

@@ -16,7 +16,7 @@ from kernels import ops
 from localllm.architectures.base import ModelConfig
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KVCache
+from localllm.kv_cache import KVCache, KVPool
 
 # ---- blocks ----------------------------------------------------------------------------------------------
 
@@ -75,20 +75,27 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, s
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
-              window: int) -> np.ndarray:
-    """Grouped-query attention of n queries over the T cached tokens (positions 0..T-1).
+              window: int, key_start: int = 0) -> np.ndarray:
+    """Grouped-query attention of n queries over T cached tokens (positions key_start..key_start+T-1: a
+    sliding-window layer's cache drops keys no query can see any more).
 
     q: (n, n_head, d); keys: (n_kv, T, d); values: (n_kv, T, dv). Query head h reads KV head h // group, as
     ggml's broadcasting does. Causal; with `window` > 0 a query at p sees only keys at p - window < j <= p.
     Returns (n, n_head * dv).
     """
+    if window > 0:
+        # Start at the first key any query can see: the result is then the same, to the bit, whether the cache
+        # still holds older keys or dropped them (masked keys would still shift the float summation order).
+        lo = int(q_positions[0]) - window + 1 - key_start
+        if lo > 0:
+            keys, values, key_start = keys[:, lo:], values[:, lo:], key_start + lo
     n, n_head, d = q.shape
     n_kv, t, dv = values.shape
     group = n_head // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n, d)
     scores = np.matmul(qg, keys.transpose(0, 2, 1)).reshape(n_kv, group, n, t)
     scores *= scale
-    key_pos = np.arange(t)
+    key_pos = np.arange(key_start, key_start + t)
     masked = key_pos[None, :] > q_positions[:, None]
     if window > 0:
         masked |= key_pos[None, :] <= q_positions[:, None] - window
@@ -203,8 +210,8 @@ class Transformer:
         return mats
 
     def new_cache(self, max_tokens: int) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layers, c.n_head_kv, c.head_dim, c.value_dim, max_tokens)
+        """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""
+        return KVPool.for_model(self.config).new_cache(max_tokens)
 
     def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None) -> np.ndarray:
         """Process `tokens` (appended after the cache's contents); return logits (len(output_rows), vocab).
@@ -244,7 +251,8 @@ class Transformer:
             apply_rope(q, cos, sin, c.rope_dim, tr.rope_style)
             apply_rope(k, cos, sin, c.rope_dim, tr.rope_style)
             cache.write(i, k, v)
-            attn = attention(q, cache.keys(i), cache.values(i), positions, c.attention_scale, self.layer_window[i])
+            attn = attention(q, cache.keys(i), cache.values(i), positions, c.attention_scale, self.layer_window[i],
+                             cache.start(i))
             o = ops.matmul(L.wo, np.ascontiguousarray(attn))
             if tr.post_norms:
                 o = rms_norm(o, L.attn_post_norm, c.rms_eps)

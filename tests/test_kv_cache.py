@@ -1,0 +1,287 @@
+"""The paged KV cache: block accounting, prefix sharing, LRU eviction, rollback, sliding-window trimming; and that
+none of it changes what the model generates (smollm2, gemma3)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+from conftest import model_file, reference_cases
+from localllm.engine import Engine, GenerationParams
+from localllm.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
+from localllm.sampling import SamplingParams
+
+SMALL = "smollm2-135m-instruct"
+GREEDY = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=0))
+
+
+@cache
+def engine(name: str = SMALL) -> Engine:
+    return Engine(model_file(name), ctx=4096)
+
+
+def fresh_pool(e: Engine, **kw) -> KVPool:
+    """Give the engine an empty pool (nothing cached) and return it."""
+    e.kv_pool = KVPool.for_model(e.config, budget_bytes=e.ctx * KVPool.for_model(e.config).bytes_per_token, **kw)
+    return e.kv_pool
+
+
+def greedy(e: Engine, tokens, seq=None, params=GREEDY):
+    events = list(e.generate(tokens, params, seq=seq))
+    return [ev.token for ev in events], events[-1].timings
+
+
+def text_tokens(e: Engine, n: int, seed: int) -> list[int]:
+    """n tokens of ordinary English (a repeated, shuffled word list), so greedy continuations are not near-ties."""
+    words = "the river ran past an old mill where a miller kept bread and grain for every family in town".split()
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        out += e.tokenizer.encode(" " + " ".join(rng.permutation(words)) + ".", add_special=False)
+    return out[:n]
+
+
+# ---- the pool alone (synthetic keys and values) ----------------------------------------------------------
+
+
+def kv(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 2, 4), dtype=np.float32), rng.standard_normal((n, 2, 3), dtype=np.float32)
+
+
+def append(cache, n, seed):
+    k, v = kv(n, seed)
+    cache.reserve(n)
+    cache.write(0, k, v)
+    cache.commit()
+    return k, v
+
+
+def test_lone_sequence_is_contiguous_and_interleaved_ones_are_paged_with_the_same_contents():
+    pool, shared = KVPool(1, 2, 4, 3), KVPool(1, 2, 4, 3)
+    lone = pool.new_cache(1000)
+    a, b = shared.new_cache(1000), shared.new_cache(1000)
+    chunks = [(5, 1), (30, 2), (1, 3), (20, 4)]
+    for n, seed in chunks:
+        append(lone, n, seed)
+        append(a, n, seed)
+        append(b, n, seed + 100)
+    assert lone.contiguous and not a.contiguous
+    ref_k = np.concatenate([kv(n, s)[0] for n, s in chunks]).transpose(1, 0, 2)
+    assert np.array_equal(lone.keys(0), ref_k) and np.array_equal(a.keys(0), ref_k)
+    assert np.shares_memory(lone.keys(0), pool.groups[0].k[0])  # a view: the lone sequence copies nothing
+
+
+def test_storage_grows_with_tokens_used_not_with_the_context_size():
+    pool = KVPool(2, 2, 4, 3)
+    c = pool.new_cache(1_000_000)
+    append(c, 10, 0)
+    assert pool.nbytes == GROWTH_BLOCKS * pool.groups[0].block_bytes  # one chunk, whatever max_tokens is
+    for i in range(40):
+        append(c, 10, i)
+    assert pool.nbytes == -(-410 // (GROWTH_BLOCKS * BLOCK)) * GROWTH_BLOCKS * pool.groups[0].block_bytes
+
+
+def test_rollback_inside_a_shared_block_copies_it_first():
+    pool = KVPool(1, 2, 4, 3)
+    tokens = list(range(40))
+    a = pool.new_cache(100)
+    append(a, 40, 1)
+    a.remember(tokens)
+    before = a.keys(0).copy()
+    b = pool.new_cache(100)
+    assert b.attach_prefix(tokens) == 32  # two full blocks, shared
+    b.truncate(20)
+    k, _ = append(b, 5, 9)
+    assert np.array_equal(a.keys(0), before)  # a's block was not overwritten
+    assert np.array_equal(b.keys(0)[:, 20:25], k.transpose(1, 0, 2))
+    assert np.array_equal(b.keys(0)[:, :20], before[:, :20])
+
+
+def test_lru_evicts_idle_blocks_oldest_first_under_the_budget():
+    pool = KVPool(1, 2, 4, 3, budget_bytes=GROWTH_BLOCKS * KVPool(1, 2, 4, 3).groups[0].block_bytes)
+    first = list(range(GROWTH_BLOCKS * BLOCK))
+    a = pool.new_cache(10_000)
+    append(a, len(first), 1)
+    a.remember(first)
+    a.release()
+    assert pool.blocks_held() == 0 and pool.blocks_idle() == GROWTH_BLOCKS  # finished, still cached
+    b = pool.new_cache(10_000)
+    append(b, 4 * BLOCK, 2)  # the pool is at its budget: b recycles idle blocks instead of growing
+    assert pool.nbytes == GROWTH_BLOCKS * pool.groups[0].block_bytes
+    assert pool.blocks_idle() == GROWTH_BLOCKS - 4
+    # The tail of a's prefix was evicted first (released last blocks first), so its start is still reusable.
+    assert pool.new_cache(10_000).cached_prefix(first)[0] == GROWTH_BLOCKS - 4
+
+
+def test_without_a_budget_idle_blocks_are_kept_and_the_pool_grows():
+    pool = KVPool(1, 2, 4, 3, budget_bytes=10**9)
+    a = pool.new_cache(10_000)
+    append(a, GROWTH_BLOCKS * BLOCK, 1)
+    a.remember(list(range(GROWTH_BLOCKS * BLOCK)))
+    a.release()
+    append(pool.new_cache(10_000), BLOCK, 2)
+    assert pool.blocks_idle() == GROWTH_BLOCKS and pool.nbytes == 2 * GROWTH_BLOCKS * pool.groups[0].block_bytes
+
+
+# ---- on a real model ---------------------------------------------------------------------------------------
+
+
+def test_two_sequences_sharing_a_1000_token_prefix_hold_it_once():
+    e = engine()
+    pool = fresh_pool(e)
+    prefix = text_tokens(e, 1000, seed=0)
+    a, b = e.new_sequence(), e.new_sequence()
+    _, ta = greedy(e, prefix + text_tokens(e, 20, seed=1), seq=a, params=GenerationParams(max_tokens=2))
+    _, tb = greedy(e, prefix + text_tokens(e, 20, seed=2), seq=b, params=GenerationParams(max_tokens=2))
+    shared = 1000 // BLOCK
+    assert ta.cache_n == 0 and tb.cache_n == shared * BLOCK  # b computed only what follows the shared blocks
+    per_seq = [sum(len(t) for t in s.cache.tables) for s in (a, b)]
+    assert pool.blocks_held() == sum(per_seq) - shared  # the 62 shared blocks are held once
+    held_bytes = pool.blocks_held() * pool.groups[0].block_bytes
+    two_copies = (a.cache.nbytes + b.cache.nbytes)
+    print(f"KV held for 2 sequences with a shared 1000-token prefix: {held_bytes / 2**20:.1f} MiB "
+          f"(two private copies: {two_copies / 2**20:.1f} MiB; pool storage {pool.nbytes / 2**20:.1f} MiB)")
+    assert held_bytes < 0.55 * two_copies
+    # Memory follows tokens used: ~1040 tokens per sequence, far below a 4096-token context per sequence.
+    assert pool.nbytes <= (len(a.tokens) + len(b.tokens) - shared * BLOCK + 2 * GROWTH_BLOCKS * BLOCK) \
+        * pool.bytes_per_token
+    a.close(), b.close()
+
+
+def test_reused_blocks_are_exactly_what_recomputing_them_gives():
+    """Paging and sharing add no error: a prompt whose first 288 tokens come from another sequence's cached
+    blocks gives bitwise the same logits and greedy tokens as computing those 288 tokens in the same chunks."""
+    e = engine()
+    prefix = text_tokens(e, 288, seed=3)
+    first, second = prefix + text_tokens(e, 9, seed=4), prefix + text_tokens(e, 7, seed=5)
+    fresh_pool(e)
+    own = e.new_sequence()
+    e.evaluate(own, prefix)
+    without, t = greedy(e, second, seq=own)  # recomputed: only this sequence's own history is reused
+    assert t.cache_n == 288
+    fresh_pool(e)
+    other = e.new_sequence()
+    e.evaluate(other, prefix)
+    greedy(e, first, seq=other)
+    other.close()  # finished: its blocks stay cached in the pool
+    seq = e.new_sequence()
+    with_reuse, t = greedy(e, second, seq=seq)
+    assert t.cache_n == 288 and t.prompt_n == len(second) - 288
+    assert with_reuse == without
+    for layer in (0, e.config.n_layers - 1):
+        assert np.array_equal(seq.cache.keys(layer)[:, :288], own.cache.keys(layer)[:, :288])
+
+
+def test_greedy_output_is_identical_with_and_without_prefix_reuse():
+    """On llama.cpp's long_apache case. With reuse, only the 16 prompt tokens after the cached blocks are
+    computed, by the small-batch 8-bit kernels instead of one BLAS pass: float noise of the size llama.cpp's own
+    8-bit rounding has (tests/test_reference_llamacpp.py), so a greedy run may fork at a near-tie, as a chat's
+    next turn already may. This case's first such tie is at its 13th token."""
+    e = engine()
+    case = next(c for c in reference_cases(SMALL) if c["name"] == "long_apache")
+    prompt = case["prompt_tokens"]
+    fresh_pool(e)
+    without, t = greedy(e, prompt)
+    assert t.cache_n == 0
+    fresh_pool(e)
+    greedy(e, prompt + case["tokens"][:20])  # an earlier request whose prompt began with this one
+    with_reuse, t = greedy(e, prompt)
+    assert t.cache_n == (len(prompt) - 1) // BLOCK * BLOCK and t.prompt_n == len(prompt) - t.cache_n
+    assert with_reuse == without == case["tokens"][:12]
+
+
+def test_greedy_output_is_identical_with_contiguous_and_paged_storage():
+    e = engine()
+    p1, p2 = text_tokens(e, 40, seed=6), text_tokens(e, 50, seed=7)
+    fresh_pool(e)
+    s1, s2 = e.new_sequence(), e.new_sequence()
+    params = GenerationParams(max_tokens=40, sampling=SamplingParams(temperature=0))
+    lone = [greedy(e, p, params=params)[0] for p in (p1, p2)]
+    # Two sequences decoding in turn allocate blocks in turn: their tables interleave (paged).
+    together = list(zip(e.generate(p1, params, seq=s1), e.generate(p2, params, seq=s2)))
+    assert not s1.cache.contiguous and not s2.cache.contiguous
+    assert [ev.token for ev, _ in together] == lone[0] and [ev.token for _, ev in together] == lone[1]
+
+
+def test_rollback_then_continue_matches_never_having_gone_further():
+    e = engine()
+    fresh_pool(e)
+    prompt = text_tokens(e, 45, seed=8)
+    params = GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=0))
+    reference, _ = greedy(e, prompt, params=params)
+    seq = e.new_sequence()
+    e.evaluate(seq, prompt + reference[:10] + text_tokens(e, 30, seed=9))  # 30 speculative tokens, rejected
+    seq.cache.truncate(len(prompt) + 6)
+    del seq.tokens[len(prompt) + 6 :]
+    got = []
+    logits = e.evaluate(seq, [reference[6]])
+    for _ in range(12):
+        got.append(int(np.argmax(logits)))
+        logits = e.evaluate(seq, [got[-1]])
+    assert got == reference[7:19]
+
+
+def test_gemma3_sliding_layers_keep_only_their_window_and_outputs_do_not_change():
+    e = engine("gemma3-270m")
+    case = next(c for c in reference_cases("gemma3-270m") if c["name"] == "long_apache")
+    tokens = case["prompt_tokens"]
+    window = e.config.sliding_window
+    assert len(tokens) > window
+    params = GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=0))
+    results = {}
+    for trim in (False, True):
+        fresh_pool(e, trim_windows=trim)
+        generated = greedy(e, tokens, params=params)[0]
+        fresh_pool(e, trim_windows=trim)
+        seq = e.new_sequence()
+        logits = e.evaluate(seq, tokens + case["tokens"][:8], logit_positions=np.arange(len(tokens) - 1, len(tokens) + 8))
+        results[trim] = logits, generated, seq
+    assert results[True][1] == results[False][1] == case["tokens"][:8]
+    assert np.array_equal(results[True][0], results[False][0])  # attention reads only visible keys either way
+    seq = results[True][2]
+    sliding = [gi for gi, g in enumerate(e.kv_pool.groups) if g.window]
+    assert sliding
+    for gi in sliding:
+        held = sum(b is not None for b in seq.cache.tables[gi])
+        assert held <= window // BLOCK + 2 < len(seq.cache.tables[gi])  # only the window (and one spare block)
+
+
+def test_gemma3_reused_blocks_are_exactly_what_recomputing_them_gives():
+    """Prefix reuse with sliding-window layers: the attached sliding blocks are only those the next query
+    sees, and the result is bitwise that of computing the prefix in the same chunks."""
+    e = engine("gemma3-270m")
+    case = next(c for c in reference_cases("gemma3-270m") if c["name"] == "long_apache")
+    prompt = case["prompt_tokens"]
+    cut = (len(prompt) - 1) // BLOCK * BLOCK
+    params = GenerationParams(max_tokens=6, sampling=SamplingParams(temperature=0))
+    fresh_pool(e)
+    own = e.new_sequence()
+    e.evaluate(own, prompt[:cut])
+    without, _ = greedy(e, prompt, seq=own, params=params)
+    fresh_pool(e)
+    other = e.new_sequence()
+    e.evaluate(other, prompt[:cut])
+    other.close()
+    seq = e.new_sequence()
+    with_reuse, t = greedy(e, prompt, seq=seq, params=params)
+    assert t.cache_n == cut and with_reuse == without
+    gi = next(gi for gi, g in enumerate(e.kv_pool.groups) if g.window)
+    assert seq.cache.tables[gi][0] is None  # blocks before the window were never attached
+
+
+def test_rollback_below_what_a_sliding_layer_kept_is_refused():
+    pool = KVPool(2, 2, 4, 3, windows=[0, 32])
+    c = pool.new_cache(1000)
+    c.reserve(200)
+    k, v = kv(200, 0)
+    c.write(0, k, v)
+    c.write(1, k, v)
+    c.commit()
+    assert c.start(0) == 0 and 0 < c.start(1) <= 200 - 32 - BLOCK  # the sliding layer dropped its old blocks
+    assert np.array_equal(c.keys(1), k[c.start(1) :].transpose(1, 0, 2))
+    assert c.can_truncate(0) and c.can_truncate(195) and not c.can_truncate(100)
+    with pytest.raises(ValueError):
+        c.truncate(100)
