@@ -200,11 +200,16 @@ class KVCache:
 
     def keys(self, layer: int) -> np.ndarray:
         gi, slot = self.pool.where[layer]
-        return self.pool.groups[gi].k[slot][:, self._columns(gi, self.start(layer), self.length + self._pending)]
+        return self._read(self.pool.groups[gi].k[slot], gi, layer)
 
     def values(self, layer: int) -> np.ndarray:
         gi, slot = self.pool.where[layer]
-        return self.pool.groups[gi].v[slot][:, self._columns(gi, self.start(layer), self.length + self._pending)]
+        return self._read(self.pool.groups[gi].v[slot], gi, layer)
+
+    def _read(self, store: np.ndarray, gi: int, layer: int) -> np.ndarray:
+        cols = self._columns(gi, self.start(layer), self.length + self._pending)
+        # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
+        return store[:, cols] if isinstance(cols, slice) else np.take(store, cols, axis=1)
 
     def commit(self) -> None:
         self.length += self._pending
