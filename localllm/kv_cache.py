@@ -9,11 +9,12 @@ Design (vLLM-style paged attention with prefix caching, kept small):
   `reserve(n)` before a forward of n tokens, `write(layer, k, v)`, `keys(layer)` / `values(layer)` with
   `start(layer)` (absolute position of their first column) for attention, `commit()`, `truncate(n)` to roll
   back (speculative decoding).
-* Contiguous vs paged: the pool hands a sequence the block right after its last one whenever it is free, so a
-  lone sequence's table is one run of consecutive blocks and `keys()` is a zero-copy slice of storage that
-  grows in chunks, exactly the old contiguous cache. Once several sequences allocate in turn, tables
-  interleave and `keys()` gathers the blocks with one vectorised fancy index. Nothing outside this module
-  sees which of the two it got.
+* Contiguous vs paged: the pool hands a sequence the block right after its last one whenever it is free (and
+  grows storage rather than recycle a cached block while under budget), so a lone sequence's table is one run
+  of consecutive blocks and `keys()` is a zero-copy slice of storage that grows in chunks, exactly the old
+  contiguous cache. Once several sequences allocate in turn (or cached blocks are recycled), tables
+  fragment and `keys()` gathers the blocks with one vectorised np.take. Nothing outside this module sees
+  which of the two it got.
 * Prefix caching: each full block is named by a hash of its tokens chained with its parent block's hash, so a
   name stands for the whole prefix up to it. Blocks are refcounted; a sequence whose prompt starts with named
   blocks attaches them (refcount + 1) instead of recomputing them, so two sequences sharing a prefix hold it

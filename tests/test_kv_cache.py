@@ -24,8 +24,9 @@ def engine(name: str = SMALL) -> Engine:
 
 def fresh_pool(e: Engine, **kw) -> KVPool:
     """Give the engine an empty pool (nothing cached) and return it."""
-    e.kv_pool = KVPool.for_model(e.config, budget_bytes=e.ctx * KVPool.for_model(e.config).bytes_per_token, **kw)
-    return e.kv_pool
+    pool = e.kv_pool = KVPool.for_model(e.config, **kw)
+    pool.budget_bytes = e.ctx * pool.bytes_per_token
+    return pool
 
 
 def greedy(e: Engine, tokens, seq=None, params=GREEDY):
@@ -196,10 +197,15 @@ def test_greedy_output_is_identical_with_and_without_prefix_reuse():
 def test_greedy_output_is_identical_with_contiguous_and_paged_storage():
     e = engine()
     p1, p2 = text_tokens(e, 40, seed=6), text_tokens(e, 50, seed=7)
+    params = GenerationParams(max_tokens=40, sampling=SamplingParams(temperature=0))
+    lone = []
+    for p in (p1, p2):
+        fresh_pool(e)
+        seq = e.new_sequence()
+        lone.append(greedy(e, p, seq=seq, params=params)[0])
+        assert seq.cache.contiguous  # alone, a sequence's blocks are one run of storage
     fresh_pool(e)
     s1, s2 = e.new_sequence(), e.new_sequence()
-    params = GenerationParams(max_tokens=40, sampling=SamplingParams(temperature=0))
-    lone = [greedy(e, p, params=params)[0] for p in (p1, p2)]
     # Two sequences decoding in turn allocate blocks in turn: their tables interleave (paged).
     together = list(zip(e.generate(p1, params, seq=s1), e.generate(p2, params, seq=s2)))
     assert not s1.cache.contiguous and not s2.cache.contiguous
