@@ -24,6 +24,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from kernels.cpu import blocks as _blocks
 from kernels.formats import FORMATS, QuantFormat, format_of
 
 try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
@@ -183,6 +184,26 @@ def dequantize(w: Weight) -> np.ndarray:
     return out
 
 
+def _warm_blocks() -> None:
+    x = np.ones((1, 2, 4), _F32)
+    rms_norm(x, np.ones(4, _F32), 1e-6)
+    for neox in (False, True):
+        rope(x, np.ones((1, 2), _F32), np.zeros((1, 2), _F32), 4, neox)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis of a float32 array (any leading shape); returns a new array."""
+    x2 = np.ascontiguousarray(x, dtype=_F32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    _blocks.rms_norm_rows(x2, weight, eps, out)
+    return out.reshape(x.shape)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> None:
+    """Rotate x (n, heads, head_dim), C-contiguous float32, in place; cos/sin are (n, rope_dim // 2)."""
+    _blocks.rope_rows(x, cos, sin, rope_dim, neox)
+
+
 def warm_up_calls(weights) -> list[tuple[str, object]]:
     """(label, thunk) pairs that call every kernel variant these weights will use, once, on tiny inputs.
 
@@ -190,7 +211,7 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
     show progress instead of freezing on the first token. Thunks use slices of the real weights, so the
     compiled signatures (read-only memory-mapped uint8 rows) are exactly those used later.
     """
-    calls, seen = [], set()
+    calls, seen = [("norm and rope", _warm_blocks)], set()
     for w in weights:
         if w._dense is not None:
             continue
@@ -210,4 +231,5 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
     return calls
 
 
-__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "warm_up_calls", "FORMATS", "BLAS_MIN_N"]
+__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "set_threads",
+           "warm_up_calls", "FORMATS", "BLAS_MIN_N"]

@@ -23,3 +23,23 @@ def matmul(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray) -> np.nd
 
 def embed(raw: np.ndarray, qtype: GGMLQuantizationType, ids: np.ndarray) -> np.ndarray:
     return dequantize(raw, qtype)[np.asarray(ids, dtype=np.int64)]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis, the mean of squares accumulated in float64 (as ggml does)."""
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> np.ndarray:
+    """x (n, heads, head_dim) rotated by cos/sin (n, rope_dim/2): NeoX halves or adjacent pairs."""
+    x = x.copy()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if neox:
+        half = rope_dim // 2
+        a, b = x[..., :half].copy(), x[..., half:rope_dim].copy()
+        x[..., :half], x[..., half:rope_dim] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., 0:rope_dim:2].copy(), x[..., 1:rope_dim:2].copy()
+        x[..., 0:rope_dim:2], x[..., 1:rope_dim:2] = a * c - b * s, a * s + b * c
+    return x

@@ -19,12 +19,9 @@ from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import KVCache, KVPool
 
 # ---- blocks ----------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis. The mean of squares is accumulated in float64, as ggml does."""
-    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
-    return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+# RMSNorm and RoPE are compiled kernels (kernels.ops; numpy references in kernels/reference.py): in numpy they
+# cost as much per decode step as the matrix products of a small model.
+rms_norm = ops.rms_norm
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -58,20 +55,6 @@ class RopeTable:
             angles = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]
             self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         return self.cos[positions], self.sin[positions]
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, style: str) -> None:
-    """Rotate x (n, heads, head_dim) in place; cos/sin are (n, rope_dim/2)."""
-    c, s = cos[:, None, :], sin[:, None, :]
-    if style == "neox":
-        half = rope_dim // 2
-        a, b = x[..., :half].copy(), x[..., half:rope_dim].copy()
-        x[..., :half] = a * c - b * s
-        x[..., half:rope_dim] = a * s + b * c
-    else:
-        a, b = x[..., 0:rope_dim:2].copy(), x[..., 1:rope_dim:2].copy()
-        x[..., 0:rope_dim:2] = a * c - b * s
-        x[..., 1:rope_dim:2] = a * s + b * c
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
@@ -248,8 +231,8 @@ class Transformer:
                 q = rms_norm(q, L.q_norm, c.rms_eps)
                 k = rms_norm(k, L.k_norm, c.rms_eps)
             cos, sin = self.layer_rope[i].get(positions)
-            apply_rope(q, cos, sin, c.rope_dim, tr.rope_style)
-            apply_rope(k, cos, sin, c.rope_dim, tr.rope_style)
+            ops.rope(q, cos, sin, c.rope_dim, tr.rope_style == "neox")
+            ops.rope(k, cos, sin, c.rope_dim, tr.rope_style == "neox")
             cache.write(i, k, v)
             attn = attention(q, cache.keys(i), cache.values(i), positions, c.attention_scale, self.layer_window[i],
                              cache.start(i))

@@ -1,0 +1,40 @@
+"""The compiled RMSNorm and RoPE kernels against their numpy references (kernels/reference.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import ops, reference
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 640), (3, 4, 256)])
+def test_rms_norm_matches_reference(shape):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, reference.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("rope_dim", [64, 32])
+def test_rope_matches_reference_and_leaves_unrotated_dims(neox, rope_dim):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32)
+    angles = rng.uniform(0, 50, (5, rope_dim // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    expected = reference.rope(x, cos, sin, rope_dim, neox)
+    ops.rope(x, cos, sin, rope_dim, neox)
+    np.testing.assert_allclose(x, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(x[..., rope_dim:], expected[..., rope_dim:])
+
+
+def test_rope_preserves_norms_of_rotated_pairs():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    before = np.hypot(x[..., :4], x[..., 4:])
+    angles = rng.uniform(0, 6, (2, 4))
+    ops.rope(x, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), 8, True)
+    np.testing.assert_allclose(np.hypot(x[..., :4], x[..., 4:]), before, rtol=1e-5)
