@@ -39,7 +39,17 @@ def generation_params(args):
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
     max_tokens = None if args.max_tokens is not None and args.max_tokens < 0 else args.max_tokens
-    return GenerationParams(max_tokens=max_tokens, stop=list(args.stop), sampling=sampling)
+    return GenerationParams(max_tokens=max_tokens, stop=list(args.stop), sampling=sampling,
+                            context_overflow=args.context_overflow, n_keep=args.keep)
+
+
+def add_overflow_options(p, default: str, why: str) -> None:
+    p.add_argument("--context-overflow", choices=["stop", "shift"], default=default,
+                   help="at the context limit: stop (finish reason 'length') or shift (drop the older half of "
+                        f"the tokens after --keep, as llama.cpp's context shift) (default {default}: {why})")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="tokens a context shift always keeps at the start, e.g. the system prompt; -1: the whole "
+                        "prompt (default 0; the BOS is always kept)")
 
 
 def load_engine(args):
@@ -99,6 +109,8 @@ def cmd_chat(args) -> int:
     if args.model is None:
         args.model = catalog.default_entry().name
     engine = load_engine(args)
+    if args.context_overflow == "shift" and not engine.model.can_shift:
+        args.context_overflow = "stop"  # sliding-window layers (gemma3) cannot shift; see Transformer.can_shift
     params = generation_params(args)
     seq = engine.new_sequence()
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -226,6 +238,7 @@ def add_commands(sub) -> None:
                    help='print {"tokens", "text", "prompt_tokens", "timings"} once at the end')
     p.add_argument("-v", "--verbose", action="store_true", help="print speed and finish reason to stderr")
     add_sampling_options(p)
+    add_overflow_options(p, "stop", "a completion never silently loses the start of its prompt")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal",
@@ -233,6 +246,9 @@ def add_commands(sub) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP + " (default: the default model)")
     p.add_argument("--system", help="a system prompt")
     add_sampling_options(p)
+    add_overflow_options(p, "shift", "an answer that reaches the context limit goes on, forgetting the "
+                         "oldest tokens, instead of being cut off mid-sentence; models with sliding-window layers "
+                         "stop instead")
     p.set_defaults(func=cmd_chat, max_tokens=1024)
 
     p = sub.add_parser("perplexity", help="measure perplexity on a text file (llama.cpp's protocol)",

@@ -40,6 +40,10 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False
+    # At the context limit: "stop" finishes with "length"; "shift" drops the older half of the tokens after the
+    # first n_keep and goes on, as llama.cpp's context shift does. n_keep < 0 keeps the whole prompt (--keep -1).
+    context_overflow: str = "stop"
+    n_keep: int = 0
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Timings:
     predicted_n: int = 0
     predicted_ms: float = 0.0
     token_ms: list[float] = field(default_factory=list)  # wall time of each generated token
+    n_shifts: int = 0  # context shifts during generation (context_overflow="shift")
 
     @property
     def prompt_per_second(self) -> float:
@@ -72,6 +77,7 @@ class Timings:
             "predicted_ms": round(self.predicted_ms, 3),
             "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
             "predicted_per_second": round(self.predicted_per_second, 3),
+            "n_shifts": self.n_shifts,
         }
 
 
@@ -182,6 +188,23 @@ class Engine:
         logits = np.concatenate(outs)
         return logits[-1] if logit_positions is None else logits
 
+    def keep_count(self, params: GenerationParams, prompt: list[int]) -> int:
+        """Tokens a context shift keeps at the start: params.n_keep (the whole prompt if < 0), and at least
+        the BOS, as llama.cpp keeps it (a model that saw no BOS first drifts)."""
+        n_keep = len(prompt) if params.n_keep < 0 else params.n_keep
+        if prompt and self.tokenizer.bos_id is not None and prompt[0] == self.tokenizer.bos_id:
+            n_keep = max(n_keep, 1)
+        # The shift happens at ctx - 1 tokens and must discard at least one.
+        if n_keep > self.ctx - 3:
+            raise LocalLLMError(f"--keep {n_keep} leaves nothing to discard in a {self.ctx}-token context")
+        return n_keep
+
+    def shift_context(self, seq: Sequence, n_keep: int) -> None:
+        """Make room as llama.cpp does: drop the older half of the tokens after the first n_keep."""
+        n_discard = (len(seq.tokens) - n_keep) // 2
+        self.model.shift_cache(seq.cache, n_keep, n_discard)
+        del seq.tokens[n_keep : n_keep + n_discard]
+
     # ---- generation ------------------------------------------------------------------------------------
 
     def generate(self, prompt: str | list[int], params: GenerationParams | None = None,
@@ -189,6 +212,13 @@ class Engine:
         params = params or GenerationParams()
         tokens = self.tokenize_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         self.check_fits(len(tokens))
+        if params.context_overflow not in ("stop", "shift"):
+            raise LocalLLMError(f"context overflow {params.context_overflow!r}: use 'stop' or 'shift'")
+        shift = params.context_overflow == "shift"
+        if shift and not self.model.can_shift:
+            raise LocalLLMError(f"{self.name} has sliding-window layers, which keep only their window: a context "
+                                "shift cannot keep the first tokens there (use --context-overflow stop)")
+        n_keep = self.keep_count(params, tokens) if shift else 0
         if seq is None:
             # A one-off sequence: when generation ends (or the caller stops iterating) its blocks go back to the
             # pool, still cached for the next prompt that starts the same way.
@@ -212,7 +242,8 @@ class Engine:
         sampler.accept_many(tokens)
         decoder = self.tokenizer.stream_decoder()
         stops = StopMatcher(params.stop)
-        limit = params.max_tokens if params.max_tokens is not None else self.ctx
+        # No max_tokens: until the context is full, or, when shifting, until the model stops (as llama.cpp's -n -1).
+        limit = params.max_tokens if params.max_tokens is not None else (float("inf") if shift else self.ctx)
         t_gen = time.perf_counter()
 
         while True:
@@ -231,7 +262,12 @@ class Engine:
             if finish is None and timings.predicted_n >= limit:
                 finish = "length"
             if finish is None and len(seq.tokens) + 1 >= self.ctx:
-                finish = "length"  # the context is full (the context-shift option comes with the KV cache)
+                # The context is full (as llama.cpp's server decides it): this token is the last that fits.
+                if shift:
+                    self.shift_context(seq, n_keep)
+                    timings.n_shifts += 1
+                else:
+                    finish = "length"
             if finish is None:
                 logits = self.evaluate(seq, [picked.id])
             elif not stopped:

@@ -8,7 +8,8 @@ Design (vLLM-style paged attention with prefix caching, kept small):
 * `KVCache` (one per sequence) is a block table per layer group plus the narrow interface the model uses:
   `reserve(n)` before a forward of n tokens, `write(layer, k, v)`, `keys(layer)` / `values(layer)` with
   `start(layer)` (absolute position of their first column) for attention, `commit()`, `truncate(n)` to roll
-  back (speculative decoding).
+  back (speculative decoding), `shift(n_keep, n_discard, rotate)` for llama.cpp's context shift (the model
+  supplies the key rotation, so this module stays model-agnostic).
 * Contiguous vs paged: the pool hands a sequence the block right after its last one whenever it is free (and
   grows storage rather than recycle a cached block while under budget), so a lone sequence's table is one run
   of consecutive blocks and `keys()` is a zero-copy slice of storage that grows in chunks, exactly the old
@@ -171,6 +172,9 @@ class KVCache:
         self.tables: list[list[int | None]] = [[] for _ in pool.groups]
         self.first = [0] * len(pool.groups)  # first block each group still holds
         self.names: list[bytes] = []  # prefix names of the full blocks whose tokens we were told
+        # After a context shift, blocks from this one on hold keys computed with tokens that are gone: they
+        # are not what a fresh forward of their prefix gives, so they must never be named for reuse.
+        self.name_limit: int | None = None
 
     # ---- the interface the forward pass uses ----------------------------------------------------------
 
@@ -237,8 +241,33 @@ class KVCache:
                 self.pool.unref(gi, b)
             del table[keep_blocks:]
         del self.names[n // BLOCK :]
+        if self.name_limit is not None and n <= self.name_limit * BLOCK:
+            self.name_limit = None  # everything shifted was rolled back
         self.length = n
         self._pending = 0
+
+    def shift(self, n_keep: int, n_discard: int, rotate) -> None:
+        """llama.cpp's context shift: drop tokens [n_keep, n_keep + n_discard) and move the later ones down by
+        n_discard positions. Keys are cached after RoPE, so `rotate(layer, keys, delta)` (keys: (T, n_kv_heads,
+        head_dim), C-contiguous, rotated in place) re-positions them; values move as they are."""
+        if any(g.window for g in self.pool.groups):
+            raise ValueError("a context shift needs every layer's full history (sliding-window layers dropped it)")
+        if not (0 <= n_keep and n_discard > 0 and n_keep + n_discard <= self.length and self._pending == 0):
+            raise ValueError(f"cannot shift a {self.length}-token cache by {n_discard} after {n_keep}")
+        new_len = self.length - n_discard
+        for gi, g in enumerate(self.pool.groups):
+            for j in range(n_keep // BLOCK, -(-new_len // BLOCK)):
+                self._own(gi, j)  # contents change: copy shared blocks, un-name our own
+            src = self._columns(gi, n_keep + n_discard, self.length)
+            dst = self._columns(gi, n_keep, new_len)
+            for slot, layer in enumerate(g.layers):
+                keys = np.ascontiguousarray(g.k[slot][:, src].transpose(1, 0, 2))
+                rotate(layer, keys, -n_discard)
+                g.k[slot][:, dst] = keys.transpose(1, 0, 2)
+                g.v[slot][:, dst] = g.v[slot][:, src].copy()  # source and destination may overlap
+        del self.names[n_keep // BLOCK :]
+        self.name_limit = n_keep // BLOCK if self.name_limit is None else min(self.name_limit, n_keep // BLOCK)
+        self.truncate(new_len)
 
     # ---- prefix sharing -------------------------------------------------------------------------------
 
@@ -250,6 +279,8 @@ class KVCache:
     def remember(self, tokens) -> None:
         """Name the full blocks of `tokens` (what this cache holds, in order), so other sequences can reuse them."""
         n_full = min(len(tokens), self.length) // BLOCK
+        if self.name_limit is not None:
+            n_full = min(n_full, self.name_limit)
         parent = self.names[-1] if self.names else b""
         for j, name in enumerate(block_hashes(tokens[len(self.names) * BLOCK :], n_full - len(self.names), parent),
                                  start=len(self.names)):
@@ -297,6 +328,7 @@ class KVCache:
             table.clear()
         self.first = [0] * len(self.tables)
         self.names.clear()
+        self.name_limit = None
         self.length = self._pending = 0
 
     def __del__(self):

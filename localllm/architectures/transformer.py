@@ -196,6 +196,26 @@ class Transformer:
         """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""
         return KVPool.for_model(self.config).new_cache(max_tokens)
 
+    @property
+    def can_shift(self) -> bool:
+        """Whether a context shift is possible: sliding-window layers (gemma3) keep only their window, so the
+        tokens kept at the start (n_keep) are already gone from them."""
+        return not any(self.layer_window)
+
+    def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
+        """Context shift (llama.cpp's llama_memory_seq_add with a RoPE shift): drop n_discard tokens after the
+        first n_keep. Cached keys are post-RoPE and RoPE is a rotation, so rotating them by the position delta
+        gives exactly the keys those tokens would have at their new positions."""
+        neox = self.config.traits.rope_style == "neox"
+
+        def rotate(layer: int, keys: np.ndarray, delta: int) -> None:
+            angles = delta * self.layer_rope[layer].inv_freq
+            cos = np.broadcast_to(np.cos(angles).astype(np.float32), (len(keys), len(angles))).copy()
+            sin = np.broadcast_to(np.sin(angles).astype(np.float32), (len(keys), len(angles))).copy()
+            ops.rope(keys, cos, sin, self.config.rope_dim, neox)
+
+        cache.shift(n_keep, n_discard, rotate)
+
     def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None) -> np.ndarray:
         """Process `tokens` (appended after the cache's contents); return logits (len(output_rows), vocab).
 
