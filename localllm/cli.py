@@ -22,6 +22,17 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, ensure_ascii=False))
 
 
+def read_text_file(path: str) -> str:
+    """A UTF-8 text file named on the command line, or a clear error (missing, unreadable, not text)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise LocalLLMError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise LocalLLMError(f"{path} is not UTF-8 text") from None
+
+
 def _human_size(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -156,13 +167,7 @@ def cmd_tokenize(args) -> int:
     from localllm.gguf_file import load_metadata
     from localllm.tokenizer import Tokenizer
 
-    if args.file:
-        try:
-            text = open(args.file, encoding="utf-8").read()
-        except OSError as e:
-            raise LocalLLMError(f"cannot read {args.file}: {e.strerror}") from None
-    else:
-        text = args.text
+    text = read_text_file(args.file) if args.file else args.text
     tok = Tokenizer.from_metadata(load_metadata(store.resolve(args.model)))
     ids = tok.encode(text, add_special=not args.no_add_special, parse_special=not args.no_parse_special)
     pieces = [tok.piece(i) for i in ids]

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 
+from localllm.cli import read_text_file
 from localllm.errors import LocalLLMError
 
 MODEL_HELP = "catalog name or path to a .gguf file"
@@ -63,10 +64,7 @@ def load_engine(args):
 
 def cmd_run(args) -> int:
     if args.prompt_file:
-        try:
-            prompt = open(args.prompt_file, encoding="utf-8").read()
-        except OSError as e:
-            raise LocalLLMError(f"cannot read {args.prompt_file}: {e.strerror}") from None
+        prompt = read_text_file(args.prompt_file)
     elif args.prompt is not None:
         prompt = args.prompt
     else:
@@ -181,10 +179,7 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress=None) -> dict:
 
 
 def cmd_perplexity(args) -> int:
-    try:
-        text = open(args.file, encoding="utf-8").read()
-    except OSError as e:
-        raise LocalLLMError(f"cannot read {args.file}: {e.strerror}") from None
+    text = read_text_file(args.file)
     engine = load_engine(args)
 
     def show(done, total, ppl):
