@@ -36,6 +36,36 @@ def time_generation(engine, n: int) -> float:
     return time.perf_counter() - t
 
 
+def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> dict:
+    """A chat's next turn: time to first token with the conversation's cache reused, against the same
+    history processed cold (a fresh KV pool, so nothing is found cached), and time per output token."""
+    from localllm.engine import GenerationParams
+    from localllm.kv_cache import KVPool
+    from localllm.sampling import SamplingParams
+
+    tokens = _tokens(engine, history + new, seed=2)
+    greedy = SamplingParams(temperature=0)
+    seq = engine.new_sequence()
+    engine.evaluate(seq, tokens[:history])  # the conversation so far
+    t = time.perf_counter()
+    events = engine.generate(tokens, GenerationParams(max_tokens=n_gen, ignore_eos=True, sampling=greedy), seq=seq)
+    first = next(events)
+    ttft = time.perf_counter() - t
+    rest = list(events)
+    tpot = (time.perf_counter() - t - ttft) / max(len(rest), 1)
+    warm_pool = engine.kv_pool
+    engine.kv_pool = KVPool.for_model(engine.config, warm_pool.budget_bytes)
+    try:
+        t = time.perf_counter()
+        cold = next(engine.generate(tokens, GenerationParams(max_tokens=1, sampling=greedy)))
+        cold_ttft = time.perf_counter() - t
+    finally:
+        engine.kv_pool = warm_pool
+    return {"history": history, "ttft_ms": 1000 * ttft, "cold_ttft_ms": 1000 * cold_ttft,
+            "ttft_ratio": ttft / cold_ttft, "tpot_ms": 1000 * tpot, "reused": first.timings.cache_n,
+            "cold_reused": cold.timings.cache_n}
+
+
 def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict:
     result = {"model": engine.name, "params": sum(w.rows * w.cols for w in engine.model.weights()),
               "size": engine.path.stat().st_size}
