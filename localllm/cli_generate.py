@@ -69,18 +69,27 @@ def cmd_run(args) -> int:
         prompt = args.prompt
     else:
         raise LocalLLMError("give a prompt, or --prompt-file FILE")
+    if (args.prompt_cache_all or args.prompt_cache_ro) and not args.prompt_cache:
+        raise LocalLLMError("--prompt-cache-all and --prompt-cache-ro need --prompt-cache FILE")
     engine = load_engine(args)
     if args.chat:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
     tokens = engine.tokenize_prompt(prompt, chat=args.chat)
+    seq = open_prompt_cache(engine, args.prompt_cache) if args.prompt_cache else engine.new_sequence()
     generated, pieces, final = [], [], None
-    for event in engine.generate(tokens, generation_params(args)):
+    for event in engine.generate(tokens, generation_params(args), seq=seq):
+        if args.prompt_cache and final is None and not args.prompt_cache_ro:
+            # As llama.cpp: the prompt's state is saved once it is evaluated (the first token just came out).
+            save_prompt_cache(engine, seq, args.prompt_cache, len(tokens))
         generated.append(event.token)
         pieces.append(event.text)
         if not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         final = event
+    if args.prompt_cache_all and not args.prompt_cache_ro:
+        save_prompt_cache(engine, seq, args.prompt_cache)  # the prompt and what was generated
+    seq.close()
     timings = final.timings.to_dict()
     if args.json:
         print(json.dumps({"tokens": generated, "text": "".join(pieces), "prompt_tokens": len(tokens),
@@ -92,6 +101,31 @@ def cmd_run(args) -> int:
                   f"generated {timings['predicted_n']} tokens, {timings['predicted_per_second']:.1f} tok/s; "
                   f"finish: {final.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def open_prompt_cache(engine, path):
+    """A sequence holding the saved session in `path` when it is usable; else a fresh one (with a warning
+    when the file exists but is corrupt or from another model: a cache must never stop a run)."""
+    import os
+
+    from localllm import session_file
+
+    if not os.path.exists(path):
+        return engine.new_sequence()
+    try:
+        return session_file.load(engine, path)
+    except LocalLLMError as e:
+        print(f"warning: ignoring the prompt cache: {e}", file=sys.stderr)
+        return engine.new_sequence()
+
+
+def save_prompt_cache(engine, seq, path, n_tokens=None) -> None:
+    from localllm import session_file
+
+    try:
+        session_file.save(engine, seq, path, n_tokens)
+    except LocalLLMError as e:
+        print(f"warning: {e}", file=sys.stderr)
 
 
 # ---- chat (plain REPL) -----------------------------------------------------------------------------------
@@ -232,6 +266,13 @@ def add_commands(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help='print {"tokens", "text", "prompt_tokens", "timings"} once at the end')
     p.add_argument("-v", "--verbose", action="store_true", help="print speed and finish reason to stderr")
+    p.add_argument("--prompt-cache", metavar="FILE",
+                   help="reuse the saved state of a previous prompt from FILE (its longest common prefix with "
+                        "this prompt is not evaluated again), then save this prompt's state to FILE, as llama.cpp")
+    p.add_argument("--prompt-cache-all", action="store_true",
+                   help="with --prompt-cache: also save the generated tokens")
+    p.add_argument("--prompt-cache-ro", action="store_true",
+                   help="with --prompt-cache: only read FILE, never update it")
     add_sampling_options(p)
     add_overflow_options(p, "stop", "a completion never silently loses the start of its prompt")
     p.set_defaults(func=cmd_run)

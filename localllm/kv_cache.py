@@ -9,7 +9,8 @@ Design (vLLM-style paged attention with prefix caching, kept small):
   `reserve(n)` before a forward of n tokens, `write(layer, k, v)`, `keys(layer)` / `values(layer)` with
   `start(layer)` (absolute position of their first column) for attention, `commit()`, `truncate(n)` to roll
   back (speculative decoding), `shift(n_keep, n_discard, rotate)` for llama.cpp's context shift (the model
-  supplies the key rotation, so this module stays model-agnostic).
+  supplies the key rotation, so this module stays model-agnostic), `restore(length, kv)` to fill an empty cache
+  from a saved session (`session_file.py`).
 * Contiguous vs paged: the pool hands a sequence the block right after its last one whenever it is free (and
   grows storage rather than recycle a cached block while under budget), so a lone sequence's table is one run
   of consecutive blocks and `keys()` is a zero-copy slice of storage that grows in chunks, exactly the old
@@ -317,6 +318,34 @@ class KVCache:
         self.names = names
         self.length = m * BLOCK
         return self.length
+
+    def restore(self, length: int, kv: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """On an empty cache: take `length` tokens' keys and values from outside (a saved session). kv[layer] is
+        (keys, values) as keys(layer) / values(layer) return them, i.e. positions [start, length): a sliding
+        group may start late (at a block boundary), since it held only its window."""
+        assert self.length == 0
+        if length > self.max_tokens:
+            raise ValueError(f"{length} tokens do not fit a {self.max_tokens}-token cache")
+        # Check everything before taking any block, so a bad input leaves the cache empty.
+        starts = []
+        for g in self.pool.groups:
+            start = length - kv[g.layers[0]][0].shape[1]
+            needed = max(0, length - g.window + 1) if g.window else 0  # first key the next query sees
+            if start % BLOCK or not 0 <= start <= needed or any(
+                    length - kv[layer][0].shape[1] != start or length - kv[layer][1].shape[1] != start
+                    for layer in g.layers):
+                raise ValueError(f"layers {g.layers[0]}..{g.layers[-1]} do not hold the keys the next token needs")
+            starts.append(start)
+        for gi, (g, start) in enumerate(zip(self.pool.groups, starts)):
+            self.first[gi] = start // BLOCK
+            table = self.tables[gi] = [None] * self.first[gi]
+            while len(table) * BLOCK < length:
+                last = table[-1] if table and table[-1] is not None else None
+                table.append(self.pool.allocate(gi, None if last is None else last + 1))
+            cols = self._columns(gi, start, length)
+            for slot, layer in enumerate(g.layers):
+                g.k[slot][:, cols], g.v[slot][:, cols] = kv[layer]
+        self.length = length
 
     def release(self) -> None:
         """Give every block back to the pool (named ones stay cached for reuse). Last blocks first, so they are
