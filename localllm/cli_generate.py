@@ -244,14 +244,24 @@ def cmd_bench(args) -> int:
         raise LocalLLMError("name a model, or use --present for every downloaded catalog model")
     results = []
     for name in names:
-        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16), quiet=args.json)
-        results.append(bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r))
+        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.chat_turn + 64), quiet=args.json)
+        result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r)
+        if args.chat_turn:
+            result["chat_turn"] = bench.chat_turn(engine, history=args.chat_turn)
+        results.append(result)
         if not args.json:
             print(f"{name}: done", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
     else:
-        print(bench.format_rows(results, numba.get_num_threads()))
+        if args.p > 0 or args.n > 0:
+            print(bench.format_rows(results, numba.get_num_threads()))
+        for r in results:
+            if "chat_turn" in r:
+                c = r["chat_turn"]
+                print(f"{r['model']}: next chat turn after {c['history']} tokens: TTFT {c['ttft_ms']:.0f} ms "
+                      f"({c['reused']} reused) vs {c['cold_ttft_ms']:.0f} ms cold = {c['ttft_ratio']:.3f}; "
+                      f"TPOT {c['tpot_ms']:.1f} ms")
     return 0
 
 
@@ -307,5 +317,7 @@ def add_commands(sub) -> None:
     p.add_argument("-r", type=int, default=3, help="repetitions (default 3)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=None, help="context size (default: enough for the test)")
+    p.add_argument("--chat-turn", type=int, default=0, metavar="N",
+                   help="also time a chat's next turn after N tokens of history, with the cache and cold")
     p.add_argument("--json", action="store_true", help='print {"pp", "tg", "pp_sd", "tg_sd", ...}')
     p.set_defaults(func=cmd_bench)
