@@ -33,3 +33,16 @@ def model_file(name: str) -> Path:
 
 def reference_cases(name: str) -> list[dict]:
     return json.loads((REFERENCE_DIR / REFERENCE_FILES[name]).read_text())["cases"]
+
+
+def english_tokens(tokenizer, n: int, seed: int) -> list[int]:
+    """n tokens of ordinary English (a shuffled, repeated word list): varied but plain text, so continuations
+    are seldom near-ties, and the same for a given seed."""
+    import numpy as np
+
+    words = "the river ran past an old mill where a miller kept bread and grain for every family in town".split()
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    while len(out) < n:
+        out += tokenizer.encode(" " + " ".join(rng.permutation(words)) + ".", add_special=False)
+    return out[:n]

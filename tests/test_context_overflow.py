@@ -10,7 +10,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from conftest import model_file
+from conftest import english_tokens, model_file
 from localllm.engine import Engine, GenerationParams
 from localllm.errors import LocalLLMError
 from localllm.kv_cache import BLOCK
@@ -25,12 +25,7 @@ def engine() -> Engine:
 
 
 def prompt(e: Engine, n: int) -> list[int]:
-    words = "the river ran past an old mill where a miller kept bread and grain for every family in town".split()
-    rng = np.random.default_rng(n)
-    out = []
-    while len(out) < n:
-        out += e.tokenizer.encode(" " + " ".join(rng.permutation(words)) + ".", add_special=False)
-    return out[:n]
+    return english_tokens(e.tokenizer, n, seed=n)
 
 
 def params(**kw) -> GenerationParams:

@@ -8,7 +8,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from conftest import model_file, reference_cases
+from conftest import english_tokens, model_file, reference_cases
 from localllm.engine import Engine, GenerationParams
 from localllm.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
 from localllm.sampling import SamplingParams
@@ -35,13 +35,7 @@ def greedy(e: Engine, tokens, seq=None, params=GREEDY):
 
 
 def text_tokens(e: Engine, n: int, seed: int) -> list[int]:
-    """n tokens of ordinary English (a repeated, shuffled word list), so greedy continuations are not near-ties."""
-    words = "the river ran past an old mill where a miller kept bread and grain for every family in town".split()
-    rng = np.random.default_rng(seed)
-    out = []
-    while len(out) < n:
-        out += e.tokenizer.encode(" " + " ".join(rng.permutation(words)) + ".", add_special=False)
-    return out[:n]
+    return english_tokens(e.tokenizer, n, seed)
 
 
 # ---- the pool alone (synthetic keys and values) ----------------------------------------------------------

