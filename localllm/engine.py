@@ -209,16 +209,9 @@ class Engine:
 
     def generate(self, prompt: str | list[int], params: GenerationParams | None = None,
                  seq: Sequence | None = None, chat: bool = False) -> Iterator[TokenEvent]:
+        """Stream the answer to `prompt` token by token. Stopping early is not asking for the next event."""
         params = params or GenerationParams()
         tokens = self.tokenize_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
-        self.check_fits(len(tokens))
-        if params.context_overflow not in ("stop", "shift"):
-            raise LocalLLMError(f"context overflow {params.context_overflow!r}: use 'stop' or 'shift'")
-        shift = params.context_overflow == "shift"
-        if shift and not self.model.can_shift:
-            raise LocalLLMError(f"{self.name} has sliding-window layers, which keep only their window: a context "
-                                "shift cannot keep the first tokens there (use --context-overflow stop)")
-        n_keep = self.keep_count(params, tokens) if shift else 0
         if seq is None:
             # A one-off sequence: when generation ends (or the caller stops iterating) its blocks go back to the
             # pool, still cached for the next prompt that starts the same way.
@@ -228,58 +221,22 @@ class Engine:
             finally:
                 seq.close()
             return
-        timings = Timings()
-
-        t0 = time.perf_counter()
-        timings.cache_n = seq.reuse_prefix(tokens)
-        new = tokens[timings.cache_n :]
-        logits = self.evaluate(seq, new)
-        timings.prompt_n = len(new)
-        timings.prompt_ms = 1000 * (time.perf_counter() - t0)
-
-        sampler = Sampler(params.sampling, self.config.vocab_size)
-        # As llama.cpp's server does: the prompt counts for repetition penalties.
-        sampler.accept_many(tokens)
-        decoder = self.tokenizer.stream_decoder()
-        stops = StopMatcher(params.stop)
-        # No max_tokens: until the context is full, or, when shifting, until the model stops (as llama.cpp's -n -1).
-        limit = params.max_tokens if params.max_tokens is not None else (float("inf") if shift else self.ctx)
-        t_gen = time.perf_counter()
-
+        gen = Generation(self, tokens, params, seq)
+        logits = gen.prefill()
         while True:
-            t_tok = time.perf_counter()
-            picked = sampler.sample(logits)
-            sampler.accept(picked.id)
-            finish = None
-            if self.tokenizer.is_eog(picked.id) and not params.ignore_eos:
-                text, finish = decoder.flush(), "stop"
-            else:
-                text = decoder.feed(picked.id)
-            text, stopped = stops.feed(text)
-            if stopped:
-                finish = "stop"
-            timings.predicted_n += 1
-            if finish is None and timings.predicted_n >= limit:
-                finish = "length"
-            if finish is None and len(seq.tokens) + 1 >= self.ctx:
-                # The context is full (as llama.cpp's server decides it): this token is the last that fits.
-                if shift:
-                    self.shift_context(seq, n_keep)
-                    timings.n_shifts += 1
-                else:
-                    finish = "length"
-            if finish is None:
-                logits = self.evaluate(seq, [picked.id])
-            elif not stopped:
-                # Release what was held back: a partial character (at "length") and a possible stop-string start.
-                tail, stopped = stops.feed(decoder.flush() if finish == "length" else "")
-                text += tail + ("" if stopped else stops.flush())
-            now = time.perf_counter()
-            timings.token_ms.append(1000 * (now - t_tok))
-            timings.predicted_ms = 1000 * (now - t_gen)
-            yield TokenEvent(picked.id, text, picked.logprob, picked.top_logprobs, finish, timings)
-            if finish is not None:
+            event = gen.step(logits)
+            if event.finish_reason is None:
+                logits = self.evaluate(seq, [event.token])
+            gen.record(event)
+            yield event
+            if event.finish_reason is not None:
                 return
+
+    def evaluate_batch(self, items: list[tuple[Sequence, list[int]]]) -> list[np.ndarray]:
+        """Append tokens to several sequences in one step; returns each one's last logits. Each sequence's
+        result is bitwise what `evaluate` alone gives it (batch invariance: an answer never depends on which
+        other requests share its step)."""
+        return [self.evaluate(seq, tokens) for seq, tokens in items]
 
     # ---- scoring ---------------------------------------------------------------------------------------
 
@@ -296,3 +253,90 @@ class Engine:
         logits -= logits.max(axis=1, keepdims=True)
         logits -= np.log(np.exp(logits).sum(axis=1, keepdims=True))
         return logits
+
+
+class Generation:
+    """One answer being generated: its sampler, detokenizer, stop strings, context handling and timings.
+
+    `Engine.generate()` drives one; the server's scheduler drives many, batching their forwards with
+    `Engine.evaluate_batch`. The protocol: `logits = gen.prefill()`, then repeatedly `event = gen.step(logits)`;
+    unless `event.finish_reason` is set, evaluate `[event.token]` on `gen.seq` to get the next logits, then
+    `gen.record(event)` (after the forward, so a token's time includes it) and hand the event out.
+    """
+
+    def __init__(self, engine: Engine, tokens: list[int], params: GenerationParams, seq: Sequence):
+        engine.check_fits(len(tokens))
+        if params.context_overflow not in ("stop", "shift"):
+            raise LocalLLMError(f"context overflow {params.context_overflow!r}: use 'stop' or 'shift'")
+        self.shift = params.context_overflow == "shift"
+        if self.shift and not engine.model.can_shift:
+            raise LocalLLMError(f"{engine.name} has sliding-window layers, which keep only their window: a context "
+                                "shift cannot keep the first tokens there (use --context-overflow stop)")
+        self.engine, self.tokens, self.params, self.seq = engine, tokens, params, seq
+        self.n_keep = engine.keep_count(params, tokens) if self.shift else 0
+        self.timings = Timings()
+        self.sampler = Sampler(params.sampling, engine.config.vocab_size)
+        self.decoder = engine.tokenizer.stream_decoder()
+        self.stops = StopMatcher(params.stop)
+        # No max_tokens: until the context is full, or, when shifting, until the model stops (as llama.cpp's -n -1).
+        self.limit = params.max_tokens if params.max_tokens is not None else (
+            float("inf") if self.shift else engine.ctx)
+        self.finish_reason: str | None = None
+        self._t_gen = self._t_tok = 0.0
+
+    def prefill(self) -> np.ndarray:
+        """Reuse the cached prefix, evaluate the rest of the prompt; returns the last prompt token's logits."""
+        t0 = time.perf_counter()
+        logits = self.engine.evaluate(self.seq, self.start_prefill())
+        self.end_prefill()
+        self.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+        return logits
+
+    def start_prefill(self) -> list[int]:
+        """The prompt tokens left to evaluate after reusing the longest cached prefix (for callers that batch
+        the prompt's forward themselves; `prefill()` does it all)."""
+        self.timings.cache_n = self.seq.reuse_prefix(self.tokens)
+        new = self.tokens[self.timings.cache_n :]
+        self.timings.prompt_n = len(new)
+        return new
+
+    def end_prefill(self) -> None:
+        # As llama.cpp's server does: the prompt counts for repetition penalties.
+        self.sampler.accept_many(self.tokens)
+        self._t_gen = time.perf_counter()
+
+    def step(self, logits: np.ndarray) -> TokenEvent:
+        """Pick the next token from `logits`; decide whether generation ends here."""
+        self._t_tok = time.perf_counter()
+        picked = self.sampler.sample(logits)
+        self.sampler.accept(picked.id)
+        finish = None
+        if self.engine.tokenizer.is_eog(picked.id) and not self.params.ignore_eos:
+            text, finish = self.decoder.flush(), "stop"
+        else:
+            text = self.decoder.feed(picked.id)
+        text, stopped = self.stops.feed(text)
+        if stopped:
+            finish = "stop"
+        self.timings.predicted_n += 1
+        if finish is None and self.timings.predicted_n >= self.limit:
+            finish = "length"
+        if finish is None and len(self.seq.tokens) + 1 >= self.engine.ctx:
+            # The context is full (as llama.cpp's server decides it): this token is the last that fits.
+            if self.shift:
+                self.engine.shift_context(self.seq, self.n_keep)
+                self.timings.n_shifts += 1
+            else:
+                finish = "length"
+        if finish is not None and not stopped:
+            # Release what was held back: a partial character (at "length") and a possible stop-string start.
+            tail, stopped = self.stops.feed(self.decoder.flush() if finish == "length" else "")
+            text += tail + ("" if stopped else self.stops.flush())
+        self.finish_reason = finish
+        return TokenEvent(picked.id, text, picked.logprob, picked.top_logprobs, finish, self.timings)
+
+    def record(self, event: TokenEvent) -> None:
+        """Account the token's wall time (sampling, and the forward that followed it)."""
+        now = time.perf_counter()
+        self.timings.token_ms.append(1000 * (now - self._t_tok))
+        self.timings.predicted_ms = 1000 * (now - self._t_gen)
