@@ -1,4 +1,4 @@
-"""Commands that run a model: `run`, `chat` (a plain REPL until the TUI lands) and `perplexity`.
+"""Commands that run a model: `run`, `chat` (the TUI in `tui/`, or a plain REPL) and `perplexity`.
 
 All of them consume `Engine.generate()` (or its scoring sibling); none touches tensors.
 """
@@ -128,10 +128,44 @@ def save_prompt_cache(engine, seq, path, n_tokens=None) -> None:
         print(f"warning: {e}", file=sys.stderr)
 
 
-# ---- chat (plain REPL) -----------------------------------------------------------------------------------
+# ---- chat ------------------------------------------------------------------------------------------------
 
 
 def cmd_chat(args) -> int:
+    if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return chat_plain(args)
+    from tui.app import run
+    from tui.settings import load
+
+    return run(args.model, chat_settings_overrides(args, load()))
+
+
+def chat_settings_overrides(args, saved):
+    """The TUI's saved settings, with the options given on this command line on top (for this session; F2 saves)."""
+    from dataclasses import replace
+
+    given = {name: getattr(args, name) for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty",
+                                                    "max_tokens", "context_overflow", "keep")
+             if getattr(args, name) != args.parser_default(name)}
+    fields = {"temp": "temperature", "context_overflow": "context_overflow"}
+    changes = {fields.get(name, name): value for name, value in given.items()}
+    if "max_tokens" in changes and changes["max_tokens"] < 0:
+        changes["max_tokens"] = -1
+    if args.system is not None:
+        changes["system_prompt"] = args.system
+    if args.ctx is not None:
+        changes["ctx"] = args.ctx
+    if args.seed is not None:
+        changes["seed"] = args.seed
+    if args.stop:
+        changes["stop"] = list(args.stop)
+    try:
+        return replace(saved, **changes).validated()
+    except ValueError as e:
+        raise LocalLLMError(str(e)) from None
+
+
+def chat_plain(args) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -288,14 +322,21 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal",
-                       description="Chat with a model in the terminal. Each turn reuses the cached conversation.")
+                       description="Chat with a model in a terminal app: answers stream in as Markdown; F1 lists "
+                                   "the keys (Enter sends, Ctrl+J new line, Esc stops, Ctrl+R regenerates, F2 "
+                                   "settings, F3 models, F4 saved conversations). Settings and conversations are "
+                                   "kept in $LOCALLLM_HOME (default ~/.local/share/localllm); the options below "
+                                   "override the saved settings for this session. Each turn reuses the cached "
+                                   "conversation. With --plain, or when stdin or stdout is not a terminal, a "
+                                   "line-by-line REPL instead (Ctrl-C stops an answer, /bye quits, /clear forgets).")
     p.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP + " (default: the default model)")
+    p.add_argument("--plain", action="store_true", help="a plain line-by-line REPL instead of the terminal app")
     p.add_argument("--system", help="a system prompt")
     add_sampling_options(p)
     add_overflow_options(p, "shift", "an answer that reaches the context limit goes on, forgetting the "
                          "oldest tokens, instead of being cut off mid-sentence; models with sliding-window layers "
                          "stop instead")
-    p.set_defaults(func=cmd_chat, max_tokens=1024)
+    p.set_defaults(func=cmd_chat, max_tokens=1024, parser_default=p.get_default)
 
     p = sub.add_parser("perplexity", help="measure perplexity on a text file (llama.cpp's protocol)",
                        description="Perplexity of a model on a text file, as llama-perplexity computes it: "

@@ -32,3 +32,13 @@ def models_dir() -> Path:
 
 def kernel_cache_dir() -> Path:
     return cache_dir() / "kernels"
+
+
+def conversations_dir() -> Path:
+    """Saved chats of the TUI: one JSON file per conversation, beside its saved KV cache."""
+    return data_dir() / "conversations"
+
+
+def settings_file() -> Path:
+    """The chat settings the TUI remembers between runs (JSON)."""
+    return data_dir() / "settings.json"

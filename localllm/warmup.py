@@ -8,7 +8,9 @@ version and the CPU, says whether it was compiled before, so only a real compile
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -31,6 +33,21 @@ def _build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+# A front end that draws its own progress (the TUI) listens here instead of the console bar. A context variable,
+# so each thread that loads a model reports to its own listener.
+_listener: contextvars.ContextVar = contextvars.ContextVar("warm_up_listener", default=None)
+
+
+@contextmanager
+def reporting(listener):
+    """Within this block, warm_up calls `listener(done, total)` as it compiles (only on a cold start)."""
+    token = _listener.set(listener)
+    try:
+        yield
+    finally:
+        _listener.reset(token)
+
+
 def _marker(label: str) -> Path:
     return paths.kernel_cache_dir() / "compiled" / _build_key() / label.replace(" ", "_")
 
@@ -43,12 +60,17 @@ def warm_up(weights, quiet: bool = False) -> int:
     cold = [(label, thunk) for label, thunk in calls if not _marker(label).exists()]
     if not cold:
         return 0
+    listener = _listener.get()
     note("Compiling kernels for this CPU (first run only; later runs start in about a second)", quiet)
     with progress_bar("compiling kernels", len(cold), quiet, unit="items") as bar:
         for i, (label, thunk) in enumerate(cold):
+            if listener:
+                listener(i, len(cold))
             thunk()
             marker = _marker(label)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
             bar.update(i + 1)
+        if listener:
+            listener(len(cold), len(cold))
     return len(cold)

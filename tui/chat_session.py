@@ -1,0 +1,132 @@
+"""The engine side of the TUI, free of any UI: a loaded model, the conversation's Sequence (kept across turns so
+each turn only evaluates its new tokens), one turn's stream of text, and its statistics.
+
+Everything here runs on a worker thread; the app only reads the results it is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from localllm import session_file, warmup
+from localllm.engine import Engine, GenerationParams, TokenEvent
+from localllm.errors import LocalLLMError
+
+
+def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None) -> Engine:
+    """Load a model quietly (the console progress bars would corrupt the screen), reporting kernel compilation,
+    which only happens on a first start, to `on_compile(done, total)`."""
+    with warmup.reporting(on_compile):
+        return Engine.load(name, ctx=ctx or None, quiet=True)
+
+
+@dataclass
+class TurnStats:
+    ttft_ms: float = 0.0  # from asking to the first token, as the user waits for it
+    tokens_per_second: float = 0.0
+    generated: int = 0
+    prompt_n: int = 0  # prompt tokens evaluated
+    cache_n: int = 0  # prompt tokens reused from the cache
+    context_used: int = 0
+    context_size: int = 0
+    finish_reason: str | None = None  # "stop", "length", or None when the user stopped the answer
+    stopped: bool = False
+    n_shifts: int = 0
+    max_tokens: int | None = None
+
+    @property
+    def context_full(self) -> bool:
+        """The answer ran into the end of the context (not into the max-tokens limit)."""
+        limited = self.max_tokens is not None and self.generated >= self.max_tokens
+        return self.n_shifts > 0 or (self.finish_reason == "length" and not limited)
+
+    def summary(self) -> str:
+        cache = f"cache {self.cache_n}/{self.cache_n + self.prompt_n}"
+        return (f"TTFT {self.ttft_ms / 1000:.2f}s · {self.tokens_per_second:.1f} tok/s · "
+                f"ctx {self.context_used}/{self.context_size} · {cache}")
+
+    def outcome(self) -> str | None:
+        """What the user should know about how the answer ended, if anything unusual happened."""
+        if self.stopped:
+            return "Stopped."
+        if self.n_shifts:
+            return ("Context full: the oldest part of the conversation was dropped to go on (context shift). "
+                    "Ctrl+N starts a new chat; F2 raises the context size.")
+        if self.context_full:
+            return (f"Context full ({self.context_size} tokens): the answer was cut off. Start a new chat (Ctrl+N) "
+                    "or raise the context size in Settings (F2).")
+        if self.finish_reason == "length":
+            return f"Reached max tokens ({self.max_tokens}): raise it in Settings (F2), or regenerate (Ctrl+R)."
+        return None
+
+
+class ChatSession:
+    """A model and the Sequence holding the current conversation in its KV cache."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.seq = engine.new_sequence()
+        self.cancel = threading.Event()
+
+    @property
+    def can_shift(self) -> bool:
+        return self.engine.model.can_shift
+
+    def reset(self) -> None:
+        """A new conversation: the old one's blocks go back to the pool (still cached for a shared prefix)."""
+        self.seq.close()
+        self.seq = self.engine.new_sequence()
+
+    def close(self) -> None:
+        self.seq.close()
+
+    def prompt_tokens(self, messages: list[dict], system_prompt: str) -> list[int]:
+        chat = ([{"role": "system", "content": system_prompt}] if system_prompt.strip() else []) + messages
+        return self.engine.tokenize_prompt(self.engine.render_chat(chat), chat=True)
+
+    def stream(self, messages: list[dict], system_prompt: str, params: GenerationParams,
+               stats: TurnStats) -> Iterator[str]:
+        """Text pieces of the next assistant message, filling `stats` as they come. Stops between two tokens
+        once `self.cancel` is set; closing the generator then leaves the sequence holding what was generated."""
+        self.cancel.clear()
+        tokens = self.prompt_tokens(messages, system_prompt)
+        stats.context_size = self.engine.ctx
+        stats.max_tokens = params.max_tokens
+        t0 = time.perf_counter()
+        events: Iterator[TokenEvent] = self.engine.generate(tokens, params, seq=self.seq)
+        try:
+            for event in events:
+                t = event.timings
+                if stats.generated == 0:
+                    stats.ttft_ms = 1000 * (time.perf_counter() - t0)
+                stats.generated = t.predicted_n
+                stats.prompt_n, stats.cache_n, stats.n_shifts = t.prompt_n, t.cache_n, t.n_shifts
+                stats.tokens_per_second = t.predicted_per_second
+                stats.context_used = len(self.seq.tokens)
+                stats.finish_reason = event.finish_reason
+                if event.text:
+                    yield event.text
+                if self.cancel.is_set() and event.finish_reason is None:
+                    stats.stopped = True
+                    return
+        finally:
+            events.close()
+
+    def save_kv(self, path) -> None:
+        session_file.save(self.engine, self.seq, path)
+
+    def restore_kv(self, path) -> int:
+        """Adopt a conversation's saved KV cache; returns how many tokens it holds (0 when it is missing or was
+        made by another model: the next turn then evaluates the conversation from scratch)."""
+        if not path.exists():
+            return 0
+        try:
+            seq = session_file.load(self.engine, path)
+        except LocalLLMError:
+            return 0
+        self.seq.close()
+        self.seq = seq
+        return len(seq.tokens)

@@ -1,0 +1,110 @@
+"""The chat settings the TUI remembers per user (`paths.settings_file()`), and the GenerationParams they make.
+
+Defaults are the `localllm chat` command line's (llama.cpp's sampling defaults, 1024 tokens per answer, a context
+shift at the limit). A settings file that is missing, unreadable or holds a bad value falls back to the default
+for that value: a settings file must never stop the chat from starting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from localllm import paths
+from localllm.engine import GenerationParams
+from localllm.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system_prompt: str = ""
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    max_tokens: int = 1024  # -1: until the model stops (or, without a context shift, the context is full)
+    ctx: int = 0  # 0: the model's context length, at most 4096 (the engine's default)
+    seed: int | None = None
+    context_overflow: str = "shift"  # "shift" or "stop"; models with sliding-window layers always stop
+    keep: int = 0  # tokens a context shift keeps at the start; -1: the whole prompt
+    stop: list[str] = field(default_factory=list)  # stop strings (never shown in the answer)
+
+    def generation_params(self, can_shift: bool = True) -> GenerationParams:
+        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
+        overflow = self.context_overflow if can_shift else "stop"
+        return GenerationParams(max_tokens=None if self.max_tokens < 0 else self.max_tokens, stop=list(self.stop),
+                                sampling=sampling,
+                                context_overflow=overflow, n_keep=self.keep)
+
+    def validated(self) -> "ChatSettings":
+        """These settings, or a ValueError naming the first value out of range."""
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
+            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
+            (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
+            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
+            (self.repeat_penalty > 0, "repeat penalty must be > 0 (1 = off)"),
+            (self.max_tokens == -1 or self.max_tokens > 0, "max tokens must be > 0, or -1 for no limit"),
+            (self.ctx == 0 or self.ctx >= 64, "context size must be >= 64 (0 = the model's default)"),
+            (self.context_overflow in ("shift", "stop"), "context overflow must be shift or stop"),
+            (self.keep >= -1, "keep must be >= 0, or -1 for the whole prompt"),
+            (all(isinstance(t, str) and t for t in self.stop), "stop strings must be non-empty text"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+
+def load() -> ChatSettings:
+    try:
+        raw = json.loads(paths.settings_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ChatSettings()
+    if not isinstance(raw, dict):
+        return ChatSettings()
+    settings = ChatSettings()
+    for f in fields(ChatSettings):
+        if f.name not in raw:
+            continue
+        candidate = replace(settings, **{f.name: raw[f.name]})
+        try:
+            settings = _typed(candidate).validated()
+        except (TypeError, ValueError):
+            pass  # keep the default for a bad value
+    return settings
+
+
+def _typed(s: ChatSettings) -> ChatSettings:
+    """Reject values of the wrong JSON type (a string temperature, a float top-k)."""
+    for f in fields(ChatSettings):
+        value = getattr(s, f.name)
+        default = getattr(ChatSettings(), f.name)
+        if f.name == "seed":
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f.name)
+        elif isinstance(default, float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f.name)
+        elif not isinstance(value, type(default)) or isinstance(value, bool):
+            raise TypeError(f.name)
+    return replace(s, temperature=float(s.temperature), top_p=float(s.top_p), min_p=float(s.min_p),
+                   repeat_penalty=float(s.repeat_penalty))
+
+
+def save(settings: ChatSettings) -> None:
+    """Write atomically: a crash mid-write keeps the previous settings."""
+    path = paths.settings_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".settings.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(asdict(settings), f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
