@@ -180,6 +180,28 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+# ---- serve / bench-serve ---------------------------------------------------------------------------------
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from localllm import catalog
+    from localllm.server import serve
+
+    serve(args.model or catalog.default_entry().name, host=args.host, port=args.port,
+          api_key=args.api_key or os.environ.get("LOCALLLM_API_KEY") or None, parallel=args.parallel,
+          ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
+          max_queue=args.max_queue, verbose=args.verbose)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from localllm import bench_serve
+
+    return bench_serve.main(args)
+
+
 # ---- parser ----------------------------------------------------------------------------------------------
 
 
@@ -233,6 +255,55 @@ def build_parser() -> argparse.ArgumentParser:
     from localllm import cli_generate
 
     cli_generate.add_commands(sub)
+
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, llama.cpp and Ollama APIs)",
+                       description="Serve a model on a local REST port: OpenAI-compatible /v1/..., llama.cpp's "
+                                   "/completion, /infill, /tokenize, /metrics..., and Ollama's /api/.... Concurrent "
+                                   "requests are decoded together (continuous batching, up to --parallel); the "
+                                   "rest wait in a queue, first come first served.")
+    p.add_argument("model", nargs="?", metavar="MODEL", help=DEFAULT_MODEL_HELP + " (default: the default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every endpoint but "
+                   "/health (default: $LOCALLLM_API_KEY if set, else no key)")
+    p.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="requests decoded together at most (default 4); more wait in the queue")
+    p.add_argument("--ctx", type=int, default=None, help="context size per request (default: the model's, at "
+                   "most 4096)")
+    p.add_argument("--max-tokens", type=int, default=2048, metavar="N",
+                   help="tokens one request may generate at most, and the default when it names none (default "
+                        "2048, at most the context)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for a slot (default 256); beyond that: 503")
+    p.add_argument("--max-body", type=int, default=None, metavar="BYTES",
+                   help="largest request body accepted (default 4 MiB); beyond that: 413")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from this origin (repeatable; '*' for any). Default: CORS off")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench-serve", help="load-test a running server: TTFT, TPOT, throughput, goodput",
+                       description="Send streamed requests from N concurrent clients to a running server "
+                                   "(localllm serve, llama.cpp, vLLM: any OpenAI-compatible one) and report TTFT, "
+                                   "TPOT and inter-token latency percentiles, throughput, and goodput: the "
+                                   "requests per second that met the SLO.")
+    p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--clients", type=int, default=8, metavar="N", help="concurrent streaming clients (default 8)")
+    p.add_argument("--requests", type=int, default=32, metavar="M", help="requests in all (default 32)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens per answer (default 64)")
+    p.add_argument("--prompt-words", type=int, default=48, metavar="N",
+                   help="words in each prompt (default 48; each prompt differs)")
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default /v1/completions)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --max-tokens tokens (llama.cpp's ignore_eos extension)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, metavar="S", help="goodput SLO: TTFT at most S seconds "
+                   "(default 2)")
+    p.add_argument("--slo-tpot", type=float, default=0.2, metavar="S", help="goodput SLO: TPOT at most S seconds "
+                   "(default 0.2)")
+    p.add_argument("--api-key", metavar="KEY", help="bearer token, if the server wants one")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=cmd_bench_serve)
 
     return parser
 

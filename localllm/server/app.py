@@ -1,0 +1,366 @@
+"""The Starlette application: routes of the three APIs, authentication, limits, errors in each API's format.
+
+Handlers are thin: they validate a request (`Fields`), turn it into prompt tokens and `GenerationParams`, hand
+it to the one `Scheduler`, and stream back what comes out. Streams stop generating the moment their client
+goes away (Starlette cancels the response when it sees the disconnect; a non-streamed request watches for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from localllm.engine import Engine
+from localllm.errors import LocalLLMError
+from localllm.server.scheduler import Final, Handle, RequestFailed, Scheduler
+from localllm.server.scheduler import Request as SchedRequest
+
+log = logging.getLogger("localllm.server")
+
+MAX_BODY = 4 * 1024 * 1024  # bytes
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    scheduler: Scheduler
+    model_name: str
+    model_path: str
+    max_tokens: int  # the most tokens one request may generate
+    parallel: int
+    api_key: str | None = None
+    max_body: int = MAX_BODY
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ---- errors --------------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "invalid_request_error", 503: "unavailable_error"}.get(status, "server_error")
+
+
+def flavor_of(path: str) -> str:
+    if path.startswith("/v1/"):
+        return "openai"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "llamacpp"
+
+
+def error_response(flavor: str, status: int, message: str, param: str | None = None,
+                   kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+    e = ApiError(status, message, param, kind)
+    if flavor == "ollama":
+        body = {"error": message}
+    elif flavor == "openai":
+        body = {"error": {"message": message, "type": e.kind, "param": param, "code": None}}
+    else:  # llama.cpp's server
+        body = {"error": {"code": status, "message": message, "type": e.kind}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ---- request bodies ------------------------------------------------------------------------------------
+
+
+async def read_json(request: Request, max_body: int) -> dict:
+    """The request's JSON object, or a 4xx: too large (413), not JSON, not an object (400)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_body:
+        raise ApiError(413, f"the request body is larger than {max_body} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise ApiError(413, f"the request body is larger than {max_body} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError(400, "the request needs a JSON body")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+_TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+               dict: "an object"}
+
+
+class Fields:
+    """Typed access to a JSON object's fields: a wrong type or range is a 400 naming the field."""
+
+    def __init__(self, data: dict, prefix: str = ""):
+        self.data = data
+        self.prefix = prefix
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def _bad(self, key: str, what: str) -> ApiError:
+        return ApiError(400, f"'{self.prefix}{key}' must be {what}, got {json.dumps(self.data[key])[:80]}",
+                        param=self.prefix + key)
+
+    def get(self, key: str, kind, default=None, lo=None, hi=None):
+        v = self.data.get(key)
+        if v is None:
+            return default
+        if kind is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise self._bad(key, "a number")
+            v = float(v)
+        elif kind is int:
+            if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise self._bad(key, "an integer")
+        elif not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise self._bad(key, _TYPE_NAMES.get(kind, kind.__name__))
+        if lo is not None and v < lo:
+            raise self._bad(key, f">= {lo}")
+        if hi is not None and v > hi:
+            raise self._bad(key, f"<= {hi}")
+        return v
+
+    def stop(self, key: str = "stop") -> list[str]:
+        """A string or a list of strings (OpenAI allows up to 4; we allow 16)."""
+        v = self.data.get(key)
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and len(v) <= 16 and all(isinstance(s, str) for s in v):
+            return list(v)
+        raise self._bad(key, "a string or an array of at most 16 strings")
+
+
+# ---- running a request ---------------------------------------------------------------------------------
+
+
+def submit(state: ServerState, tokens: list[int], params) -> Handle:
+    if not tokens:
+        raise ApiError(400, "the prompt is empty")
+    if len(tokens) + 1 > state.engine.ctx:
+        raise ApiError(400, f"the prompt is {len(tokens)} tokens but the context holds {state.engine.ctx}")
+    try:
+        return state.scheduler.submit(SchedRequest(tokens, params))
+    except RequestFailed as e:
+        raise ApiError(e.status, str(e)) from None
+
+
+async def stream_events(handle: Handle, first=None):
+    """The request's TokenEvents then its Final (after `first`, if the caller already took it). If the consumer
+    stops early (the client went away and Starlette cancelled the response), the generation is cancelled and
+    its cache released at the scheduler's next step."""
+    try:
+        if first is not None:
+            yield first
+            if isinstance(first, Final):
+                return
+        async for item in handle.events():
+            yield item
+    except RequestFailed as e:
+        raise ApiError(e.status, str(e)) from None
+    finally:
+        handle.cancel()  # a no-op once the request has finished
+
+
+async def watching_disconnect(request: Request, handle: Handle, awaitable):
+    """Await `awaitable`, cancelling the request if the client disconnects meanwhile."""
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                handle.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await awaitable
+    finally:
+        watcher.cancel()
+
+
+async def first_item(request: Request, handle: Handle):
+    """The first event of a request, before a streamed response starts: an error up to the first token
+    (a prompt that does not fit, a busy server) is then a proper HTTP error, not a broken stream."""
+
+    async def take():
+        try:
+            return await handle.events().__anext__()
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e)) from None
+
+    try:
+        return await watching_disconnect(request, handle, take())
+    except BaseException:
+        handle.cancel()
+        raise
+
+
+async def collect(request: Request, handle: Handle) -> tuple[list, Final]:
+    """All the events of a non-streamed request; cancels it if the client disconnects while waiting."""
+
+    async def run():
+        events = []
+        async for item in stream_events(handle):
+            if isinstance(item, Final):
+                return events, item
+            events.append(item)
+        raise ApiError(500, "the generation ended without a result")
+
+    return await watching_disconnect(request, handle, run())
+
+
+def stream_error(e: ApiError, flavor: str) -> dict:
+    """An error after a stream started: sent as one last message of the stream."""
+    if flavor == "ollama":
+        return {"error": e.message}
+    return {"error": {"code": e.status, "message": e.message, "type": e.kind}}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sampling_from(f: Fields, defaults: dict, vocab_size: int, names: dict | None = None):
+    """SamplingParams from request fields. `names` maps our parameter names to the API's field names."""
+    from localllm.sampling import SamplingParams
+
+    n = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+         "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+         "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed"}
+    n.update(names or {})
+    d = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
+         "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    d.update(defaults)
+    return SamplingParams(
+        temperature=f.get(n["temperature"], float, d["temperature"], lo=0.0, hi=100.0),
+        top_k=f.get(n["top_k"], int, d["top_k"], lo=0, hi=vocab_size),
+        top_p=f.get(n["top_p"], float, d["top_p"], lo=0.0, hi=1.0) or 1.0,
+        min_p=f.get(n["min_p"], float, d["min_p"], lo=0.0, hi=1.0),
+        repeat_penalty=f.get(n["repeat_penalty"], float, d["repeat_penalty"], lo=0.01, hi=100.0),
+        repeat_last_n=f.get(n["repeat_last_n"], int, d["repeat_last_n"], lo=-1, hi=1 << 20),
+        presence_penalty=f.get(n["presence_penalty"], float, d["presence_penalty"], lo=-100.0, hi=100.0),
+        frequency_penalty=f.get(n["frequency_penalty"], float, d["frequency_penalty"], lo=-100.0, hi=100.0),
+        seed=f.get(n["seed"], int, None, lo=-(1 << 63), hi=(1 << 64) - 1),
+    )
+
+
+def fix_seed(sampling) -> None:
+    """OpenAI and Ollama accept any integer seed; the sampler wants one >= 0."""
+    if sampling.seed is not None:
+        sampling.seed %= 1 << 64
+
+
+def check_max_tokens(state: ServerState, value: int | None, key: str) -> int:
+    if value is None:
+        return state.max_tokens
+    if value > state.max_tokens:
+        raise ApiError(400, f"'{key}' is {value} but this server generates at most {state.max_tokens} tokens "
+                            "per request (localllm serve --max-tokens)", param=key)
+    return value
+
+
+# ---- the application -----------------------------------------------------------------------------------
+
+
+class AuthMiddleware:
+    """With an API key, every endpoint but /health needs `Authorization: Bearer KEY`."""
+
+    OPEN = ("/health", "/v1/health")
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN and scope.get("method") != "OPTIONS":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(flavor_of(scope["path"]), 401, "invalid or missing API key "
+                                          "(send 'Authorization: Bearer KEY')",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def endpoint(state: ServerState, fn):
+    """Wraps a handler: ApiErrors (and user errors from the library) become the API's error response."""
+
+    async def handler(request: Request):
+        flavor = flavor_of(request.url.path)
+        try:
+            return await fn(state, request)
+        except ApiError as e:
+            return error_response(flavor, e.status, e.message, e.param, e.kind)
+        except LocalLLMError as e:
+            return error_response(flavor, 400, str(e))
+
+    return handler
+
+
+def create_app(state: ServerState, cors_origins: list[str] | None = None) -> Starlette:
+    from localllm.server import llamacpp_api, ollama_api, openai_api
+
+    routes = []
+    for module in (openai_api, llamacpp_api, ollama_api):
+        for path, methods, fn in module.ROUTES:
+            routes.append(Route(path, endpoint(state, fn), methods=methods))
+
+    async def http_error(request: Request, exc: HTTPException):
+        message = {404: f"no such endpoint: {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return error_response(flavor_of(request.url.path), exc.status_code, message,
+                              headers=getattr(exc, "headers", None))
+
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(flavor_of(request.url.path), 500, "internal server error")
+
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"],
+                                     allow_headers=["*"]))
+    if state.api_key:
+        middleware.append(Middleware(AuthMiddleware, api_key=state.api_key))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.scheduler.start()
+        try:
+            yield
+        finally:
+            state.scheduler.stop()
+
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
+    app.state.server = state
+    return app
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), status_code=status, media_type="application/json")

@@ -1,0 +1,57 @@
+"""Fill-in-the-middle prompts, laid out as llama.cpp's server lays them out (`format_infill`).
+
+    [extra context] [BOS] <FIM_PRE> prefix prompt <FIM_SUF> suffix <FIM_MID>
+
+The extra context (`input_extra`: other files of the project) goes first. A model trained on repository-level
+FIM (qwen2.5-coder has <|repo_name|> and <|file_sep|>) gets it in that pattern:
+
+    <|repo_name|>myproject\\n <|file_sep|>name\\n text ... <|file_sep|>filename\\n <FIM_PRE> ...
+
+otherwise each chunk follows a plain-text "--- snippet ---" separator. The prefix keeps its last tokens and the
+suffix its first ones, 3:1 within a batch (2048 tokens, at most half the context), as llama.cpp does; the
+extra context fills what the context has left beyond the batch and the tokens to generate.
+"""
+
+from __future__ import annotations
+
+from localllm.errors import LocalLLMError
+
+N_BATCH = 2048  # llama.cpp's default batch size, which bounds the prefix and suffix it keeps
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+
+
+def infill_tokens(engine, prefix: str, suffix: str, prompt: str = "", extra: list[dict] | None = None,
+                  n_predict: int = 0) -> list[int]:
+    tok = engine.tokenizer
+    fim = tok.fim
+    if not all(role in fim for role in ("pre", "suf", "mid")):
+        raise LocalLLMError(f"{engine.name} has no fill-in-the-middle tokens: /infill needs a code model "
+                            "trained for FIM (e.g. qwen2.5-coder)")
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special=False, parse_special=False)
+
+    extra_tokens: list[int] = []
+    if "rep" in fim:
+        extra_tokens += [fim["rep"]] + encode("myproject\n")
+    for chunk in extra or []:
+        if "sep" in fim:
+            extra_tokens += [fim["sep"]] + encode(chunk.get("filename", "tmp") + "\n")
+        else:
+            extra_tokens += encode(SNIPPET_SEPARATOR)
+        extra_tokens += encode(chunk.get("text", ""))
+    if "sep" in fim:
+        extra_tokens += [fim["sep"]] + encode("filename\n")
+
+    prefix_t, suffix_t, prompt_t = encode(prefix), encode(suffix), encode(prompt)
+    n_batch = min(N_BATCH, engine.ctx // 2)
+    n_prefix = min(len(prefix_t), 3 * (n_batch // 4))
+    n_suffix = min(len(suffix_t), max(0, n_batch // 4 - (2 + len(prompt_t))))
+    n_extra = min(max(0, engine.ctx - n_batch - 2 * max(n_predict, 0)), len(extra_tokens))
+
+    head = [fim["pre"]] + prefix_t[len(prefix_t) - n_prefix:] + prompt_t
+    tail = [fim["suf"]] + suffix_t[:n_suffix]
+    if tok.add_bos and tok.bos_id is not None:
+        head = [tok.bos_id] + head
+    extra_part = extra_tokens[len(extra_tokens) - n_extra:] if n_extra else []
+    return extra_part + head + tail + [fim["mid"]]

@@ -1,0 +1,231 @@
+"""llama.cpp-server-compatible endpoints: POST /completion, /infill, /tokenize, /detokenize; GET /health,
+/props, /metrics. Field names, defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and response
+shapes follow llama.cpp's `tools/server`."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, StreamingResponse
+
+from localllm import __version__
+from localllm.engine import GenerationParams
+from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, first_item, fix_seed,
+                                 json_response, read_json, sampling_from, sse, stream_error, stream_events,
+                                 submit)
+from localllm.server.infill import infill_tokens
+
+LLAMACPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+def _prompt_tokens(state: ServerState, prompt) -> list[int]:
+    """A string, or an array mixing token ids and strings (llama.cpp's multimodal-free prompt forms)."""
+    engine = state.engine
+    vocab = engine.tokenizer.vocab_size
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return engine.tokenize_prompt(prompt)
+    if isinstance(prompt, list) and prompt:
+        out: list[int] = []
+        for i, part in enumerate(prompt):
+            if isinstance(part, str):
+                out += engine.tokenizer.encode(part, add_special=(i == 0), parse_special=True)
+            elif isinstance(part, int) and not isinstance(part, bool) and 0 <= part < vocab:
+                out.append(part)
+            else:
+                raise ApiError(400, f"'prompt' item {i} must be a string or a token id (0..{vocab - 1})",
+                               param="prompt")
+        return out
+    raise ApiError(400, "'prompt' must be a string or an array of token ids and strings", param="prompt")
+
+
+def _logit_bias(f: Fields, vocab: int) -> dict[int, float]:
+    """[[token, bias], ...] or {"token": bias}; a bias of false bans the token."""
+    raw = f.data.get("logit_bias")
+    if raw is None:
+        return {}
+    pairs = list(raw.items()) if isinstance(raw, dict) else raw
+    if not isinstance(pairs, list):
+        raise ApiError(400, "'logit_bias' must be an array of [token, bias] pairs or an object", param="logit_bias")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ApiError(400, "'logit_bias' entries must be [token, bias]", param="logit_bias")
+        tok, bias = pair
+        try:
+            tok = int(tok) if not isinstance(tok, (bool, float)) else -1
+        except ValueError:
+            tok = -1
+        if not 0 <= tok < vocab:
+            raise ApiError(400, f"logit_bias: {pair[0]!r} is not a token id of this model", param="logit_bias")
+        if bias is False:
+            out[tok] = float("-inf")
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -1e6 <= bias <= 1e6:
+            raise ApiError(400, f"logit_bias: the bias of token {tok} must be a number or false", param="logit_bias")
+        else:
+            out[tok] = float(bias)
+    return out
+
+
+def generation_params(state: ServerState, f: Fields) -> GenerationParams:
+    vocab = state.engine.config.vocab_size
+    sampling = sampling_from(f, LLAMACPP_DEFAULTS, vocab)
+    if sampling.seed is not None and sampling.seed < 0:
+        sampling.seed = None  # -1: a random seed, as llama.cpp
+    fix_seed(sampling)
+    sampling.logit_bias = _logit_bias(f, vocab)
+    sampling.n_probs = f.get("n_probs", int, 0, lo=0, hi=100)
+    n_predict = f.get("n_predict", int, -1)
+    if n_predict is None or n_predict < 0:
+        max_tokens = state.max_tokens
+    elif n_predict > state.max_tokens:
+        raise ApiError(400, f"'n_predict' is {n_predict} but this server generates at most {state.max_tokens} "
+                            "tokens per request (localllm serve --max-tokens)", param="n_predict")
+    else:
+        max_tokens = n_predict
+    if max_tokens == 0:
+        raise ApiError(400, "'n_predict' 0 asks for nothing", param="n_predict")
+    return GenerationParams(max_tokens=max_tokens, stop=f.stop("stop"), sampling=sampling,
+                            ignore_eos=f.get("ignore_eos", bool, False))
+
+
+def _settings(state: ServerState, params: GenerationParams) -> dict:
+    s = params.sampling
+    return {"n_ctx": state.engine.ctx, "n_predict": params.max_tokens, "model": state.model_name,
+            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+            "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "seed": s.seed,
+            "stop": params.stop, "n_probs": s.n_probs, "ignore_eos": params.ignore_eos}
+
+
+def _probs(state: ServerState, event) -> dict:
+    tok = state.engine.tokenizer
+
+    def entry(t, lp):
+        b = tok.piece_bytes(t)
+        return {"id": t, "token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+    out = entry(event.token, event.logprob)
+    out["top_logprobs"] = [entry(t, lp) for t, lp in event.top_logprobs]
+    return out
+
+
+def _final_fields(state: ServerState, params, tokens, final: Final, text: str) -> dict:
+    stop_type = "limit" if final.finish_reason == "length" else ("word" if final.stop_word else "eos")
+    return {"model": state.model_name, "tokens_predicted": final.completion_tokens,
+            "tokens_evaluated": final.prompt_tokens, "tokens_cached": final.cached_tokens,
+            "generation_settings": _settings(state, params), "has_new_line": "\n" in text, "truncated": False,
+            "stop_type": stop_type, "stopping_word": final.stop_word or "", "timings": final.timings}
+
+
+async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int], params: GenerationParams):
+    handle = submit(state, tokens, params)
+    n_probs = params.sampling.n_probs
+    if not f.get("stream", bool, False):
+        events, final = await collect(request, handle)
+        text = "".join(e.text for e in events)
+        out = {"index": 0, "content": text, "tokens": [e.token for e in events if e.token is not None],
+               "id_slot": 0, "stop": True, **_final_fields(state, params, tokens, final, text)}
+        if n_probs:
+            out["completion_probabilities"] = [_probs(state, e) for e in events if e.token is not None]
+        return json_response(out)
+
+    first = await first_item(request, handle)
+
+    async def stream():
+        text = []
+        try:
+            async for item in stream_events(handle, first):
+                if isinstance(item, Final):
+                    yield sse({"index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True,
+                               **_final_fields(state, params, tokens, item, "".join(text))})
+                    return
+                text.append(item.text)
+                out = {"index": 0, "content": item.text, "tokens": [item.token] if item.token is not None else [],
+                       "id_slot": 0, "stop": False}
+                if n_probs and item.token is not None:
+                    out["completion_probabilities"] = [_probs(state, item)]
+                yield sse(out)
+        except ApiError as e:
+            yield sse(stream_error(e, "llamacpp"))
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def completion(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    if "prompt" not in f.data:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    params = generation_params(state, f)
+    return await _run(state, request, f, _prompt_tokens(state, f.data["prompt"]), params)
+
+
+async def infill(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    prefix = f.get("input_prefix", str, "")
+    suffix = f.get("input_suffix", str, "")
+    prompt = f.get("prompt", str, "")
+    extra = f.get("input_extra", list, [])
+    for i, chunk in enumerate(extra):
+        c = Fields(chunk, f"input_extra[{i}].") if isinstance(chunk, dict) else None
+        if c is None:
+            raise ApiError(400, f"'input_extra[{i}]' must be an object {{'filename', 'text'}}", param="input_extra")
+        c.get("filename", str)
+        c.get("text", str)
+    params = generation_params(state, f)
+    extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""} for c in extra]
+    tokens = infill_tokens(state.engine, prefix, suffix, prompt, extra, params.max_tokens or 0)
+    return await _run(state, request, f, tokens, params)
+
+
+async def tokenize(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    content = f.get("content", str, "")
+    ids = state.engine.tokenizer.encode(content, add_special=f.get("add_special", bool, False),
+                                        parse_special=f.get("parse_special", bool, True))
+    if f.get("with_pieces", bool, False):
+        tok = state.engine.tokenizer
+        return json_response({"tokens": [{"id": i, "piece": tok.piece(i)} for i in ids]})
+    return json_response({"tokens": ids})
+
+
+async def detokenize(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    ids = f.get("tokens", list, [])
+    vocab = state.engine.tokenizer.vocab_size
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"'tokens' must be token ids of this model (0..{vocab - 1})", param="tokens")
+    return json_response({"content": state.engine.tokenizer.decode(ids)})
+
+
+async def health(state: ServerState, request: Request):
+    return json_response({"status": "ok"})
+
+
+async def props(state: ServerState, request: Request):
+    params = GenerationParams(max_tokens=state.max_tokens)
+    for k, v in LLAMACPP_DEFAULTS.items():
+        setattr(params.sampling, k, v)
+    template = state.engine.template
+    return json_response({
+        "default_generation_settings": {"n_ctx": state.engine.ctx, "params": _settings(state, params)},
+        "total_slots": state.parallel, "model_path": state.model_path, "model_alias": state.model_name,
+        "chat_template": template.source or "", "n_ctx": state.engine.ctx,
+        "fim": sorted(state.engine.tokenizer.fim), "build_info": f"localllm {__version__}"})
+
+
+async def metrics(state: ServerState, request: Request):
+    return PlainTextResponse(state.scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+ROUTES = [
+    ("/health", ["GET"], health),
+    ("/v1/health", ["GET"], health),
+    ("/props", ["GET"], props),
+    ("/metrics", ["GET"], metrics),
+    ("/completion", ["POST"], completion),
+    ("/completions", ["POST"], completion),
+    ("/infill", ["POST"], infill),
+    ("/tokenize", ["POST"], tokenize),
+    ("/detokenize", ["POST"], detokenize),
+]

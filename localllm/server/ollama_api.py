@@ -1,0 +1,227 @@
+"""Ollama-compatible endpoints: GET /api/tags, /api/ps, /api/version; POST /api/show, /api/generate, /api/chat.
+
+Streams are NDJSON and streaming is the default, as in Ollama. Sampling defaults are Ollama's (temperature 0.8,
+top-k 40, top-p 0.9, repeat penalty 1.1 over the last 64 tokens); options.num_predict -1 means "until the model
+stops" (up to the server's --max-tokens). /api/generate applies the chat template unless `raw` is true, and
+with a `suffix` it fills in the middle, as Ollama does for code models.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+import json
+import time
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, StreamingResponse
+
+from localllm import __version__
+from localllm.engine import GenerationParams
+from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, first_item, fix_seed,
+                                 json_response, read_json, sampling_from, stream_error, stream_events, submit)
+from localllm.server.infill import infill_tokens
+
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@functools.cache
+def _model_facts(path: str) -> dict:
+    from localllm.cli import model_info
+
+    info = model_info(path)
+    st = __import__("os").stat(path)
+    ident = f"{info['path']}:{st.st_size}:{st.st_mtime_ns}".encode()
+    info["digest"] = hashlib.sha256(ident).hexdigest()
+    info["modified_at"] = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc).isoformat().replace(
+        "+00:00", "Z")
+    return info
+
+
+def _details(state: ServerState) -> dict:
+    info = _model_facts(state.model_path)
+    arch = info["architecture"] or ""
+    params = info["parameters"] or 0
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    quant = next(iter(info["tensor_types"]), "")
+    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch], "parameter_size": size,
+            "quantization_level": quant}
+
+
+def _model_entry(state: ServerState) -> dict:
+    info = _model_facts(state.model_path)
+    return {"name": state.model_name, "model": state.model_name, "modified_at": info["modified_at"],
+            "size": info["file_size"], "digest": info["digest"], "details": _details(state)}
+
+
+async def root(state: ServerState, request: Request):
+    return PlainTextResponse("Ollama is running (localllm)")
+
+
+async def version(state: ServerState, request: Request):
+    return json_response({"version": __version__})
+
+
+async def tags(state: ServerState, request: Request):
+    return json_response({"models": [_model_entry(state)]})
+
+
+async def ps(state: ServerState, request: Request):
+    entry = _model_entry(state)
+    entry.update({"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0, "context_length": state.engine.ctx})
+    return json_response({"models": [entry]})
+
+
+async def show(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    name = f.get("model", str) or f.get("name", str)
+    if not name:
+        raise ApiError(400, "'model' is required", param="model")
+    info = _model_facts(state.model_path)
+    arch = info["architecture"]
+    capabilities = ["completion"] + (["insert"] if {"pre", "suf", "mid"} <= set(state.engine.tokenizer.fim)
+                                     else [])
+    return json_response({
+        "modelfile": f"FROM {state.model_path}\n", "parameters": "", "license": "",
+        "template": state.engine.template.source or "", "details": _details(state),
+        "model_info": {"general.architecture": arch, "general.parameter_count": info["parameters"],
+                       f"{arch}.context_length": info["context_length"],
+                       f"{arch}.embedding_length": info["embedding_length"],
+                       f"{arch}.block_count": info["block_count"]},
+        "capabilities": capabilities, "modified_at": info["modified_at"]})
+
+
+def _params(state: ServerState, f: Fields) -> GenerationParams:
+    opts = Fields(f.get("options", dict, {}), "options.")
+    sampling = sampling_from(opts, OLLAMA_DEFAULTS, state.engine.config.vocab_size)
+    fix_seed(sampling)
+    n = opts.get("num_predict", int, -1)
+    if n is None or n < 0:
+        max_tokens = state.max_tokens
+    elif n > state.max_tokens:
+        raise ApiError(400, f"options.num_predict is {n} but this server generates at most {state.max_tokens} "
+                            "tokens per request (localllm serve --max-tokens)")
+    elif n == 0:
+        raise ApiError(400, "options.num_predict 0 asks for nothing")
+    else:
+        max_tokens = n
+    if f.data.get("format") not in (None, ""):
+        raise ApiError(400, "structured output ('format') is not supported")
+    if f.get("images", list, []):
+        raise ApiError(400, "images are not supported by this model")
+    return GenerationParams(max_tokens=max_tokens, stop=opts.stop("stop"), sampling=sampling)
+
+
+def _durations(final: Final, started: float) -> dict:
+    t = final.timings
+    return {"total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+            "prompt_eval_count": final.prompt_tokens, "prompt_eval_duration": int(t["prompt_ms"] * 1e6),
+            "eval_count": final.completion_tokens, "eval_duration": int(t["predicted_ms"] * 1e6)}
+
+
+async def _respond(state: ServerState, request: Request, f: Fields, tokens, params, shape):
+    """Run the request; `shape(text)` is the per-message payload ({"response": text} or {"message": ...})."""
+    started = time.perf_counter()
+    stream = f.get("stream", bool, True)
+    handle = submit(state, tokens, params)
+    model = f.get("model", str) or state.model_name
+
+    def done(final: Final, text: str, generated: list[int]) -> dict:
+        out = {"model": model, "created_at": _now(), **shape(text), "done": True,
+               "done_reason": final.finish_reason, **_durations(final, started)}
+        if "response" in out:
+            out["context"] = tokens + generated
+        return out
+
+    if not stream:
+        events, final = await collect(request, handle)
+        generated = [e.token for e in events if e.token is not None]
+        return json_response(done(final, "".join(e.text for e in events), generated))
+
+    first = await first_item(request, handle)
+
+    async def lines():
+        generated = []
+        try:
+            async for item in stream_events(handle, first):
+                if isinstance(item, Final):
+                    yield json.dumps(done(item, "", generated)) + "\n"
+                    return
+                if item.token is not None:
+                    generated.append(item.token)
+                if item.text:
+                    yield json.dumps({"model": model, "created_at": _now(), **shape(item.text), "done": False},
+                                     ensure_ascii=False) + "\n"
+        except ApiError as e:
+            yield json.dumps(stream_error(e, "ollama")) + "\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+async def generate(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    prompt = f.get("prompt", str, "")
+    suffix = f.get("suffix", str, "")
+    system = f.get("system", str, "")
+    raw = f.get("raw", bool, False)
+    f.get("model", str)
+    context = f.get("context", list, [])
+    vocab = state.engine.tokenizer.vocab_size
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in context):
+        raise ApiError(400, "'context' must be token ids of this model")
+    if f.has("template"):
+        raise ApiError(400, "a custom 'template' is not supported; use 'raw': true with a formatted prompt")
+    params = _params(state, f)
+    if not prompt and not suffix and not context:
+        # Ollama answers an empty prompt by loading the model: it is loaded.
+        return json_response({"model": f.get("model", str) or state.model_name, "created_at": _now(),
+                              "response": "", "done": True, "done_reason": "load"})
+    if suffix:
+        tokens = infill_tokens(state.engine, prompt, suffix, n_predict=params.max_tokens or 0)
+    elif raw:
+        tokens = state.engine.tokenize_prompt(prompt)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
+                                                                                  "content": prompt}]
+        tokens = state.engine.tokenize_prompt(state.engine.render_chat(messages), chat=True)
+    if context:
+        tokens = context + (tokens[1:] if tokens and tokens[0] == state.engine.tokenizer.bos_id else tokens)
+    return await _respond(state, request, f, tokens, params, lambda text: {"response": text})
+
+
+async def chat(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    f.get("model", str)
+    messages = f.get("messages", list, None)
+    if not messages:
+        raise ApiError(400, "'messages' must be a non-empty array of messages")
+    if f.get("tools", list, []):
+        raise ApiError(400, "tool calls are not supported")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'")
+        mf = Fields(m, f"messages[{i}].")
+        if mf.get("images", list, []):
+            raise ApiError(400, "images are not supported by this model")
+        clean.append({"role": mf.get("role", str, ""), "content": mf.get("content", str, "")})
+    params = _params(state, f)
+    tokens = state.engine.tokenize_prompt(state.engine.render_chat(clean), chat=True)
+    return await _respond(state, request, f, tokens, params,
+                          lambda text: {"message": {"role": "assistant", "content": text}})
+
+
+ROUTES = [
+    ("/", ["GET", "HEAD"], root),
+    ("/api/version", ["GET"], version),
+    ("/api/tags", ["GET"], tags),
+    ("/api/ps", ["GET"], ps),
+    ("/api/show", ["POST"], show),
+    ("/api/generate", ["POST"], generate),
+    ("/api/chat", ["POST"], chat),
+]

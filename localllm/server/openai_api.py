@@ -1,0 +1,278 @@
+"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+Sampling follows OpenAI's meaning of the knobs (temperature 1 and top_p 1 by default, no top-k or min-p unless
+the llama.cpp extensions `top_k`, `min_p`, `repeat_penalty` are given). Any model name is accepted (the server
+runs one model, as llama.cpp's server does); responses name the model that ran.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from localllm.engine import GenerationParams
+from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, first_item,
+                                 fix_seed, json_response, read_json, sampling_from, sse, stream_error,
+                                 stream_events, submit)
+
+MAX_TOP_LOGPROBS = 20
+
+
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "localllm",
+            "meta": {"n_ctx": state.engine.ctx, "n_vocab": state.engine.config.vocab_size,
+                     "path": state.model_path}}
+
+
+async def list_models(state: ServerState, request: Request):
+    return json_response({"object": "list", "data": [model_card(state)]})
+
+
+async def get_model(state: ServerState, request: Request):
+    name = request.path_params["model"]
+    if name != state.model_name:
+        raise ApiError(404, f"the model '{name}' does not exist (this server runs '{state.model_name}')",
+                       param="model", kind="invalid_request_error")
+    return json_response(model_card(state))
+
+
+def _logit_bias(f: Fields, vocab: int) -> dict[int, float]:
+    raw = f.get("logit_bias", dict, {})
+    out = {}
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            tok = -1
+        if not 0 <= tok < vocab:
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be a number in [-100, 100]",
+                           param="logit_bias")
+        out[tok] = float(value)
+    return out
+
+
+def _common(state: ServerState, f: Fields, max_key_default: int | None) -> tuple[GenerationParams, dict]:
+    """Parameters shared by completions and chat completions."""
+    f.get("model", str)
+    if f.get("n", int, 1) != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    vocab = state.engine.config.vocab_size
+    sampling = sampling_from(f, {"temperature": 1.0, "top_p": 1.0}, vocab)
+    if sampling.temperature > 2.0:
+        raise ApiError(400, f"'temperature' must be <= 2, got {sampling.temperature}", param="temperature")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if abs(getattr(sampling, key)) > 2.0:
+            raise ApiError(400, f"'{key}' must be in [-2, 2]", param=key)
+    fix_seed(sampling)
+    sampling.logit_bias = _logit_bias(f, vocab)
+    key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    max_tokens = check_max_tokens(state, f.get(key, int, max_key_default, lo=1), key)
+    options = f.get("stream_options", dict, {})
+    include_usage = Fields(options, "stream_options.").get("include_usage", bool, False)
+    stream = f.get("stream", bool, False)
+    if options and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    params = GenerationParams(max_tokens=max_tokens, stop=f.stop("stop"), sampling=sampling)
+    return params, {"stream": stream, "include_usage": include_usage}
+
+
+def _usage(final: Final) -> dict:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+
+
+def _visible(state: ServerState, event) -> bool:
+    """Whether a token counts as output (the end-of-generation token that stopped it does not)."""
+    return event.token is not None and not (event.finish_reason == "stop"
+                                            and state.engine.tokenizer.is_eog(event.token))
+
+
+# ---- completions ---------------------------------------------------------------------------------------
+
+
+def _prompt_tokens(state: ServerState, prompt) -> list[int]:
+    tok = state.engine.tokenizer
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return state.engine.tokenize_prompt(prompt)
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size for t in prompt)):
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a string, or an array of token ids of this model (one prompt per "
+                        "request)", param="prompt")
+
+
+def _completion_logprobs(state: ServerState, events, offset0: int = 0) -> dict:
+    tok = state.engine.tokenizer
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = offset0
+    for e in events:
+        if not _visible(state, e):
+            continue
+        out["tokens"].append(tok.piece(e.token))
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({tok.piece(t): lp for t, lp in e.top_logprobs})
+        out["text_offset"].append(offset)
+        offset += len(e.text)
+    return out
+
+
+async def completions(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    if "prompt" not in f.data:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    params, opts = _common(state, f, 16)
+    n_logprobs = f.get("logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if f.get("echo", bool, False):
+        raise ApiError(400, "'echo' is not supported", param="echo")
+    if f.get("best_of", int, 1) != 1:
+        raise ApiError(400, "only best_of=1 is supported", param="best_of")
+    if f.has("suffix"):
+        raise ApiError(400, "'suffix' is not supported here; use POST /infill for fill-in-the-middle",
+                       param="suffix")
+    params.sampling.n_probs = n_logprobs or 0
+    tokens = _prompt_tokens(state, f.data["prompt"])
+    handle = submit(state, tokens, params)
+    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+
+    def body(choices, usage=None):
+        out = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+               "system_fingerprint": "localllm"}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    if not opts["stream"]:
+        events, final = await collect(request, handle)
+        choice = {"text": "".join(e.text for e in events), "index": 0,
+                  "logprobs": _completion_logprobs(state, events) if n_logprobs is not None else None,
+                  "finish_reason": final.finish_reason}
+        return json_response(body([choice], _usage(final)))
+
+    first = await first_item(request, handle)
+
+    async def stream():
+        offset = 0
+        try:
+            async for item in stream_events(handle, first):
+                if isinstance(item, Final):
+                    if opts["include_usage"]:
+                        yield sse(body([], _usage(item)))
+                    break
+                if not item.text and item.finish_reason is None and n_logprobs is None:
+                    continue
+                lp = _completion_logprobs(state, [item], offset) if n_logprobs is not None else None
+                offset += len(item.text)
+                chunk = body([{"text": item.text, "index": 0, "logprobs": lp,
+                               "finish_reason": item.finish_reason}])
+                if opts["include_usage"]:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        except ApiError as e:
+            yield sse(stream_error(e, "openai"))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---- chat completions ----------------------------------------------------------------------------------
+
+
+def _chat_logprob(state: ServerState, event, n_top: int) -> dict:
+    tok = state.engine.tokenizer
+
+    def entry(t, lp):
+        b = tok.piece_bytes(t)
+        return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+    out = entry(event.token, event.logprob)
+    out["top_logprobs"] = [entry(t, lp) for t, lp in event.top_logprobs[:n_top]]
+    return out
+
+
+def chat_prompt(state: ServerState, messages) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
+    prompt = state.engine.render_chat(messages)  # validates roles and contents (LocalLLMError -> 400)
+    return state.engine.tokenize_prompt(prompt, chat=True)
+
+
+async def chat_completions(state: ServerState, request: Request):
+    f = Fields(await read_json(request, state.max_body))
+    if "messages" not in f.data:
+        raise ApiError(400, "'messages' is required", param="messages")
+    params, opts = _common(state, f, None)
+    want_logprobs = f.get("logprobs", bool, False)
+    n_top = f.get("top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if n_top and not want_logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    params.sampling.n_probs = n_top
+    if f.get("tools", list, []):
+        raise ApiError(400, "tool calls are not supported", param="tools")
+    fmt = f.get("response_format", dict, {"type": "text"})
+    if fmt.get("type", "text") != "text":
+        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    tokens = chat_prompt(state, f.data["messages"])
+    handle = submit(state, tokens, params)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+
+    if not opts["stream"]:
+        events, final = await collect(request, handle)
+        logprobs = None
+        if want_logprobs:
+            logprobs = {"content": [_chat_logprob(state, e, n_top) for e in events if _visible(state, e)]}
+        return json_response({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": "localllm",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                         "logprobs": logprobs, "finish_reason": final.finish_reason}],
+            "usage": _usage(final)})
+
+    def chunk(delta, finish=None, logprobs=None):
+        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "system_fingerprint": "localllm",
+               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if opts["include_usage"]:
+            out["usage"] = None
+        return out
+
+    first = await first_item(request, handle)
+
+    async def stream():
+        yield sse(chunk({"role": "assistant", "content": ""}))
+        try:
+            async for item in stream_events(handle, first):
+                if isinstance(item, Final):
+                    if opts["include_usage"]:
+                        last = chunk({})
+                        last["choices"], last["usage"] = [], _usage(item)
+                        yield sse(last)
+                    break
+                lp = None
+                if want_logprobs and _visible(state, item):
+                    lp = {"content": [_chat_logprob(state, item, n_top)]}
+                if item.text or lp:
+                    yield sse(chunk({"content": item.text}, logprobs=lp))
+                if item.finish_reason is not None:
+                    yield sse(chunk({}, item.finish_reason))
+        except ApiError as e:
+            yield sse(stream_error(e, "openai"))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+ROUTES = [
+    ("/v1/models", ["GET"], list_models),
+    ("/v1/models/{model:path}", ["GET"], get_model),
+    ("/v1/completions", ["POST"], completions),
+    ("/v1/chat/completions", ["POST"], chat_completions),
+]

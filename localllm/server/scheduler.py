@@ -1,0 +1,295 @@
+"""The one scheduler that owns the engine: continuous batching of many requests over the paged KV cache.
+
+The engine is not thread-safe, so it lives in one dedicated thread. HTTP handlers (asyncio) `submit` a
+`Request` and read its events from a `Handle`; events cross from the engine thread to the event loop with
+`loop.call_soon_threadsafe`. Each step, the scheduler:
+
+  1. takes new requests into a FIFO queue and drops cancelled ones (queued or running: a running one's
+     sequence is closed at once, so its KV blocks go back to the pool, still cached for prefix reuse);
+  2. admits queued requests while fewer than `parallel` run: each gets a fresh `Sequence` whose prompt reuses
+     the longest cached prefix (`Generation.start_prefill`);
+  3. samples the next token of every decoding request (`Generation.step`) and evaluates all of them, plus
+     a bounded chunk of the prompts still being prefilled, in ONE `Engine.evaluate_batch` call, so running
+     streams keep flowing while a long prompt is read in;
+  4. delivers the events; finished requests leave the batch and close their sequence.
+
+A request's error (a prompt that does not fit, a sampler that has nothing left to sample) ends that request
+only; an unexpected failure of a step fails the requests in it and the scheduler goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from localllm.engine import Engine, Generation, GenerationParams, TokenEvent
+from localllm.errors import LocalLLMError
+from localllm.server.metrics import Metrics
+
+log = logging.getLogger("localllm.server")
+
+PREFILL_BUDGET = 256  # prompt tokens evaluated per step, across the requests being prefilled
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    params: GenerationParams
+
+
+@dataclass
+class Final:
+    """The last item of a request's stream, after its final TokenEvent."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    stop_word: str | None
+    timings: dict
+
+
+class RequestFailed(Exception):
+    """The scheduler could not run a request; the message is for the client."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class Handle:
+    """The event-loop side of one request: an async stream of TokenEvents, then a Final (or an exception)."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, scheduler: "Scheduler"):
+        self.request = request
+        self.loop = loop
+        self.scheduler = scheduler
+        self.finished = False
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away): the scheduler drops the request at its next step."""
+        if not self.cancelled and not self.finished:
+            self.cancelled = True
+            self.scheduler.wake()
+
+    def _put(self, item) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            self.cancelled = True
+
+    async def events(self):
+        """Yields TokenEvents, then the Final. Raises RequestFailed if the request failed."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                self.finished = True
+                raise item
+            if isinstance(item, Final):
+                self.finished = True
+            yield item
+            if isinstance(item, Final):
+                return
+
+
+@dataclass
+class _Running:
+    handle: Handle
+    gen: Generation
+    prefill: list[int]  # prompt tokens still to evaluate
+    logits: object = None  # the logits the next step samples from
+    t_prefill: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, parallel: int = 4, max_queue: int = 256, metrics: Metrics | None = None):
+        self.engine = engine
+        self.parallel = max(1, int(parallel))
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self._lock = threading.Condition()
+        self._inbox: deque[Handle] = deque()
+        self._waiting: deque[Handle] = deque()
+        self._running: list[_Running] = []
+        self._stop = False
+        self.live_sequences = 0
+        self._thread = threading.Thread(target=self._loop, name="localllm-scheduler", daemon=True)
+        self._publish()
+
+    # ---- event-loop side -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: Request) -> Handle:
+        handle = Handle(request, asyncio.get_running_loop(), self)
+        with self._lock:
+            if len(self._inbox) + len(self._waiting) >= self.max_queue:
+                raise RequestFailed(f"the server is busy ({self.max_queue} requests queued); retry later", 503)
+            self._inbox.append(handle)
+            self._lock.notify()
+        self.metrics.queued = len(self._inbox) + len(self._waiting)
+        return handle
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
+
+    # ---- engine thread -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._inbox and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._stop:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                self._step()
+            except Exception:  # a bug in a step must not stop the server: fail what was running
+                log.exception("scheduler step failed")
+                for r in self._running:
+                    self._finish(r, RequestFailed("internal error while generating", 500))
+                self._running.clear()
+            self._publish()
+        for r in self._running:
+            self._finish(r, RequestFailed("the server is shutting down", 503))
+        for h in list(self._waiting) + list(self._inbox):
+            h._put(RequestFailed("the server is shutting down", 503))
+
+    def _publish(self) -> None:
+        pool = self.engine.kv_pool
+        m = self.metrics
+        m.active = len(self._running)
+        m.queued = len(self._waiting) + len(self._inbox)
+        m.live_sequences = self.live_sequences
+        m.kv_blocks_held = pool.blocks_held()
+        m.kv_blocks_idle = pool.blocks_idle()
+        m.kv_bytes = pool.nbytes
+        m.kv_budget_bytes = pool.budget_bytes
+
+    def _finish(self, r: _Running, outcome) -> None:
+        """Close the request's sequence and deliver its outcome (a Final or an exception), once."""
+        if r.gen.seq is not None:
+            r.gen.seq.close()
+            self.live_sequences -= 1
+        if outcome is not None:
+            r.handle._put(outcome)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.parallel:
+            handle = self._waiting.popleft()
+            seq = self.engine.new_sequence()
+            self.live_sequences += 1
+            try:
+                gen = Generation(self.engine, handle.request.tokens, handle.request.params, seq)
+                prefill = gen.start_prefill()
+            except LocalLLMError as e:
+                seq.close()
+                self.live_sequences -= 1
+                handle._put(RequestFailed(str(e), 400))
+                continue
+            self._running.append(_Running(handle, gen, prefill))
+
+    def _step(self) -> None:
+        # Cancelled requests leave first: their blocks are back in the pool before anything else runs.
+        for r in [r for r in self._running if r.handle.cancelled]:
+            self._running.remove(r)
+            self.metrics.cancelled += 1
+            self._finish(r, RequestFailed("the request was cancelled", 499))
+        for h in [h for h in self._waiting if h.cancelled]:
+            self._waiting.remove(h)
+            h._put(RequestFailed("the request was cancelled", 499))
+        self._admit()
+        if not self._running:
+            return
+
+        items: list = []
+        decoding: list[tuple[_Running, TokenEvent]] = []
+        prefilling: list[tuple[_Running, int]] = []
+        done: list[tuple[_Running, TokenEvent]] = []
+        for r in self._running:
+            if r.prefill or r.logits is None:
+                continue
+            try:
+                event = r.gen.step(r.logits)
+            except LocalLLMError as e:
+                done.append((r, RequestFailed(str(e), 400)))
+                continue
+            if event.finish_reason is None:
+                items.append((r.gen.seq, [event.token]))
+                decoding.append((r, event))
+            else:
+                done.append((r, event))
+        budget = PREFILL_BUDGET
+        for r in self._running:
+            if r.prefill and budget > 0:
+                chunk = r.prefill[:budget]
+                budget -= len(chunk)
+                items.append((r.gen.seq, chunk))
+                prefilling.append((r, len(chunk)))
+
+        try:
+            logits = self.engine.evaluate_batch(items) if items else []
+        except LocalLLMError as e:  # e.g. a context the cache cannot hold: fail this step's requests
+            for r, _ in decoding + prefilling:
+                done.append((r, RequestFailed(str(e), 400)))
+            decoding, prefilling, logits = [], [], []
+
+        now = time.perf_counter()
+        for (r, event), lg in zip(decoding, logits[: len(decoding)]):
+            r.logits = lg
+            r.gen.record(event)
+            self._deliver(r, event, now)
+        for (r, n), lg in zip(prefilling, logits[len(decoding):]):
+            r.prefill = r.prefill[n:]
+            self.metrics.prompt_tokens += n
+            if not r.prefill:
+                r.gen.end_prefill()
+                r.gen.timings.prompt_ms = 1000 * (now - r.t_prefill)
+                r.logits = lg
+        for r, outcome in done:
+            self._running.remove(r)
+            if isinstance(outcome, TokenEvent):
+                r.gen.record(outcome)
+                self._deliver(r, outcome, now)
+                t = r.gen.timings
+                matched = r.gen.stops.matched if r.gen.stops.stopped else None
+                final = Final(outcome.finish_reason, len(r.gen.tokens), t.predicted_n, t.cache_n, matched,
+                              t.to_dict())
+                self.metrics.requests_done += 1
+                self._finish(r, final)
+            else:
+                self.metrics.requests_failed += 1
+                self._finish(r, outcome)
+
+    def _deliver(self, r: _Running, event: TokenEvent, now: float) -> None:
+        m = self.metrics
+        m.generated_tokens += 1
+        if r.t_first is None:
+            r.t_first = now
+            m.cached_tokens += r.gen.timings.cache_n
+            m.ttft.observe(now - r.handle.submitted)
+        else:
+            m.itl.observe(now - r.t_last)
+        r.t_last = now
+        if event.finish_reason is not None and r.gen.timings.predicted_n > 1:
+            m.tpot.observe((now - r.t_first) / (r.gen.timings.predicted_n - 1))
+        r.handle._put(event)
