@@ -38,15 +38,19 @@ CSS = """
 #input { height: auto; min-height: 3; max-height: 8; border: round $primary; }
 #input:focus { border: round $accent; }
 #stats { height: 1; padding: 0 1; color: $text-muted; }
-#dialog { width: 90%; max-width: 110; height: auto; max-height: 90%; border: thick $primary; background: $surface; padding: 0 1; }
+#dialog { width: 96%; max-width: 110; height: auto; max-height: 90%; border: thick $primary; background: $surface; padding: 0 1; }
 #dialog.help { height: 90%; }
 #dialog .title { text-style: bold; padding: 0 0 1 0; }
 #dialog .row { height: auto; }
-#dialog .row .name { width: 18; padding: 1 1 0 0; }
-#dialog .row .value { width: 24; }
-#dialog .row .hint { width: 1fr; padding: 1 0 0 1; color: $text-muted; }
-#dialog .system { height: 5; }
-#dialog .buttons { height: auto; align-horizontal: right; }
+#dialog .row { margin: 1 0 0 0; }
+#dialog .row .name { width: 18; }
+#dialog .row .value { width: 22; }
+#dialog .row .hint { width: 1fr; padding: 0 0 0 1; color: $text-muted; }
+#dialog .system { height: 5; border: round $primary-darken-1; }
+#dialog .system:focus { border: round $accent; }
+#dialog .buttons { height: auto; align-horizontal: right; margin: 1 0 0 0; }
+#dialog .buttons Button { margin: 0 0 0 2; }
+#dialog #error { height: auto; }
 #dialog DataTable { height: auto; max-height: 16; }
 ModalScreen { align: center middle; }
 """
@@ -153,7 +157,8 @@ class ChatApp(App):
         with Vertical(id="loading"):
             yield Label("", id="loading_label")
             yield ProgressBar(id="loading_bar", show_eta=False)
-        yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False, compact=False)
+        yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False,
+                        placeholder="Your message (Enter sends, Ctrl+J new line, F1 help)")
         yield Static("Enter sends · Ctrl+J new line · F1 help", id="stats")
         yield Footer()
 
@@ -324,8 +329,8 @@ class ChatApp(App):
         if message.error:
             if not self.answer:
                 # Nothing was generated (e.g. the conversation no longer fits): give the message back to edit.
-                self.answer_view.remove()
-                self.restore_last_user_message()
+                await self.answer_view.remove()
+                await self.restore_last_user_message()
             self.show_status(f"[red]{message.error}[/]")
             self.notify(message.error, severity="error", timeout=8)
             return
@@ -335,38 +340,39 @@ class ChatApp(App):
         if outcome and (stats.context_full or stats.finish_reason == "length"):
             self.notify(outcome, severity="warning", timeout=10)
 
-    def restore_last_user_message(self) -> None:
+    async def remove_last_view(self, role: str) -> None:
+        views = self.query(ChatMessage)
+        if views and views.last().role == role:
+            await views.last().remove()
+
+    async def restore_last_user_message(self) -> None:
         messages = self.conversation.messages
         if messages and messages[-1]["role"] == "user":
             text = messages.pop()["content"]
-            views = self.query(ChatMessage)
-            if views and views.last().role == "user":
-                views.last().remove()
+            await self.remove_last_view("user")
             self.query_one(ChatInput).load_text(text)
 
     def action_stop(self) -> None:
         if self.busy == "generating" and self.session is not None:
             self.session.cancel.set()
 
-    def action_regenerate(self) -> None:
+    async def action_regenerate(self) -> None:
         messages = self.conversation.messages
         if not messages or not self.ready_to_generate():
             return
         if messages[-1]["role"] == "assistant":
             messages.pop()
-            views = self.query(ChatMessage)
-            if views and views.last().role == "assistant":
-                views.last().remove()
+            await self.remove_last_view("assistant")
         self.generate()
 
-    def action_edit_last(self) -> None:
+    async def action_edit_last(self) -> None:
         if self.busy or not any(m["role"] == "user" for m in self.conversation.messages):
             return
         messages = self.conversation.messages
         if messages[-1]["role"] == "assistant":
             messages.pop()
-            self.query(ChatMessage).last().remove()
-        self.restore_last_user_message()
+            await self.remove_last_view("assistant")
+        await self.restore_last_user_message()
         self.query_one(ChatInput).focus()
 
     def last_answer(self) -> str | None:

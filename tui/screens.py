@@ -24,7 +24,7 @@ HELP = """\
 | key | what |
 | --- | --- |
 | Enter | send the message |
-| Ctrl+J (or Shift+Enter where the terminal tells it apart) | new line in the message |
+| Ctrl+J | new line in the message (Shift+Enter too, if the terminal sends it) |
 | Esc | stop the answer being generated |
 | Ctrl+R | regenerate the last answer |
 | Ctrl+L | edit the last message and send it again |
@@ -86,21 +86,21 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             yield Label("Settings", classes="title")
             with VerticalScroll():
                 yield Label("System prompt")
-                yield TextArea(s.system_prompt, id="system_prompt", classes="system")
+                yield TextArea(s.system_prompt, id="system_prompt", classes="system", compact=True)
                 for name, (label, hint) in SETTING_LABELS.items():
                     value = getattr(s, name)
                     with Horizontal(classes="row"):
                         yield Label(label, classes="name")
-                        yield Input("" if value is None else str(value), id=name, classes="value")
+                        yield Input("" if value is None else str(value), id=name, classes="value", compact=True)
                         yield Label(hint, classes="hint")
                 with Horizontal(classes="row"):
                     yield Label("At context limit", classes="name")
                     yield Select([("shift (drop oldest)", "shift"), ("stop", "stop")], value=s.context_overflow,
-                                 allow_blank=False, id="context_overflow", classes="value")
+                                 allow_blank=False, id="context_overflow", classes="value", compact=True)
             yield Static("", id="error")
             with Horizontal(classes="buttons"):
-                yield Button("Save (Ctrl+S)", variant="primary", id="save")
-                yield Button("Cancel (Esc)", id="cancel")
+                yield Button("Save (Ctrl+S)", variant="primary", id="save", compact=True)
+                yield Button("Cancel (Esc)", id="cancel", compact=True)
 
     def read(self) -> ChatSettings:
         values = {"system_prompt": self.query_one("#system_prompt", TextArea).text,
@@ -245,7 +245,7 @@ class ConversationsScreen(ModalScreen[str | None]):
         with Vertical(id="dialog", classes="conversations"):
             yield Label("Conversations — Enter: open, N: new, R: rename, D: delete, Esc: close", classes="title")
             yield DataTable(cursor_type="row", zebra_stripes=True)
-            yield Input(placeholder="New title, Enter to rename", id="rename")
+            yield Input(placeholder="New title, Enter to rename", id="rename", compact=True)
 
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns("Title", "Model", "Messages", "Updated")
@@ -319,8 +319,8 @@ class ConfirmPull(ModalScreen[bool]):
         with Vertical(id="dialog", classes="confirm"):
             yield Static(self.message)
             with Horizontal(classes="buttons"):
-                yield Button("Pull it", variant="primary", id="yes")
-                yield Button("Not now (Esc)", id="no")
+                yield Button("Pull it", variant="primary", id="yes", compact=True)
+                yield Button("Not now (Esc)", id="no", compact=True)
 
     @on(Button.Pressed, "#yes")
     def yes(self) -> None:

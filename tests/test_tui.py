@@ -1,0 +1,397 @@
+"""The chat TUI (`tui/`), driven through Textual's Pilot on the real smollm2 model (and gemma3 for a model
+switch); snapshots of its main screens use a stand-in engine so they are deterministic.
+
+Settings and conversations go to a temporary LOCALLLM_HOME whose `models` links to the real model store.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from textual import events
+
+from localllm import paths
+from conftest import model_file
+from tui import conversations
+from tui.app import ChatApp, ChatInput, ChatMessage
+from tui.chat_session import load_engine
+from tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen
+from tui.settings import ChatSettings
+
+SMOLLM = "smollm2-135m-instruct"
+GEMMA = "gemma3-270m"
+GREEDY = ChatSettings(temperature=0.0, max_tokens=48)
+_engines = {}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def shared_engine(name, ctx, on_compile):
+    """The real engine, loaded once per (model, context) for the whole file: loading is not what most tests test."""
+    if (name, ctx) not in _engines:
+        _engines[name, ctx] = load_engine(name, ctx, on_compile)
+    return _engines[name, ctx]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    for name in (SMOLLM, GEMMA):
+        model_file(name)
+    (tmp_path / "models").symlink_to(paths.models_dir(), target_is_directory=True)
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    return tmp_path
+
+
+async def until(pilot, condition, timeout=60.0, what="the condition"):
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await pilot.pause(0.01)
+
+
+async def ready(pilot, app):
+    await until(pilot, lambda: app.session is not None and app.busy is None, what="the model to load")
+
+
+async def send(pilot, app, text):
+    app.query_one(ChatInput).load_text(text)
+    press_now(app, "enter")
+    await until(pilot, lambda: app.busy == "generating", timeout=1.0, what="the answer to start")
+
+
+def press_now(app, key, character=None):
+    """A key press as the terminal delivers it, without Pilot's wait for the app to go idle (which never happens
+    while an answer streams in): the test then measures how soon the key takes effect."""
+    app.post_message(events.Key(key, character))
+
+
+async def answered(pilot, app):
+    await until(pilot, lambda: app.busy is None, what="the answer to finish")
+    return app.conversation.messages[-1]["content"]
+
+
+@pytest.mark.anyio
+async def test_answer_streams_in_token_by_token_and_is_saved(home):
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=GREEDY)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Name three colours.")
+        seen = []
+        while app.busy:
+            if not seen or seen[-1] != app.answer:
+                seen.append(app.answer)
+            await pilot.pause(0.005)
+        answer = app.conversation.messages[-1]["content"]
+        assert answer and answer == app.answer
+        # Many intermediate states, each a prefix of the next: the text arrived piece by piece.
+        assert len(seen) >= 5, seen
+        assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+        views = app.query(ChatMessage)
+        assert [v.role for v in views] == ["user", "assistant"]
+        assert views.last().source == answer
+        stats = app.last_stats
+        assert stats.generated > 0 and stats.ttft_ms > 0 and stats.tokens_per_second > 0
+        assert stats.context_used > stats.generated and stats.context_size == app.session.engine.ctx
+        assert "tok/s" in str(app.query_one("#stats").render())
+
+        saved = conversations.load(app.conversation.id)
+        assert saved.messages == app.conversation.messages and saved.model == SMOLLM
+        assert conversations.kv_path(app.conversation.id).exists()
+
+        await pilot.press("f5")  # copy: the clipboard, and a file whose path the app tells
+        copied = list((home / "copied").iterdir())
+        assert len(copied) == 1 and copied[0].read_text() == answer
+        assert app.clipboard == answer
+        await pilot.press("f6")
+        exported = (home / "exports" / f"{app.conversation.id}.md").read_text()
+        assert "Name three colours." in exported and answer.strip() in exported
+
+
+@pytest.mark.anyio
+async def test_esc_stops_the_answer_and_keys_stay_responsive(home):
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=ChatSettings(temperature=0.0, max_tokens=500))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Write a long story about a dragon.")
+        await until(pilot, lambda: len(app.answer) > 0, what="the first token")
+        # Typing while the model generates: each key is handled at once, not after the answer.
+        for typed in ("h", "hi"):
+            press_now(app, typed[-1], typed[-1])
+            await until(pilot, lambda: app.query_one(ChatInput).text == typed, timeout=0.25, what=f"{typed!r} typed")
+            assert app.busy == "generating"
+
+        press_now(app, "escape")
+        await until(pilot, lambda: app.busy is None, timeout=1.0, what="the stop")
+        stats = app.last_stats
+        assert stats.stopped and stats.finish_reason is None and 0 < stats.generated < 500
+        assert app.conversation.messages[-1] == {"role": "assistant", "content": app.answer}
+        assert app.is_running  # Esc stopped the answer, not the app
+        assert app.query_one(ChatInput).text == "hi"
+
+
+@pytest.mark.anyio
+async def test_regenerate_replaces_the_last_answer_reusing_the_prompt_cache(home):
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=GREEDY)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "What is the capital of France?")
+        first = await answered(pilot, app)
+        prompt_tokens = app.last_stats.cache_n + app.last_stats.prompt_n
+        press_now(app, "ctrl+r")
+        await until(pilot, lambda: app.busy == "generating", timeout=1.0, what="the regeneration")
+        second = await answered(pilot, app)
+        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"]
+        assert [v.role for v in app.query(ChatMessage)] == ["user", "assistant"]
+        assert second == first  # greedy: the same prompt gives the same answer
+        # Everything but the last prompt token came from the cache the first answer left.
+        assert app.last_stats.cache_n == prompt_tokens - 1 and app.last_stats.prompt_n == 1
+
+
+@pytest.mark.anyio
+async def test_edit_last_message_puts_it_back_in_the_input(home):
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=GREEDY)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Say hello.")
+        await answered(pilot, app)
+        await pilot.press("ctrl+l")
+        assert app.conversation.messages == [] and not app.query(ChatMessage)
+        assert app.query_one(ChatInput).text == "Say hello."
+        await pilot.press("end", "ctrl+j", "P", "l", "e", "a", "s", "e", ".")
+        assert app.query_one(ChatInput).text == "Say hello.\nPlease."  # Ctrl+J: a new line, not a send
+        await pilot.press("enter")
+        await answered(pilot, app)
+        assert app.conversation.messages[0] == {"role": "user", "content": "Say hello.\nPlease."}
+
+
+@pytest.mark.anyio
+async def test_settings_are_saved_and_reach_the_generation(home):
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=ChatSettings(temperature=0.0))
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ready(pilot, app)
+        await pilot.press("f2")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#max_tokens").value = "6"
+        app.screen.query_one("#seed").value = "42"
+        await pilot.press("ctrl+s")
+        assert not isinstance(app.screen, SettingsScreen)
+        saved = json.loads((home / "settings.json").read_text())
+        assert saved["max_tokens"] == 6 and saved["seed"] == 42 and saved["temperature"] == 0.0
+
+        generations = []
+        real_stream = app.session.stream
+
+        def spy(messages, system_prompt, params, stats):
+            generations.append(params)
+            return real_stream(messages, system_prompt, params, stats)
+
+        app.session.stream = spy
+        await send(pilot, app, "Count from one to twenty.")
+        await answered(pilot, app)
+        assert generations[0].max_tokens == 6 and generations[0].sampling.seed == 42
+        stats = app.last_stats
+        assert stats.generated == 6 and stats.finish_reason == "length" and not stats.context_full
+        assert "max tokens" in stats.outcome()
+
+        await pilot.press("f2")
+        app.screen.query_one("#top_p").value = "1.5"
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SettingsScreen)  # refused, with the reason
+        assert "top-p" in str(app.screen.query_one("#error").render())
+
+
+@pytest.mark.anyio
+async def test_a_full_context_says_so(home):
+    settings = ChatSettings(temperature=0.0, max_tokens=-1, ctx=64, context_overflow="stop")
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=settings)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Write a long story about a dragon.")
+        await answered(pilot, app)
+        stats = app.last_stats
+        assert stats.finish_reason == "length" and stats.context_full and stats.context_used >= 63
+        assert "Context full (64 tokens)" in stats.outcome()
+        # The next message no longer fits: it is given back to edit, with the engine's explanation.
+        await send(pilot, app, "Go on.")
+        await until(pilot, lambda: app.busy is None)
+        assert app.query_one(ChatInput).text == "Go on."
+        assert app.conversation.messages[-1]["role"] == "assistant"
+        assert "context" in str(app.query_one("#stats").render())
+
+
+@pytest.mark.anyio
+async def test_reopening_a_conversation_restores_its_kv_cache(home):
+    first = ChatApp(SMOLLM, loader=shared_engine, chat_settings=GREEDY)
+    async with first.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, first)
+        await send(pilot, first, "Tell me a fact about the moon.")
+        await answered(pilot, first)
+        conv_id, cached = first.conversation.id, list(first.session.seq.tokens)
+
+    # A fresh engine, so nothing is left in its KV pool: only the saved cache can make the next turn cheap.
+    second = ChatApp(SMOLLM, loader=load_engine, chat_settings=GREEDY)
+    async with second.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, second)
+        await pilot.press("f4")
+        assert isinstance(second.screen, ConversationsScreen)
+        await pilot.press("enter")
+        assert second.conversation.id == conv_id
+        assert [v.role for v in second.query(ChatMessage)] == ["user", "assistant"]
+        assert second.session.seq.tokens == cached
+        await send(pilot, second, "And one about the sun.")
+        await answered(pilot, second)
+        assert second.last_stats.cache_n >= len(cached) - 8  # all but the re-rendered end of the last answer
+        assert len(conversations.load(conv_id).messages) == 4
+
+
+@pytest.mark.anyio
+async def test_conversations_can_be_renamed_deleted_and_started_anew(home):
+    for title in ("first chat", "second chat"):
+        conversations.save(conversations.Conversation(model=SMOLLM, messages=[{"role": "user", "content": title}]))
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=GREEDY)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        await pilot.press("f4")
+        await pilot.press("r")
+        app.screen.query_one("#rename").value = "Renamed"
+        await pilot.press("enter")
+        titles = sorted(c.display_title for c in conversations.list_all())
+        assert "Renamed" in titles and len(titles) == 2
+        await pilot.press("d")
+        assert len(conversations.list_all()) == 1
+        await pilot.press("n")
+        assert app.screen is app.screen_stack[0] and app.conversation.messages == []
+
+
+@pytest.mark.anyio
+async def test_switching_model_keeps_the_conversation(home):
+    app = ChatApp(SMOLLM, loader=shared_engine, chat_settings=GREEDY)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Hi! My name is Ada.")
+        await answered(pilot, app)
+        await pilot.press("f3")
+        assert isinstance(app.screen, ModelPicker)
+        table = app.screen.query_one("DataTable")
+        table.move_cursor(row=table.get_row_index(GEMMA))
+        await pilot.press("enter")
+        await ready(pilot, app)
+        assert app.session.engine.name == GEMMA and app.conversation.model == GEMMA
+        assert [v.role for v in app.query(ChatMessage)] == ["user", "assistant"]
+        await send(pilot, app, "What is my name?")
+        await answered(pilot, app)
+        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"] * 2
+        # The second turn's prompt is the whole conversation rendered and tokenized by the new model.
+        rendered = app.session.prompt_tokens(app.conversation.messages[:3], "")
+        assert app.session.seq.tokens[: len(rendered)] == rendered
+        assert max(rendered) >= 49152  # gemma's vocabulary, beyond smollm2's
+
+
+@pytest.mark.anyio
+async def test_first_run_offers_to_pull_the_default_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # no models at all
+    app = ChatApp(None, loader=shared_engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmPull)
+        assert "smollm2-135m-instruct" in str(app.screen.query_one("Static").render())
+        await pilot.press("escape")
+        assert app.session is None and "F3" in str(app.query_one("#stats").render())
+
+
+@pytest.mark.anyio
+async def test_kernel_compilation_shows_progress(home, tmp_path, monkeypatch):
+    # An empty kernel cache dir: warm-up runs every kernel once more, reporting as on a first start (Numba's own
+    # cache keeps this fast).
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path / "cache"))
+    shown = []
+
+    class Watching(ChatApp):
+        def on_load_progress(self, message):
+            shown.append((message.text, message.done, message.total))
+            super().on_load_progress(message)
+
+    app = Watching(SMOLLM, loader=load_engine, chat_settings=GREEDY)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot, app)
+    total = shown[-1][2]
+    assert total > 0 and shown[-1][1] == total and all("Compiling kernels" in text for text, _, _ in shown)
+    assert [done for _, done, _ in shown] == list(range(total + 1))
+
+
+def test_chat_falls_back_to_the_plain_repl_off_a_terminal(home):
+    out = subprocess.run([sys.executable, "-m", "localllm", "chat", SMOLLM, "-n", "4"], input="Hi\n/bye\n",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"Chatting with {SMOLLM}.") and ">>> " in out.stdout
+
+
+# ---- snapshots (a stand-in engine: no model, the same pixels every time) -----------------------------------
+
+
+class StandInEngine:
+    name = SMOLLM
+    ctx = 4096
+    model = SimpleNamespace(can_shift=True)
+
+    def new_sequence(self):
+        return SimpleNamespace(tokens=[], close=lambda: None)
+
+
+def stand_in(name, ctx, on_compile):
+    return StandInEngine()
+
+
+def snapshot_app():
+    return ChatApp(SMOLLM, loader=stand_in, chat_settings=ChatSettings())
+
+
+async def loaded(pilot):
+    await until(pilot, lambda: pilot.app.session is not None)
+    await pilot.pause()
+
+
+def test_snapshot_empty_chat(home, snap_compare):
+    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=loaded)
+
+
+def test_snapshot_help(home, snap_compare):
+    async def open_help(pilot):
+        await loaded(pilot)
+        await pilot.press("f1")
+        assert isinstance(pilot.app.screen, HelpScreen)
+
+    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=open_help)
+
+
+def test_snapshot_settings(home, snap_compare):
+    async def open_settings(pilot):
+        await loaded(pilot)
+        await pilot.press("f2")
+
+    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=open_settings)
+
+
+def test_snapshot_model_picker(home, snap_compare):
+    async def open_models(pilot):
+        await loaded(pilot)
+        await pilot.press("f3")
+
+    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=open_models)
+
+
+def test_snapshot_light_theme(home, snap_compare):
+    async def light(pilot):
+        await loaded(pilot)
+        await pilot.press("ctrl+t")
+
+    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=light)
