@@ -1,7 +1,7 @@
 """OpenAI-compatible endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 
 Sampling follows OpenAI's meaning of the knobs (temperature 1 and top_p 1 by default, no top-k or min-p unless
-the llama.cpp extensions `top_k`, `min_p`, `repeat_penalty` are given). Any model name is accepted (the server
+the llama.cpp extensions `top_k`, `min_p`, `repeat_penalty` are given; `ignore_eos` too). Any model name is accepted (the server
 runs one model, as llama.cpp's server does); responses name the model that ran.
 """
 
@@ -78,7 +78,8 @@ def _common(state: ServerState, f: Fields, max_key_default: int | None) -> tuple
     stream = f.get("stream", bool, False)
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-    params = GenerationParams(max_tokens=max_tokens, stop=f.stop("stop"), sampling=sampling)
+    params = GenerationParams(max_tokens=max_tokens, stop=f.stop("stop"), sampling=sampling,
+                              ignore_eos=f.get("ignore_eos", bool, False))  # llama.cpp's extension
     return params, {"stream": stream, "include_usage": include_usage}
 
 
