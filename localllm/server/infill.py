@@ -55,3 +55,35 @@ def infill_tokens(engine, prefix: str, suffix: str, prompt: str = "", extra: lis
         head = [tok.bos_id] + head
     extra_part = extra_tokens[len(extra_tokens) - n_extra:] if n_extra else []
     return extra_part + head + tail + [fim["mid"]]
+
+
+class IndentCut:
+    """llama.cpp's `n_indent` for code completion: once a new line of the generated text starts with less
+    indentation than n_indent (the cursor line's), the text is cut there and generation ends: the completion
+    has left the block being written. (Blank lines are not judged: a block may contain them.)"""
+
+    def __init__(self, n_indent: int):
+        self.n_indent = n_indent
+        self.text = ""
+        self.line_start: int | None = None  # start of the first line not yet judged (after a newline)
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text to emit, stop?)"""
+        start = len(self.text)
+        self.text += piece
+        while True:
+            if self.line_start is None:
+                nl = self.text.find("\n", start)
+                if nl < 0:
+                    return piece, False
+                self.line_start = nl + 1
+            pos = self.line_start
+            while pos < len(self.text) and self.text[pos] in " \t":
+                pos += 1
+            if pos >= len(self.text):
+                return piece, False  # only indentation so far: undecided
+            if self.text[pos] != "\n" and pos - self.line_start < self.n_indent:
+                cut = self.text[start:pos]
+                self.text = self.text[:pos]
+                return cut, True
+            start, self.line_start = self.line_start, None

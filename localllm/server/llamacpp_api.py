@@ -1,18 +1,20 @@
 """llama.cpp-server-compatible endpoints: POST /completion, /infill, /tokenize, /detokenize; GET /health,
 /props, /metrics. Field names, defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and response
-shapes follow llama.cpp's `tools/server`."""
+shapes follow llama.cpp's `tools/server`, including `n_indent` for code completion (see `infill.IndentCut`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from localllm import __version__
 from localllm.engine import GenerationParams
-from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, first_item, fix_seed,
-                                 json_response, read_json, sampling_from, sse, stream_error, stream_events,
-                                 submit)
-from localllm.server.infill import infill_tokens
+from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
+                                 read_json, sampling_from, sse, stream_error, stream_events, submit,
+                                 watching_disconnect)
+from localllm.server.infill import IndentCut, infill_tokens
 
 LLAMACPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
@@ -118,11 +120,41 @@ def _final_fields(state: ServerState, params, tokens, final: Final, text: str) -
             "stop_type": stop_type, "stopping_word": final.stop_word or "", "timings": final.timings}
 
 
+async def _items(handle, first, n_indent: int, n_prompt: int):
+    """The request's events then its Final, with llama.cpp's n_indent cut applied."""
+    cut = IndentCut(n_indent) if n_indent > 0 else None
+    n = 0
+    async for item in stream_events(handle, first):
+        if cut is None or isinstance(item, Final):
+            yield item
+            continue
+        n += 1
+        text, stop = cut.feed(item.text)
+        if not stop:
+            yield item
+            continue
+        handle.cancel()  # the completion left the block: stop generating now
+        t = item.timings
+        yield dataclasses.replace(item, text=text, finish_reason="length")
+        yield Final("length", n_prompt, n, t.cache_n if t else 0, None, t.to_dict() if t else {})
+        return
+
+
 async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int], params: GenerationParams):
+    n_indent = f.get("n_indent", int, 0, lo=0, hi=1 << 16)
     handle = submit(state, tokens, params)
     n_probs = params.sampling.n_probs
     if not f.get("stream", bool, False):
-        events, final = await collect(request, handle)
+
+        async def gather():
+            events = []
+            async for item in _items(handle, None, n_indent, len(tokens)):
+                if isinstance(item, Final):
+                    return events, item
+                events.append(item)
+            raise ApiError(500, "the generation ended without a result")
+
+        events, final = await watching_disconnect(request, handle, gather())
         text = "".join(e.text for e in events)
         out = {"index": 0, "content": text, "tokens": [e.token for e in events if e.token is not None],
                "id_slot": 0, "stop": True, **_final_fields(state, params, tokens, final, text)}
@@ -135,7 +167,7 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
     async def stream():
         text = []
         try:
-            async for item in stream_events(handle, first):
+            async for item in _items(handle, first, n_indent, len(tokens)):
                 if isinstance(item, Final):
                     yield sse({"index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True,
                                **_final_fields(state, params, tokens, item, "".join(text))})
