@@ -279,20 +279,27 @@ def _pip_download(package: str, wheels_dir: Path, pip_tmp: Path, bar) -> Path:
 
 
 def in_flight_bytes() -> int:
-    """Bytes written so far by pulls in progress (partial files and download temp dirs in the store): the
-    progress a front end shows when it runs `localllm pull` in a child process, which it cancels with SIGINT
-    (the pull then removes all of it, as on Ctrl-C)."""
+    """Bytes a pull in progress has so far, counted as the pull's own progress bar counts them: the partial model
+    file plus a file being downloaded (by the hub client, or by pip into its temp dir), not a downloaded wheel
+    waiting to be unpacked. For a front end that runs `localllm pull` in a child process, which it cancels with
+    SIGINT (the pull then removes all of it, as on Ctrl-C)."""
     folder = paths.models_dir()
     if not folder.is_dir():
         return 0
     total = 0
     for item in folder.iterdir():
-        if item.name.endswith(".partial") or item.name.startswith((".hub-", ".pypi-")):
-            try:
-                files = [item] if item.is_file() else item.rglob("*")
-                total += sum(f.stat().st_size for f in files if f.is_file())
-            except OSError:
-                pass  # the pull renamed or removed it while we looked
+        if item.name.endswith(".partial"):
+            files = [item]
+        elif item.name.startswith(".hub-"):
+            files = item.rglob("*")
+        elif item.name.startswith(".pypi-"):
+            files = (item / "pip-tmp").rglob("*")
+        else:
+            continue
+        try:
+            total += sum(f.stat().st_size for f in files if f.is_file())
+        except OSError:
+            pass  # the pull renamed or removed it while we looked
     return total
 
 

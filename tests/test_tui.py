@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from textual import events
 
-from localllm import paths
+from localllm import catalog, paths
 from conftest import model_file
 from tui import conversations
 from tui.app import ChatApp, ChatInput, ChatMessage
@@ -221,11 +221,12 @@ async def test_a_full_context_says_so(home):
         assert stats.finish_reason == "length" and stats.context_full and stats.context_used >= 63
         assert "Context full (64 tokens)" in stats.outcome()
         # The next message no longer fits: it is given back to edit, with the engine's explanation.
-        await send(pilot, app, "Go on.")
-        await until(pilot, lambda: app.busy is None)
-        assert app.query_one(ChatInput).text == "Go on."
-        assert app.conversation.messages[-1]["role"] == "assistant"
-        assert "context" in str(app.query_one("#stats").render())
+        app.query_one(ChatInput).load_text("Go on.")
+        press_now(app, "enter")
+        stats_line = app.query_one("#stats")
+        await until(pilot, lambda: "the context holds 64" in str(stats_line.render()), what="the overflow error")
+        await until(pilot, lambda: app.query_one(ChatInput).text == "Go on.", what="the message given back")
+        assert app.busy is None and app.conversation.messages[-1]["role"] == "assistant"
 
 
 @pytest.mark.anyio
@@ -306,6 +307,27 @@ async def test_first_run_offers_to_pull_the_default_model(tmp_path, monkeypatch)
         assert "smollm2-135m-instruct" in str(app.screen.query_one("Static").render())
         await pilot.press("escape")
         assert app.session is None and "F3" in str(app.query_one("#stats").render())
+
+
+@pytest.mark.anyio
+async def test_a_pull_from_the_picker_shows_progress_and_cancels_cleanly(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # an empty store: the pull really downloads
+    app = ChatApp(None, loader=shared_engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("escape")  # not the first-run offer: pull from the picker
+        await pilot.press("f3")
+        picker = app.screen
+        table = picker.query_one("DataTable")
+        table.move_cursor(row=table.get_row_index(GEMMA))
+        await pilot.press("enter")
+        bar = picker.query_one("#pull_bar")
+        await until(pilot, lambda: bar.progress > 0, timeout=90, what="download progress")
+        assert bar.display and bar.total == catalog.find(GEMMA).size
+        await pilot.press("escape")
+        await until(pilot, lambda: picker.pull_proc is None, timeout=30, what="the pull to stop")
+        assert "cancelled; nothing was left behind" in str(picker.query_one("#pull_label").render())
+        assert list((tmp_path / "models").iterdir()) == []
+        assert app.screen is picker  # Esc cancelled the pull, not the picker
 
 
 @pytest.mark.anyio

@@ -57,9 +57,8 @@ ModalScreen { align: center middle; }
 
 
 class ChatInput(TextArea):
-    """The message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
-
-    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "New line", show=False)]
+    """The message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line. Both are handled here, in the
+    box's own key queue: as a binding, the new line would run from the app's queue, after letters typed later."""
 
     class Submitted(Message):
         def __init__(self, text: str):
@@ -72,17 +71,22 @@ class ChatInput(TextArea):
             event.prevent_default()
             self.post_message(self.Submitted(self.text))
             return
+        if event.key in ("ctrl+j", "shift+enter"):
+            event.stop()
+            event.prevent_default()
+            edit = self.replace("\n", *self.selection)
+            self.move_cursor(edit.end_location)
+            return
         await super()._on_key(event)
-
-    def action_newline(self) -> None:
-        self.insert("\n")
 
 
 class ChatMessage(Markdown):
     """One message of the conversation, rendered as Markdown (code blocks highlighted)."""
 
     def __init__(self, role: str, content: str = ""):
-        super().__init__(content, classes=f"message {role}")
+        # What the user typed keeps its line breaks (a single newline is only a space in Markdown).
+        shown = content.replace("\n", "  \n") if role == "user" else content
+        super().__init__(shown, classes=f"message {role}")
         self.role = role
 
 

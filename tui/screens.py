@@ -215,6 +215,9 @@ class ModelPicker(ModalScreen[str | None]):
         label = self.query_one("#pull_label", Label)
         if self.pull_cancelled:
             label.update(f"Pull of {name} cancelled; nothing was left behind.")
+        elif returncode == 0 and name == self.pull_now:
+            self.dismiss(name)  # pulled because it was asked for (first run): go straight to it
+            return
         elif returncode == 0:
             label.update(f"{name} is downloaded: Enter uses it.")
         else:
