@@ -7,8 +7,6 @@ conversation's Sequence lives in `ChatSession` across turns, so each turn only e
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
 from typing import Callable
 
 from textual import on, work
