@@ -130,7 +130,7 @@ async def completions(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     if "prompt" not in f.data:
         raise ApiError(400, "'prompt' is required", param="prompt")
-    params, opts = _common(state, f, 16)
+    params, opts = _common(state, f, min(16, state.max_tokens))  # OpenAI's default for completions is 16
     n_logprobs = f.get("logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
     if f.get("echo", bool, False):
         raise ApiError(400, "'echo' is not supported", param="echo")

@@ -1,0 +1,122 @@
+"""The API survives fuzzing: hypothesis throws well-typed, ill-typed and absurd JSON (and non-JSON) at every POST
+endpoint of a real server; no answer is a 5xx, every error has a message, and the server stays up."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import model_file
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server import start_server, stop_server
+
+MODEL = "smollm2-135m-instruct"
+
+json_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+json_any = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+
+
+number = st.floats(min_value=-3, max_value=3) | st.integers(min_value=-3, max_value=50)
+small = st.integers(min_value=-2, max_value=6)
+text = st.text(max_size=30)
+stop = text | st.lists(text, max_size=3)
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]) | text,
+                                 "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                   "text": text}), max_size=2)})
+messages = st.lists(message, min_size=1, max_size=3)
+token_ids = st.lists(st.integers(min_value=-5, max_value=50000), max_size=6)
+bias = st.dictionaries(st.integers(-2, 49200).map(str), st.floats(-150, 150), max_size=3)
+unit = st.floats(min_value=0, max_value=1)
+penalty = st.floats(min_value=-2, max_value=2)
+sampling = {"temperature": st.floats(0, 2) | st.just(0), "top_p": unit, "top_k": small, "min_p": unit,
+            "seed": number, "presence_penalty": penalty, "frequency_penalty": penalty,
+            "repeat_penalty": st.floats(0.5, 2), "stop": stop}
+options = st.fixed_dictionaries({}, optional={"num_predict": small, **sampling})
+
+# path -> (required fields, optional fields), each with plausible values
+BODIES = {
+    "/v1/completions": ({"prompt": text | token_ids}, {
+        "model": text, "max_tokens": small, "stream": st.booleans(), "logprobs": small, "logit_bias": bias,
+        "n": st.just(1) | small, "echo": st.booleans(), "suffix": text, "ignore_eos": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), **sampling}),
+    "/v1/chat/completions": ({"messages": messages}, {
+        "model": text, "max_tokens": small, "max_completion_tokens": small, "stream": st.booleans(),
+        "logprobs": st.booleans(), "top_logprobs": small, "logit_bias": bias, "tools": st.lists(json_any, max_size=1),
+        "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}), **sampling}),
+    "/completion": ({"prompt": text | token_ids | st.lists(text | st.integers(-1, 49200), max_size=3)}, {
+        "n_predict": small, "stream": st.booleans(), "n_probs": small, "ignore_eos": st.booleans(),
+        "logit_bias": st.lists(st.tuples(st.integers(-1, 49200), st.booleans() | st.floats(-5, 5)), max_size=2),
+        "n_indent": small, **sampling}),
+    "/infill": ({"input_prefix": text, "input_suffix": text}, {
+        "input_extra": st.lists(st.fixed_dictionaries({"filename": text, "text": text}), max_size=2),
+        "n_predict": small}),
+    "/tokenize": ({"content": text}, {"add_special": st.booleans(), "with_pieces": st.booleans()}),
+    "/detokenize": ({"tokens": token_ids}, {}),
+    "/api/generate": ({"model": text, "prompt": text}, {
+        "system": text, "raw": st.booleans(), "stream": st.booleans(), "context": token_ids, "suffix": text,
+        "options": options}),
+    "/api/chat": ({"model": text, "messages": messages}, {"stream": st.booleans(), "options": options}),
+    "/api/show": ({"model": text}, {}),
+}
+
+
+@st.composite
+def requests(draw):
+    """A plausible body for an endpoint; half the time one field (or a new one) is replaced by any JSON."""
+    path = draw(st.sampled_from(sorted(BODIES)))
+    required, optional = BODIES[path]
+    body = draw(st.fixed_dictionaries(required, optional=optional))
+    if draw(st.booleans()):
+        key = draw(st.sampled_from(sorted(set(required) | set(optional))) | st.text(max_size=6))
+        body[key] = draw(json_any)
+    if draw(st.integers(0, 9)) == 0 and body:
+        del body[draw(st.sampled_from(sorted(body)))]
+    return path, body
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    model_file(MODEL)
+    proc, url = start_server(MODEL, "--parallel", "4", "--max-tokens", "8", "--max-body", "65536")
+    with httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+    stop_server(proc)
+    assert proc.returncode == 130
+
+
+def check(r: httpx.Response) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err if isinstance(err, str) else err["message"]
+    elif "stream" not in r.headers.get("content-type", "") and "ndjson" not in r.headers.get("content-type", ""):
+        json.loads(r.text)
+    else:
+        assert '"error"' not in r.text, r.text[:300]  # no failure in the middle of a stream
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(req=requests())
+def test_json_bodies_never_get_a_5xx(fuzz_server, req):
+    path, body = req
+    check(fuzz_server.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"}))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(sorted(BODIES) + ["/v1/models", "/nowhere"]), body=st.binary(max_size=64),
+       method=st.sampled_from(["POST", "GET", "PUT"]))
+def test_garbage_never_gets_a_5xx(fuzz_server, path, body, method):
+    check(fuzz_server.request(method, path, content=body))
+
+
+def test_server_is_still_up_after_fuzzing(fuzz_server):
+    assert fuzz_server.get("/health").status_code == 200
+    r = fuzz_server.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
+                                                  "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    metrics = fuzz_server.get("/metrics").text
+    assert "localllm_sequences_live 0" in metrics
