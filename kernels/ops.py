@@ -2,15 +2,18 @@
 
 `matmul` picks a path per call:
 
-* n (rows of x) below `BLAS_MIN_N` / `BLAS_MIN_N_QUANT_DOT` (decode, n = 1; speculative verify, n = 2..8):
-  the integer SIMD kernel
-  (`kernels.cpu.quant_dot`) if it is installed and supports the format, else the portable fused kernel of the
-  format's table entry. Both read the quantized bytes directly. Each output row depends only on its own x row
-  (batch invariance: a sequence's answer must not depend on its neighbours in a batch).
-* larger n (prompt processing, compute-bound): dequantize W in tiles of rows, each tile once, into a
-  reused float32 scratch buffer, and let BLAS do `x @ tile.T`.
-* F32 weights are plain numpy: a gemv per x row on the small-n path (so it stays batch-invariant), one gemm
-  otherwise.
+* Quantized weights whose format has an integer SIMD kernel (`kernels.cpu.quant_dot`), any n: activations
+  rounded to 8 bits per block, integer dot products, as llama.cpp does for decode and prompts alike. Each
+  output row depends only on its own x row, bit for bit, whatever n is (batch invariance): a prompt split into
+  two evaluations (prefix reuse, a saved session), a speculative verify of k tokens and a server batch all give
+  exactly what one token at a time gives. x is fed in passes of ROWS_PER_PASS rows so a pass's 8-bit
+  activations stay in L1/L2 while every weight row streams past them (measured: 1.5-2x faster than whole-x
+  passes at n = 512, and with 2 threads faster than the float path below on every format).
+* `precise=True`, n >= BLAS_MIN_N (scoring against a float reference): dequantize W in tiles of rows, each
+  tile once, into a reused float32 scratch buffer, and let BLAS do `x @ tile.T` with float32 activations.
+  BLAS is not row-invariant (its kernels depend on the number of rows), so generation never takes this path.
+* Formats without an integer kernel (F16, BF16): the portable fused kernel for small n, tiled BLAS above.
+* F32 weights are plain numpy: a gemv per x row on the small-n path, one gemm otherwise.
 
 Per-call overhead matters (hundreds of calls per token), so everything that can be decided once is decided
 in `Weight.__init__`, and `out=` lets callers reuse their buffers.
@@ -24,6 +27,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from kernels.cpu import attention as _attention
 from kernels.cpu import blocks as _blocks
 from kernels.formats import FORMATS, QuantFormat, format_of
 
@@ -35,15 +39,13 @@ except ImportError:
     _quant_dot = None
     _QUANT_DOT_SUPPORTED = frozenset()
 
-# From this many rows of x on, tiled dequantize + BLAS; below, the small-n kernels (`python -m kernels.bench`,
-# crossover table). Measured single-threaded on Zen 3, 4864x896 Q5_0 and 896x4864 Q4_K: dequantizing a tile
-# costs about as much as 2-4 rows through the portable fused kernel, so it would lose from n ~ 3, but n <= 8
-# (speculative verify, small server batches) must stay on the batch-invariant path: 9. The integer SIMD path
-# is faster than tiling up to n = 32 (4.6 vs 5.9 ms) but we switch at 17 anyway: prompt chunks are more
-# accurate in float32 (closer to llama.cpp's reference logits than a second, independent 8-bit rounding of the
-# activations), and n <= 16 covers decode, speculative verify and batched decode, which need the fast path.
+# From this many rows of x on, tiled dequantize + BLAS for weights without an integer kernel (or with
+# precise=True): dequantizing a tile costs about as much as 2-4 rows through the portable fused kernel
+# (`python -m kernels.bench`, crossover table, Zen 3), but n <= 8 (speculative verify, small server batches)
+# stays on the row-invariant fused kernel.
 BLAS_MIN_N = 9
-BLAS_MIN_N_QUANT_DOT = 17
+# x rows per integer-kernel pass (see the module docstring).
+ROWS_PER_PASS = 16
 # Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
 TILE_BYTES = 1 << 20
 # The integer 16, handed to the kernels at run time (see kernels/cpu/dequant.py).
@@ -58,7 +60,7 @@ class Weight:
 
     __slots__ = (
         "raw", "qtype", "rows", "cols", "format",
-        "_dense", "_fused", "_use_quant_dot", "_quant_dot", "_tile_rows", "_blas_min_n",
+        "_dense", "_fused", "_use_quant_dot", "_quant_dot", "_tile_rows",
     )
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
@@ -80,7 +82,6 @@ class Weight:
         self._fused = fmt.matmul
         self._use_quant_dot = fmt.qtype in _QUANT_DOT_SUPPORTED
         self._quant_dot = _quant_dot.bind(self.raw, fmt.qtype) if self._use_quant_dot else None
-        self._blas_min_n = BLAS_MIN_N_QUANT_DOT if self._use_quant_dot else BLAS_MIN_N
         self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
 
     @classmethod
@@ -102,8 +103,9 @@ def set_threads(n: int) -> None:
     _threads[0] = n
 
 
-def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """out (n, rows) = x (n, cols) @ W.T, float32. x must be float32 and C-contiguous."""
+def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None, precise: bool = False) -> np.ndarray:
+    """out (n, rows) = x (n, cols) @ W.T, float32. x must be float32 and C-contiguous. `precise`: float32
+    activations for large n (scoring), at the price of batch invariance."""
     n, cols = x.shape
     if cols != w.cols or x.dtype is not _F32 and x.dtype != _F32 or not x.flags.c_contiguous:
         raise ValueError(f"x must be C-contiguous float32 (n, {w.cols}), got {x.dtype} {x.shape}")
@@ -117,11 +119,14 @@ def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
                 np.dot(w._dense, x[i], out=out[i])
         else:
             np.matmul(x, w._dense.T, out=out)
-    elif n < w._blas_min_n:
-        if w._use_quant_dot:
+    elif w._use_quant_dot and not (precise and n >= BLAS_MIN_N):
+        if n <= ROWS_PER_PASS:
             w._quant_dot(x, out, _threads[0])
         else:
-            w._fused(w.raw, x, out, _N16)
+            for i in range(0, n, ROWS_PER_PASS):
+                w._quant_dot(x[i : i + ROWS_PER_PASS], out[i : i + ROWS_PER_PASS], _threads[0])
+    elif n < BLAS_MIN_N:
+        w._fused(w.raw, x, out, _N16)
     else:
         _matmul_tiled_blas(w, x, out)
     return out
@@ -191,6 +196,17 @@ def _warm_blocks() -> None:
         rope(x, np.ones((1, 2), _F32), np.zeros((1, 2), _F32), 4, neox)
 
 
+def _warm_attention() -> None:
+    """Both KV storage types (float32, q8_0): writing rows, reading them back, attending."""
+    q = np.ones((1, 2, 32), _F32)
+    table, cols = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    for dtype, n_scales in ((_F32, 0), (np.int8, 1)):
+        k, scales = np.zeros((1, 16, 32), dtype), np.ones((1, 16, n_scales), _F32)
+        _attention.write_rows(k, scales, cols, q[:, :1])
+        _attention.read_rows(k, scales, cols, np.empty((1, 1, 32), _F32))
+        attention(q, (k, scales, k, scales, table, 0), np.zeros(1, np.int64), 0, 0, 1.0)
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis of a float32 array (any leading shape); returns a new array."""
     x2 = np.ascontiguousarray(x, dtype=_F32).reshape(-1, x.shape[-1])
@@ -204,6 +220,18 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: b
     _blocks.rope_rows(x, cos, sin, rope_dim, neox)
 
 
+def attention(q: np.ndarray, cache_inputs: tuple, q_positions: np.ndarray, key_start: int, window: int,
+              scale: float) -> np.ndarray:
+    """Causal grouped-query attention of q (n, n_head, head_dim), C-contiguous float32, at positions
+    q_positions (ascending) over a paged KV cache (`KVCache.attention_inputs(layer)`, whose first key sits at
+    key_start). window > 0: a query at p sees only keys after p - window. Returns (n, n_head * value_dim)."""
+    k, k_scale, v, v_scale, table, first_block = cache_inputs
+    out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), _F32)
+    _attention.attend(q, k, k_scale, v, v_scale, table, first_block, q_positions, key_start, window,
+                      np.float32(scale), out, _threads[0])
+    return out
+
+
 def warm_up_calls(weights) -> list[tuple[str, object]]:
     """(label, thunk) pairs that call every kernel variant these weights will use, once, on tiny inputs.
 
@@ -211,12 +239,12 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
     show progress instead of freezing on the first token. Thunks use slices of the real weights, so the
     compiled signatures (read-only memory-mapped uint8 rows) are exactly those used later.
     """
-    calls, seen = [("norm and rope", _warm_blocks)], set()
+    calls, seen = [("norm and rope", _warm_blocks), ("attention", _warm_attention)], set()
     for w in weights:
         if w._dense is not None:
             continue
         small = Weight(w.raw[: min(w.rows, 64)], w.qtype)
-        variants = [("decode", w, 1), ("prompt", small, max(w._blas_min_n, BLAS_MIN_N)), ("embed", small, 0)]
+        variants = [("decode", w, 1), ("prompt", small, ROWS_PER_PASS), ("embed", small, 0)]
         for kind, target, n in variants:
             serial = target.rows * target.cols < 256 * 1024  # quant_dot's serial/threaded split
             key = (w.qtype, kind, serial)
@@ -231,5 +259,5 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
     return calls
 
 
-__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "set_threads",
+__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "attention", "set_threads",
            "warm_up_calls", "FORMATS", "BLAS_MIN_N"]

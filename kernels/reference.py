@@ -43,3 +43,37 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: b
         a, b = x[..., 0:rope_dim:2].copy(), x[..., 1:rope_dim:2].copy()
         x[..., 0:rope_dim:2], x[..., 1:rope_dim:2] = a * c - b * s, a * s + b * c
     return x
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
+              window: int, key_start: int = 0) -> np.ndarray:
+    """Grouped-query attention of n queries over T cached tokens (positions key_start..key_start+T-1: a
+    sliding-window layer's cache drops keys no query can see any more).
+
+    q: (n, n_head, d); keys: (n_kv, T, d); values: (n_kv, T, dv). Query head h reads KV head h // group, as
+    ggml's broadcasting does. Causal; with `window` > 0 a query at p sees only keys at p - window < j <= p.
+    Returns (n, n_head * dv).
+    """
+    if window > 0:
+        # Start at the first key any query can see: the result is then the same, to the bit, whether the cache
+        # still holds older keys or dropped them (masked keys would still shift the float summation order).
+        lo = int(q_positions[0]) - window + 1 - key_start
+        if lo > 0:
+            keys, values, key_start = keys[:, lo:], values[:, lo:], key_start + lo
+    n, n_head, d = q.shape
+    n_kv, t, dv = values.shape
+    group = n_head // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n, d)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)).reshape(n_kv, group, n, t)
+    scores *= scale
+    key_pos = np.arange(key_start, key_start + t)
+    masked = key_pos[None, :] > q_positions[:, None]
+    if window > 0:
+        masked |= key_pos[None, :] <= q_positions[:, None] - window
+    if masked.any():
+        scores[:, :, masked] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores.reshape(n_kv, group * n, t), values)  # (n_kv, group*n, dv)
+    return out.reshape(n_kv, group, n, dv).transpose(2, 0, 1, 3).reshape(n, n_head * dv)

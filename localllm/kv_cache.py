@@ -13,10 +13,10 @@ Design (vLLM-style paged attention with prefix caching, kept small):
   from a saved session (`session_file.py`).
 * Contiguous vs paged: the pool hands a sequence the block right after its last one whenever it is free (and
   grows storage rather than recycle a cached block while under budget), so a lone sequence's table is one run
-  of consecutive blocks and `keys()` is a zero-copy slice of storage that grows in chunks, exactly the old
-  contiguous cache. Once several sequences allocate in turn (or cached blocks are recycled), tables
-  fragment and `keys()` gathers the blocks with one vectorised np.take. Nothing outside this module sees
-  which of the two it got.
+  of consecutive blocks in storage that grows in chunks, exactly the old contiguous cache. Once several
+  sequences allocate in turn (or cached blocks are recycled), tables fragment. Attention reads through the
+  block table either way (kernels/cpu/attention.py), so neither layout copies keys; only `keys()` (sessions,
+  tests) gathers. Nothing outside this module sees which of the two it got.
 * Prefix caching: each full block is named by a hash of its tokens chained with its parent block's hash, so a
   name stands for the whole prefix up to it. Blocks are refcounted; a sequence whose prompt starts with named
   blocks attaches them (refcount + 1) instead of recomputing them, so two sequences sharing a prefix hold it
@@ -25,6 +25,9 @@ Design (vLLM-style paged attention with prefix caching, kept small):
   named is copied first (copy-on-write), so a rollback never corrupts what others see.
 * Sliding-window layers (gemma3) form their own layer group with their own tables: blocks that the next query
   can no longer see are released, so those layers hold about `window` tokens whatever the sequence length.
+* Element type (`kv_type`): float32, or `q8_0` (int8 with a scale per 32 values, as ggml's block_q8_0),
+  about 3.6x smaller. Attention reads either directly (kernels/cpu/attention.py, through `attention_inputs`);
+  `keys()` / `values()` always return float32 (dequantized), for saving sessions and for tests.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-BLOCK = 16  # tokens per block: small enough that sharing and trimming waste little, large enough to gather fast
+from kernels.cpu import attention as _kernels
+
+BLOCK = _kernels.BLOCK  # tokens per block: sharing and trimming waste little, the kernels' loops stay long
+KV_TYPES = ("f32", "q8_0")
 GROWTH_BLOCKS = 16  # storage grows 256 tokens at a time
 
 
@@ -52,11 +58,20 @@ class _Group:
     """Storage and block bookkeeping for layers that share block tables (all of them, or gemma3's global and
     sliding layers separately, since only the sliding ones drop old blocks)."""
 
-    def __init__(self, layers: list[int], window: int, n_kv: int, head_dim: int, value_dim: int):
+    def __init__(self, layers: list[int], window: int, n_kv: int, head_dim: int, value_dim: int, kv_type: str):
         self.layers, self.window = layers, window
-        self.k = [np.empty((n_kv, 0, head_dim), np.float32) for _ in layers]
-        self.v = [np.empty((n_kv, 0, value_dim), np.float32) for _ in layers]
-        self.block_bytes = BLOCK * n_kv * (head_dim + value_dim) * 4 * len(layers)
+        quantized = kv_type == "q8_0"
+        dtype = np.int8 if quantized else np.float32
+
+        def empty(dim: int, scales: bool) -> list[np.ndarray]:
+            if scales:  # float32 storage has no scales: a last axis of 0 tells the kernels so
+                return [np.empty((n_kv, 0, dim // _kernels.QBLOCK if quantized else 0), np.float32) for _ in layers]
+            return [np.empty((n_kv, 0, dim), dtype) for _ in layers]
+
+        self.k, self.k_scale = empty(head_dim, False), empty(head_dim, True)
+        self.v, self.v_scale = empty(value_dim, False), empty(value_dim, True)
+        per_token = sum(a[0].itemsize * a[0].shape[2] for a in (self.k, self.k_scale, self.v, self.v_scale))
+        self.block_bytes = BLOCK * n_kv * per_token * len(layers)
         self.refs = np.zeros(0, np.int64)  # sequences holding each block
         self.free: set[int] = set()  # blocks holding nothing worth keeping
         self.index: dict[bytes, int] = {}  # prefix name -> block holding it
@@ -69,13 +84,17 @@ class _Group:
 
     def grow(self) -> None:
         n = self.n_blocks
-        for store in (self.k, self.v):
+        for store in self.stores:
             for i, old in enumerate(store):
-                new = np.empty((old.shape[0], (n + GROWTH_BLOCKS) * BLOCK, old.shape[2]), np.float32)
+                new = np.empty((old.shape[0], (n + GROWTH_BLOCKS) * BLOCK, old.shape[2]), old.dtype)
                 new[:, : old.shape[1]] = old
                 store[i] = new
         self.refs = np.concatenate([self.refs, np.zeros(GROWTH_BLOCKS, np.int64)])
         self.free.update(range(n, n + GROWTH_BLOCKS))
+
+    @property
+    def stores(self) -> tuple[list[np.ndarray], ...]:
+        return self.k, self.k_scale, self.v, self.v_scale
 
     def forget(self, b: int) -> None:
         name = self.name_of.pop(b, None)
@@ -85,24 +104,30 @@ class _Group:
 
 class KVPool:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int, windows=None,
-                 budget_bytes: int = 0, trim_windows: bool = True):
+                 budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32"):
         """windows[i] > 0 marks layer i as sliding-window. budget_bytes caps growth while idle cached blocks
         could be recycled instead (live sequences always get the blocks they need)."""
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
+        if kv_type == "q8_0" and (head_dim % _kernels.QBLOCK or value_dim % _kernels.QBLOCK):
+            raise ValueError(f"a q8_0 KV cache needs head sizes that are multiples of {_kernels.QBLOCK}")
+        self.kv_type = kv_type
         windows = list(windows) if windows is not None else [0] * n_layers
         if not trim_windows:
             windows = [0] * n_layers  # sliding layers then keep everything (the mask still applies the window)
         by_window: dict[int, list[int]] = {}
         for i, w in enumerate(windows):
             by_window.setdefault(w, []).append(i)
-        self.groups = [_Group(layers, w, n_kv_heads, head_dim, value_dim) for w, layers in sorted(by_window.items())]
+        self.groups = [_Group(layers, w, n_kv_heads, head_dim, value_dim, kv_type)
+                       for w, layers in sorted(by_window.items())]
         self.where = {layer: (gi, slot) for gi, g in enumerate(self.groups) for slot, layer in enumerate(g.layers)}
         self.budget_bytes = budget_bytes
 
     @classmethod
-    def for_model(cls, config, budget_bytes: int = 0, trim_windows: bool = True) -> "KVPool":
+    def for_model(cls, config, budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32") -> "KVPool":
         windows = [config.sliding_window if config.layer_is_sliding(i) else 0 for i in range(config.n_layers)]
         return cls(config.n_layers, config.n_head_kv, config.head_dim, config.value_dim, windows, budget_bytes,
-                   trim_windows)
+                   trim_windows, kv_type)
 
     def new_cache(self, max_tokens: int) -> "KVCache":
         return KVCache(self, max_tokens)
@@ -172,6 +197,7 @@ class KVCache:
         self._pending = 0  # tokens written by the forward in progress
         self.tables: list[list[int | None]] = [[] for _ in pool.groups]
         self.first = [0] * len(pool.groups)  # first block each group still holds
+        self._block_arrays: list[np.ndarray] = []  # the tables from `first` on, for the kernels (set by reserve)
         self.names: list[bytes] = []  # prefix names of the full blocks whose tokens we were told
         # After a context shift, blocks from this one on hold keys computed with tokens that are gone: they
         # are not what a fresh forward of their prefix gives, so they must never be named for reuse.
@@ -190,32 +216,48 @@ class KVCache:
             while len(table) * BLOCK < need:
                 last = table[-1] if table else None
                 table.append(self.pool.allocate(gi, None if last is None else last + 1))
+        self._block_arrays = [np.asarray(t[f:], np.int64) for t, f in zip(self.tables, self.first)]
         self._pending = n
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """k: (n, n_kv_heads, head_dim), v: (n, n_kv_heads, value_dim) for the n reserved tokens."""
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
-        cols = self._columns(gi, self.length, self.length + self._pending)
-        g.k[slot][:, cols] = k.transpose(1, 0, 2)
-        g.v[slot][:, cols] = v.transpose(1, 0, 2)
+        cols = self._column_array(gi, self.length, self.length + self._pending)
+        _kernels.write_rows(g.k[slot], g.k_scale[slot], cols, k)
+        _kernels.write_rows(g.v[slot], g.v_scale[slot], cols, v)
+
+    def attention_inputs(self, layer: int) -> tuple:
+        """What kernels.cpu.attention.attend reads for `layer` during a forward: (keys, key scales, values,
+        value scales, block table from the first held block, that block's index)."""
+        gi, slot = self.pool.where[layer]
+        g = self.pool.groups[gi]
+        return g.k[slot], g.k_scale[slot], g.v[slot], g.v_scale[slot], self._block_arrays[gi], self.first[gi]
 
     def start(self, layer: int) -> int:
         """Absolute position of the first token `keys(layer)` holds (> 0 once a sliding layer dropped blocks)."""
         return self.first[self.pool.where[layer][0]] * BLOCK
 
     def keys(self, layer: int) -> np.ndarray:
+        """float32 (n_kv, T, head_dim): the keys of positions start(layer)..length (a view when it can be)."""
         gi, slot = self.pool.where[layer]
-        return self._read(self.pool.groups[gi].k[slot], gi, layer)
+        g = self.pool.groups[gi]
+        return self._read(g.k[slot], g.k_scale[slot], gi, self.start(layer), self.length + self._pending)
 
     def values(self, layer: int) -> np.ndarray:
         gi, slot = self.pool.where[layer]
-        return self._read(self.pool.groups[gi].v[slot], gi, layer)
+        g = self.pool.groups[gi]
+        return self._read(g.v[slot], g.v_scale[slot], gi, self.start(layer), self.length + self._pending)
 
-    def _read(self, store: np.ndarray, gi: int, layer: int) -> np.ndarray:
-        cols = self._columns(gi, self.start(layer), self.length + self._pending)
-        # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
-        return store[:, cols] if isinstance(cols, slice) else np.take(store, cols, axis=1)
+    def _read(self, store: np.ndarray, scales: np.ndarray, gi: int, start: int, end: int) -> np.ndarray:
+        cols = self._columns(gi, start, end)
+        if store.dtype == np.float32:
+            # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
+            return store[:, cols] if isinstance(cols, slice) else np.take(store, cols, axis=1)
+        cols = self._column_array(gi, start, end)
+        out = np.empty((store.shape[0], len(cols), store.shape[2]), np.float32)
+        _kernels.read_rows(store, scales, cols, out)
+        return out
 
     def commit(self) -> None:
         self.length += self._pending
@@ -260,12 +302,14 @@ class KVCache:
             for j in range(n_keep // BLOCK, -(-new_len // BLOCK)):
                 self._own(gi, j)  # contents change: copy shared blocks, un-name our own
             src = self._columns(gi, n_keep + n_discard, self.length)
-            dst = self._columns(gi, n_keep, new_len)
+            dst = self._column_array(gi, n_keep, new_len)
             for slot, layer in enumerate(g.layers):
-                keys = np.ascontiguousarray(g.k[slot][:, src].transpose(1, 0, 2))
+                keys = np.ascontiguousarray(
+                    self._read(g.k[slot], g.k_scale[slot], gi, n_keep + n_discard, self.length).transpose(1, 0, 2))
                 rotate(layer, keys, -n_discard)
-                g.k[slot][:, dst] = keys.transpose(1, 0, 2)
-                g.v[slot][:, dst] = g.v[slot][:, src].copy()  # source and destination may overlap
+                _kernels.write_rows(g.k[slot], g.k_scale[slot], dst, keys)
+                for store in (g.v[slot], g.v_scale[slot]):  # values move as stored
+                    store[:, dst] = store[:, src].copy()  # source and destination may overlap
         del self.names[n_keep // BLOCK :]
         self.name_limit = n_keep // BLOCK if self.name_limit is None else min(self.name_limit, n_keep // BLOCK)
         self.truncate(new_len)
@@ -342,9 +386,13 @@ class KVCache:
             while len(table) * BLOCK < length:
                 last = table[-1] if table and table[-1] is not None else None
                 table.append(self.pool.allocate(gi, None if last is None else last + 1))
-            cols = self._columns(gi, start, length)
+            cols = self._column_array(gi, start, length)
             for slot, layer in enumerate(g.layers):
-                g.k[slot][:, cols], g.v[slot][:, cols] = kv[layer]
+                keys, values = kv[layer]
+                _kernels.write_rows(g.k[slot], g.k_scale[slot], cols,
+                                    np.ascontiguousarray(keys.transpose(1, 0, 2), dtype=np.float32))
+                _kernels.write_rows(g.v[slot], g.v_scale[slot], cols,
+                                    np.ascontiguousarray(values.transpose(1, 0, 2), dtype=np.float32))
         self.length = length
 
     def release(self) -> None:
@@ -387,13 +435,17 @@ class KVCache:
         g, b = self.pool.groups[gi], self.tables[gi][j]
         if g.refs[b] > 1:
             new = self.pool.allocate(gi)
-            for store in (g.k, g.v):
+            for store in g.stores:
                 for arr in store:
                     arr[:, new * BLOCK : (new + 1) * BLOCK] = arr[:, b * BLOCK : (b + 1) * BLOCK]
             self.pool.unref(gi, b)
             self.tables[gi][j] = new
         else:
             g.forget(b)
+
+    def _column_array(self, gi: int, start: int, end: int) -> np.ndarray:
+        cols = self._columns(gi, start, end)
+        return np.arange(cols.start, cols.stop, dtype=np.int64) if isinstance(cols, slice) else cols
 
     def _columns(self, gi: int, start: int, end: int):
         """Storage columns of positions [start, end): a slice when their blocks are consecutive, else indices."""

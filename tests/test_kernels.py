@@ -138,11 +138,12 @@ def test_ops_matmul_small_n_matches_float64_matmul(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
-def test_small_n_path_is_batch_invariant(qtype):
-    """Each output row on the small-n path is bitwise what n=1 gives for that x row alone."""
+def test_matmul_is_batch_invariant(qtype):
+    """Each output row is bitwise what n=1 gives for that x row alone: for every n on formats with an integer
+    kernel (prompts, speculative verify, server batches), on the small-n path for the others."""
     w = make_weight(qtype, seed=5)
-    x = np.random.default_rng(6).standard_normal((min(w._blas_min_n - 1, 12), w.cols)).astype(np.float32)
-    assert x.shape[0] >= 8
+    invariant_up_to = 40 if w._use_quant_dot else ops.BLAS_MIN_N - 1  # 40: several passes, the last partial
+    x = np.random.default_rng(6).standard_normal((invariant_up_to, w.cols)).astype(np.float32)
     alone = np.concatenate([ops.matmul(w, x[i : i + 1]) for i in range(x.shape[0])])
     for n in range(2, x.shape[0] + 1):
         batched = ops.matmul(w, x[:n])
@@ -153,12 +154,19 @@ def test_small_n_path_is_batch_invariant(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_large_n_matches_float64_matmul(qtype):
+    """n = 64 on the default path (the integer kernel in passes where the format has one)."""
+    w = make_weight(qtype, seed=7)
+    x = np.random.default_rng(8).standard_normal((64, w.cols)).astype(np.float32)
+    assert_close_to_float64(ops.matmul(w, x), w.raw, qtype, x, rtol=small_n_rtol(qtype))
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
 def test_tiled_blas_path_matches_float64_matmul(qtype):
     w = make_weight(qtype, seed=7)
     w._tile_rows = 10  # several tiles, the last one partial (37 rows)
-    n = max(w._blas_min_n, 64)
-    x = np.random.default_rng(8).standard_normal((n, w.cols)).astype(np.float32)
-    assert_close_to_float64(ops.matmul(w, x), w.raw, qtype, x)
+    x = np.random.default_rng(8).standard_normal((64, w.cols)).astype(np.float32)
+    assert_close_to_float64(ops.matmul(w, x, precise=True), w.raw, qtype, x)
 
 
 def test_matmul_writes_into_out_and_checks_shapes():

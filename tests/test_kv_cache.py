@@ -171,21 +171,28 @@ def test_reused_blocks_are_exactly_what_recomputing_them_gives():
 
 
 def test_greedy_output_is_identical_with_and_without_prefix_reuse():
-    """On llama.cpp's long_apache case. With reuse, only the 16 prompt tokens after the cached blocks are
-    computed, by the small-batch 8-bit kernels instead of one BLAS pass: float noise of the size llama.cpp's own
-    8-bit rounding has (tests/test_reference_llamacpp.py), so a greedy run may fork at a near-tie, as a chat's
-    next turn already may. This case's first such tie is at its 13th token."""
+    """On llama.cpp's long_apache case, 48 tokens. With reuse only the prompt tokens after the cached blocks
+    are computed, in a second, shorter evaluation; every kernel computes each token's row alone (batch
+    invariance), so the logits are bitwise those of one cold pass and greedy output cannot fork."""
     e = engine()
     case = next(c for c in reference_cases(SMALL) if c["name"] == "long_apache")
     prompt = case["prompt_tokens"]
+    params = GenerationParams(max_tokens=48, ignore_eos=True, sampling=SamplingParams(temperature=0))
     fresh_pool(e)
-    without, t = greedy(e, prompt)
+    seq = e.new_sequence()
+    cold_logits = e.evaluate(seq, prompt)
+    seq.close()
+    fresh_pool(e)
+    without, t = greedy(e, prompt, params=params)
     assert t.cache_n == 0
     fresh_pool(e)
     greedy(e, prompt + case["tokens"][:20])  # an earlier request whose prompt began with this one
-    with_reuse, t = greedy(e, prompt)
+    with_reuse, t = greedy(e, prompt, params=params)
     assert t.cache_n == (len(prompt) - 1) // BLOCK * BLOCK and t.prompt_n == len(prompt) - t.cache_n
-    assert with_reuse == without == case["tokens"][:12]
+    assert with_reuse == without and len(without) == 48
+    seq = e.new_sequence()
+    assert seq.reuse_prefix(prompt) == t.cache_n
+    assert np.array_equal(e.evaluate(seq, prompt[t.cache_n :]), cold_logits)
 
 
 def test_greedy_output_is_identical_with_contiguous_and_paged_storage():
@@ -239,8 +246,14 @@ def test_gemma3_sliding_layers_keep_only_their_window_and_outputs_do_not_change(
         seq = e.new_sequence()
         logits = e.evaluate(seq, tokens + case["tokens"][:8], logit_positions=np.arange(len(tokens) - 1, len(tokens) + 8))
         results[trim] = logits, generated, seq
-    assert results[True][1] == results[False][1] == case["tokens"][:8]
+    assert results[True][1] == results[False][1]
     assert np.array_equal(results[True][0], results[False][0])  # attention reads only visible keys either way
+    # Agreement with llama.cpp's greedy tokens up to the first near-tie (step 5 here: two logits 0.02 apart,
+    # well below the 0.13 mean log-prob difference between two correct implementations; see REFERENCE.md).
+    logits = results[True][0]
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    clear = int(np.argmax(np.append(top2[:, 1] - top2[:, 0] < 0.1, True)))
+    assert clear >= 3 and results[True][1][:clear] == case["tokens"][:clear]
     seq = results[True][2]
     sliding = [gi for gi, g in enumerate(e.kv_pool.groups) if g.window]
     assert sliding

@@ -69,7 +69,8 @@ def test_matches_independent_float_reference():
     for ref in reference["cases"]:
         case = by_name[ref["name"]]
         p = len(case["prompt_tokens"])
-        lp = e.log_probs(case["prompt_tokens"] + case["tokens"], positions=np.arange(p - 1, p - 1 + len(case["tokens"])))
+        lp = e.log_probs(case["prompt_tokens"] + case["tokens"], positions=np.arange(p - 1, p - 1 + len(case["tokens"])),
+                         precise=True)
         for i, top in enumerate(ref["top_logprobs"]):
             diffs += [abs(float(lp[i][tok]) - value) for tok, value in top]
             top1 += int(np.argmax(lp[i])) == top[0][0]

@@ -57,40 +57,6 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
 
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
-              window: int, key_start: int = 0) -> np.ndarray:
-    """Grouped-query attention of n queries over T cached tokens (positions key_start..key_start+T-1: a
-    sliding-window layer's cache drops keys no query can see any more).
-
-    q: (n, n_head, d); keys: (n_kv, T, d); values: (n_kv, T, dv). Query head h reads KV head h // group, as
-    ggml's broadcasting does. Causal; with `window` > 0 a query at p sees only keys at p - window < j <= p.
-    Returns (n, n_head * dv).
-    """
-    if window > 0:
-        # Start at the first key any query can see: the result is then the same, to the bit, whether the cache
-        # still holds older keys or dropped them (masked keys would still shift the float summation order).
-        lo = int(q_positions[0]) - window + 1 - key_start
-        if lo > 0:
-            keys, values, key_start = keys[:, lo:], values[:, lo:], key_start + lo
-    n, n_head, d = q.shape
-    n_kv, t, dv = values.shape
-    group = n_head // n_kv
-    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n, d)
-    scores = np.matmul(qg, keys.transpose(0, 2, 1)).reshape(n_kv, group, n, t)
-    scores *= scale
-    key_pos = np.arange(key_start, key_start + t)
-    masked = key_pos[None, :] > q_positions[:, None]
-    if window > 0:
-        masked |= key_pos[None, :] <= q_positions[:, None] - window
-    if masked.any():
-        scores[:, :, masked] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores.reshape(n_kv, group * n, t), values)  # (n_kv, group*n, dv)
-    return out.reshape(n_kv, group, n, dv).transpose(2, 0, 1, 3).reshape(n, n_head * dv)
-
-
 # ---- weights ---------------------------------------------------------------------------------------------
 
 
@@ -216,11 +182,14 @@ class Transformer:
 
         cache.shift(n_keep, n_discard, rotate)
 
-    def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None,
+                precise: bool = False) -> np.ndarray:
         """Process `tokens` (appended after the cache's contents); return logits (len(output_rows), vocab).
 
         output_rows selects which of the new tokens get logits (default: the last one only), so a prompt does
-        not pay for a vocabulary-sized matmul per token.
+        not pay for a vocabulary-sized matmul per token. `precise`: float32 activations in the matrix products
+        of many rows (scoring against a float reference); generation never uses it, since it gives up batch
+        invariance (see kernels.ops).
         """
         c = self.config
         tr = c.traits
@@ -235,9 +204,9 @@ class Transformer:
             x *= np.float32(math.sqrt(c.n_embd))
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.attn_norm, c.rms_eps)
-            q = ops.matmul(L.wq, h)
-            k = ops.matmul(L.wk, h)
-            v = ops.matmul(L.wv, h)
+            q = ops.matmul(L.wq, h, precise=precise)
+            k = ops.matmul(L.wk, h, precise=precise)
+            v = ops.matmul(L.wv, h, precise=precise)
             if L.bq is not None:
                 q += L.bq
             if L.bk is not None:
@@ -254,17 +223,17 @@ class Transformer:
             ops.rope(q, cos, sin, c.rope_dim, tr.rope_style == "neox")
             ops.rope(k, cos, sin, c.rope_dim, tr.rope_style == "neox")
             cache.write(i, k, v)
-            attn = attention(q, cache.keys(i), cache.values(i), positions, c.attention_scale, self.layer_window[i],
-                             cache.start(i))
-            o = ops.matmul(L.wo, np.ascontiguousarray(attn))
+            attn = ops.attention(q, cache.attention_inputs(i), positions, cache.start(i), self.layer_window[i],
+                                 c.attention_scale)
+            o = ops.matmul(L.wo, attn, precise=precise)
             if tr.post_norms:
                 o = rms_norm(o, L.attn_post_norm, c.rms_eps)
             x = x + o
 
             h = rms_norm(x, L.ffn_norm, c.rms_eps)
-            gate = ops.matmul(L.ffn_gate, h)
-            up = ops.matmul(L.ffn_up, h)
-            d = ops.matmul(L.ffn_down, self.activation(gate) * up)
+            gate = ops.matmul(L.ffn_gate, h, precise=precise)
+            up = ops.matmul(L.ffn_up, h, precise=precise)
+            d = ops.matmul(L.ffn_down, self.activation(gate) * up, precise=precise)
             if tr.post_norms:
                 d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
             x = x + d
@@ -274,4 +243,4 @@ class Transformer:
         if len(rows) == 0:
             return np.empty((0, c.vocab_size), np.float32)
         out = rms_norm(x[rows], self.output_norm, c.rms_eps)
-        return ops.matmul(self.output, np.ascontiguousarray(out, dtype=np.float32))
+        return ops.matmul(self.output, np.ascontiguousarray(out, dtype=np.float32), precise=precise)

@@ -1,0 +1,144 @@
+"""Attention over the paged KV cache, and writing K/V rows into it, compiled with Numba.
+
+Reading the cache through its block table means no gather copy of the keys, whatever the layout (one run of
+blocks for a lone sequence, scattered blocks once sequences share a pool), and one call per layer instead of a
+dozen numpy operations (which cost as much as the matrix products of a small model at decode).
+
+Batch invariance: each (query, head) is computed alone, by the same sequence of float operations over its
+visible keys in position order, whatever else is in the call. A prompt split into chunks, a speculative verify
+of k tokens and a server batch therefore give bitwise what one token at a time gives.
+
+Storage (see localllm/kv_cache.py): per layer, keys (n_kv, S, head_dim) and values (n_kv, S, value_dim),
+float32, or int8 with a float32 scale per 32 values (`q8_0`: ggml's block_q8_0 rounding, with the scale kept
+in float32, since these bytes never leave the process);
+`*_scale` arrays have a last axis of 0 for float32 storage. Column c of block b is b * BLOCK + c.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+BLOCK = 16  # tokens per KV block (localllm.kv_cache.BLOCK, which imports this)
+QBLOCK = 32  # values per q8_0 scale
+PARALLEL_MIN_WORK = 1 << 18  # (query, head, key, dim) products below which waking a second thread costs more
+
+
+@njit(cache=True)
+def write_rows(store, scales, cols, x):
+    """store[h, cols[i], :] = x[i, h, :] (x: (n, n_kv, dim) float32), quantized to q8_0 when `scales` has a
+    non-empty last axis (ggml's quantize_row_q8_0: d = amax / 127, q = round(x / d))."""
+    n, n_kv, dim = x.shape
+    quantized = scales.shape[2] > 0
+    for i in range(n):
+        c = cols[i]
+        for h in range(n_kv):
+            if not quantized:
+                for t in range(dim):
+                    store[h, c, t] = x[i, h, t]
+                continue
+            for b in range(dim // QBLOCK):
+                amax = np.float32(0.0)
+                for t in range(b * QBLOCK, (b + 1) * QBLOCK):
+                    amax = max(amax, abs(x[i, h, t]))
+                d = amax / np.float32(127.0)
+                inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+                scales[h, c, b] = d
+                for t in range(b * QBLOCK, (b + 1) * QBLOCK):
+                    store[h, c, t] = np.int8(np.rint(x[i, h, t] * inv))
+
+
+@njit(cache=True)
+def read_rows(store, scales, cols, out):
+    """out[h, i, :] = store[h, cols[i], :] as float32 (dequantized for q8_0)."""
+    n_kv, _, dim = store.shape
+    quantized = scales.shape[2] > 0
+    for h in range(n_kv):
+        for i in range(cols.shape[0]):
+            c = cols[i]
+            for t in range(dim):
+                v = np.float32(store[h, c, t])
+                out[h, i, t] = v * scales[h, c, t // QBLOCK] if quantized else v
+
+
+@njit(cache=True, inline="always")
+def _column(table, first_block, pos):
+    return table[pos // BLOCK - first_block] * BLOCK + pos % BLOCK
+
+
+@njit(cache=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
+def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_block, lo, hi, scale, scores, acc,
+               out):
+    """Softmax(q . K / sqrt(d)) V for query row i, head h, over keys at positions lo..hi (inclusive).
+
+    fastmath lets LLVM vectorise the dot products and the V accumulation; the operation order still depends
+    only on (lo, hi, dims), never on the other queries, which is what batch invariance needs.
+    """
+    d = q.shape[2]
+    dv = v_store.shape[2]
+    quantized = k_scale.shape[2] > 0
+    m = -np.inf
+    for j in range(hi - lo + 1):
+        c = _column(table, first_block, lo + j)
+        s = np.float32(0.0)
+        if quantized:
+            for b in range(d // QBLOCK):
+                sb = np.float32(0.0)
+                for t in range(b * QBLOCK, (b + 1) * QBLOCK):
+                    sb += q[i, h, t] * np.float32(k_store[kvh, c, t])
+                s += sb * k_scale[kvh, c, b]
+        else:
+            for t in range(d):
+                s += q[i, h, t] * k_store[kvh, c, t]
+        s *= scale
+        scores[j] = s
+        m = max(m, s)
+    total = np.float32(0.0)
+    for j in range(hi - lo + 1):
+        e = np.exp(scores[j] - m)
+        scores[j] = e
+        total += e
+    acc[:dv] = 0.0
+    for j in range(hi - lo + 1):
+        c = _column(table, first_block, lo + j)
+        w = scores[j]
+        if quantized:
+            for b in range(dv // QBLOCK):
+                wb = w * v_scale[kvh, c, b]
+                for t in range(b * QBLOCK, (b + 1) * QBLOCK):
+                    acc[t] += wb * np.float32(v_store[kvh, c, t])
+        else:
+            for t in range(dv):
+                acc[t] += w * v_store[kvh, c, t]
+    inv = np.float32(1.0) / total
+    for t in range(dv):
+        out[i, h * dv + t] = acc[t] * inv
+
+
+@njit(cache=True, parallel=True)
+def attend(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window, scale, out,
+           threads):
+    """Causal grouped-query attention of q (n, n_head, d) over a paged cache; writes out (n, n_head * dv).
+
+    A query at position p sees keys at max(key_start, p - window + 1) .. p (window = 0: no window). Query head
+    h reads KV head h // (n_head // n_kv), as ggml's broadcasting does.
+    """
+    n, n_head, d = q.shape
+    group = n_head // k_store.shape[0]
+    items = n * n_head
+    longest = q_positions[n - 1] - key_start + 1
+    chunks = 1
+    if items * longest * d >= PARALLEL_MIN_WORK:
+        chunks = max(1, min(threads, items))
+    scores = np.empty((chunks, longest), np.float32)
+    acc = np.empty((chunks, v_store.shape[2]), np.float32)
+    for c in prange(chunks):
+        # Interleaved items: causal rows grow longer with i, so contiguous ranges would unbalance the threads.
+        for item in range(c, items, chunks):
+            i, h = item // n_head, item % n_head
+            p = q_positions[i]
+            lo = key_start
+            if window > 0:
+                lo = max(lo, p - window + 1)
+            _one_query(q, i, h, h // group, k_store, k_scale, v_store, v_scale, table, first_block, lo, p, scale,
+                       scores[c], acc[c], out)

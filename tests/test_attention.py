@@ -1,0 +1,83 @@
+"""The compiled attention kernel over the paged KV cache, against the numpy reference (kernels/reference.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import ops, reference
+from localllm.kv_cache import BLOCK, KVPool
+
+N_KV, GROUP, D = 2, 3, 64
+
+
+def filled_cache(pool: KVPool, rng, n_tokens: int, interleave_with=None):
+    """A cache holding n_tokens random keys/values in layer 0; with `interleave_with`, another cache takes a
+    block between each of ours, so our block table is scattered (the paged layout)."""
+    cache = pool.new_cache(4096)
+    for start in range(0, n_tokens, BLOCK):
+        n = min(BLOCK, n_tokens - start)
+        cache.reserve(n)
+        cache.write(0, rng.standard_normal((n, N_KV, D)).astype(np.float32),
+                    rng.standard_normal((n, N_KV, D)).astype(np.float32))
+        cache.commit()
+        if interleave_with is not None:
+            interleave_with.reserve(BLOCK)
+            interleave_with.commit()
+    return cache
+
+
+def kernel_attention(cache, q, positions, window=0):
+    cache.reserve(0)  # refresh the kernel's block tables, as a forward does
+    return ops.attention(q, cache.attention_inputs(0), positions, cache.start(0), window, 1 / np.sqrt(D))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window", [0, 40])
+def test_kernel_matches_numpy_reference(paged, window):
+    rng = np.random.default_rng(1)
+    pool = KVPool(1, N_KV, D, D)
+    other = pool.new_cache(4096) if paged else None
+    cache = filled_cache(pool, rng, 100, interleave_with=other)
+    assert cache.contiguous != paged
+    n = 7  # the last 7 cached tokens are the queries (their keys were written, as in a forward)
+    positions = np.arange(100 - n, 100)
+    q = rng.standard_normal((n, N_KV * GROUP, D)).astype(np.float32)
+    want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window)
+    np.testing.assert_allclose(kernel_attention(cache, q, positions, window), want, rtol=1e-4, atol=1e-5)
+
+
+def test_each_query_is_bitwise_independent_of_the_others():
+    """Batch invariance: n queries at once give bitwise what each gives alone (prompt chunks, speculative
+    verification and server batches all rely on it), also above the threading threshold."""
+    rng = np.random.default_rng(2)
+    pool = KVPool(1, N_KV, D, D)
+    cache = filled_cache(pool, rng, 600)
+    positions = np.arange(600 - 64, 600)
+    q = rng.standard_normal((64, N_KV * GROUP, D)).astype(np.float32)
+    together = kernel_attention(cache, q, positions)
+    for i in (0, 17, 63):
+        alone = kernel_attention(cache, np.ascontiguousarray(q[i : i + 1]), positions[i : i + 1])
+        assert np.array_equal(alone[0].view(np.uint32), together[i].view(np.uint32))
+
+
+def test_q8_0_cache_is_close_to_float32_and_smaller():
+    rng = np.random.default_rng(3)
+    exact, small = KVPool(1, N_KV, D, D), KVPool(1, N_KV, D, D, kv_type="q8_0")
+    a = filled_cache(exact, np.random.default_rng(4), 80)
+    b = filled_cache(small, np.random.default_rng(4), 80)
+    assert small.nbytes * 3.5 < exact.nbytes  # int8 plus a float32 scale per 32 values: 36 bytes vs 128
+    # Stored values are within half a quantization step of the originals.
+    step = np.abs(a.keys(0)).reshape(N_KV, 80, D // 32, 32).max(-1, keepdims=True) / 127
+    assert np.all(np.abs(b.keys(0) - a.keys(0)).reshape(N_KV, 80, D // 32, 32) <= step / 2 + 1e-6)
+    positions = np.arange(75, 80)
+    q = rng.standard_normal((5, N_KV * GROUP, D)).astype(np.float32)
+    np.testing.assert_allclose(kernel_attention(b, q, positions), kernel_attention(a, q, positions), atol=0.03)
+    # What attention reads from a q8_0 cache is exactly what keys()/values() dequantize.
+    want = reference.attention(q, b.keys(0), b.values(0), positions, 1 / np.sqrt(D), 0)
+    np.testing.assert_allclose(kernel_attention(b, q, positions), want, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_kv_type_is_a_clear_error():
+    with pytest.raises(ValueError, match="q8_0"):
+        KVPool(1, N_KV, D, D, kv_type="q4")
