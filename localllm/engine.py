@@ -24,7 +24,7 @@ from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import BLOCK as KV_BLOCK
-from localllm.kv_cache import KVCache, KVPool
+from localllm.kv_cache import KV_TYPES, KVCache, KVPool
 from localllm.sampling import Sampler, SamplingParams
 from localllm.stop import StopMatcher
 from localllm.tokenizer import Tokenizer
@@ -124,7 +124,7 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False):
+    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32"):
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         meta = self.gguf.metadata
@@ -137,15 +137,17 @@ class Engine:
             raise LocalLLMError(f"context size {self.ctx} is too small")
         self.name = self.path.stem
         # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.
-        self.kv_pool = KVPool.for_model(self.config)
+        if kv_type not in KV_TYPES:
+            raise LocalLLMError(f"KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
+        self.kv_pool = KVPool.for_model(self.config, kv_type=kv_type)
         self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
         warm_up(self.model.weights(), quiet=quiet)
 
     @classmethod
-    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False) -> "Engine":
+    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32") -> "Engine":
         from localllm import store
 
-        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet)
+        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type)
 
     # ---- building blocks -------------------------------------------------------------------------------
 
@@ -234,10 +236,21 @@ class Engine:
                 return
 
     def evaluate_batch(self, items: list[tuple[Sequence, list[int]]]) -> list[np.ndarray]:
-        """Append tokens to several sequences in one step; returns each one's last logits. Each sequence's
-        result is bitwise what `evaluate` alone gives it (batch invariance: an answer never depends on which
-        other requests share its step)."""
-        return [self.evaluate(seq, tokens) for seq, tokens in items]
+        """Append tokens to several sequences in one forward (each weight read once for all of them); returns
+        each one's last logits. Each sequence's result is bitwise what `evaluate` alone gives it (batch
+        invariance: an answer never depends on which other requests share its step)."""
+        segments = []
+        for seq, tokens in items:
+            if len(tokens) > PROMPT_CHUNK:  # a long prompt goes ahead alone, its last chunk joins the batch
+                cut = (len(tokens) - 1) // PROMPT_CHUNK * PROMPT_CHUNK
+                self.evaluate(seq, tokens[:cut], logit_positions=[])
+                tokens = tokens[cut:]
+            segments.append((tokens, seq.cache, None))
+        logits = self.model.forward_batch(segments)
+        for (seq, _), (tokens, _, _) in zip(items, segments):
+            seq.tokens.extend(tokens)
+            seq.cache.remember(seq.tokens)
+        return [row[0] for row in logits]
 
     # ---- scoring ---------------------------------------------------------------------------------------
 

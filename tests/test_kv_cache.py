@@ -298,3 +298,25 @@ def test_rollback_below_what_a_sliding_layer_kept_is_refused():
     assert c.can_truncate(0) and c.can_truncate(195) and not c.can_truncate(100)
     with pytest.raises(ValueError):
         c.truncate(100)
+
+
+def test_a_batched_step_gives_each_sequence_bitwise_its_own_logits():
+    """Engine.evaluate_batch (the server's continuous batching): one forward over three sequences at different
+    lengths, one of them still in its prompt, equals each evaluated alone."""
+    e = engine()
+    prompts = [text_tokens(e, n, seed=20 + n) for n in (30, 75, 9)]
+    fresh_pool(e)
+    alone = []
+    for p in prompts:
+        seq = e.new_sequence()
+        e.evaluate(seq, p[:-3])
+        alone.append(e.evaluate(seq, p[-3:]))
+        seq.close()
+    fresh_pool(e)
+    seqs = [e.new_sequence() for _ in prompts]
+    for seq, p in zip(seqs, prompts):
+        e.evaluate(seq, p[:-3])
+    batched = e.evaluate_batch([(seq, p[-3:]) for seq, p in zip(seqs, prompts)])
+    for got, want, seq, p in zip(batched, alone, seqs, prompts):
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert seq.tokens == p

@@ -191,15 +191,27 @@ class Transformer:
         of many rows (scoring against a float reference); generation never uses it, since it gives up batch
         invariance (see kernels.ops).
         """
+        return self.forward_batch([(tokens, cache, output_rows)], precise)[0]
+
+    def forward_batch(self, segments: list, precise: bool = False) -> list[np.ndarray]:
+        """One forward for several sequences: segments are (tokens, cache, output_rows or None). The matrix
+        products run once over all rows (each weight read once per step, whatever the batch); RoPE, the cache
+        writes and attention are per sequence. Every kernel computes each row alone, so a sequence's logits
+        are bitwise the same whatever else is in the batch."""
         c = self.config
         tr = c.traits
-        tokens = np.asarray(tokens, dtype=np.int64)
-        n = len(tokens)
-        start = cache.length
-        positions = np.arange(start, start + n)
-        cache.reserve(n)
+        neox = tr.rope_style == "neox"
+        ids, bounds, seg_positions = [], [0], []
+        for tokens, cache, _ in segments:
+            tokens = np.asarray(tokens, dtype=np.int64)
+            seg_positions.append(np.arange(cache.length, cache.length + len(tokens)))
+            cache.reserve(len(tokens))
+            ids.append(tokens)
+            bounds.append(bounds[-1] + len(tokens))
+        positions = np.concatenate(seg_positions)
+        n = bounds[-1]
 
-        x = ops.embed(self.token_embd, tokens)
+        x = ops.embed(self.token_embd, np.concatenate(ids))
         if tr.scale_embeddings:
             x *= np.float32(math.sqrt(c.n_embd))
         for i, L in enumerate(self.layers):
@@ -220,11 +232,19 @@ class Transformer:
                 q = rms_norm(q, L.q_norm, c.rms_eps)
                 k = rms_norm(k, L.k_norm, c.rms_eps)
             cos, sin = self.layer_rope[i].get(positions)
-            ops.rope(q, cos, sin, c.rope_dim, tr.rope_style == "neox")
-            ops.rope(k, cos, sin, c.rope_dim, tr.rope_style == "neox")
-            cache.write(i, k, v)
-            attn = ops.attention(q, cache.attention_inputs(i), positions, cache.start(i), self.layer_window[i],
-                                 c.attention_scale)
+            ops.rope(q, cos, sin, c.rope_dim, neox)
+            ops.rope(k, cos, sin, c.rope_dim, neox)
+            if len(segments) == 1:
+                cache = segments[0][1]
+                cache.write(i, k, v)
+                attn = ops.attention(q, cache.attention_inputs(i), positions, cache.start(i), self.layer_window[i],
+                                     c.attention_scale)
+            else:
+                attn = np.empty((n, c.n_head * c.value_dim), np.float32)
+                for (_, cache, _), a, b, pos in zip(segments, bounds, bounds[1:], seg_positions):
+                    cache.write(i, k[a:b], v[a:b])
+                    attn[a:b] = ops.attention(q[a:b], cache.attention_inputs(i), pos, cache.start(i),
+                                              self.layer_window[i], c.attention_scale)
             o = ops.matmul(L.wo, attn, precise=precise)
             if tr.post_norms:
                 o = rms_norm(o, L.attn_post_norm, c.rms_eps)
@@ -237,10 +257,15 @@ class Transformer:
             if tr.post_norms:
                 d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
             x = x + d
-        cache.commit()
+        for _, cache, _ in segments:
+            cache.commit()
 
-        rows = np.array([n - 1]) if output_rows is None else output_rows
+        rows = np.concatenate([a + (np.array([b - a - 1]) if out_rows is None else np.asarray(out_rows, np.int64))
+                               for (_, _, out_rows), a, b in zip(segments, bounds, bounds[1:])])
         if len(rows) == 0:
-            return np.empty((0, c.vocab_size), np.float32)
-        out = rms_norm(x[rows], self.output_norm, c.rms_eps)
-        return ops.matmul(self.output, np.ascontiguousarray(out, dtype=np.float32), precise=precise)
+            logits = np.empty((0, c.vocab_size), np.float32)
+        else:
+            out = rms_norm(x[rows], self.output_norm, c.rms_eps)
+            logits = ops.matmul(self.output, np.ascontiguousarray(out, dtype=np.float32), precise=precise)
+        counts = [1 if out_rows is None else len(out_rows) for _, _, out_rows in segments]
+        return np.split(logits, np.cumsum(counts)[:-1])
