@@ -108,3 +108,22 @@ def test_a_request_that_cannot_run_fails_alone(engine):
     finally:
         sched.stop()
     assert len(tokens) == 4 and final.finish_reason == "length"
+
+
+def test_cors_is_off_unless_configured(engine):
+    from starlette.testclient import TestClient
+
+    from localllm.server.app import ServerState, create_app
+
+    def client(origins):
+        state = ServerState(engine=engine, scheduler=Scheduler(engine), model_name=MODEL, model_path="x",
+                            max_tokens=8, parallel=1)
+        return TestClient(create_app(state, origins))
+
+    headers = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
+    with client(None) as c:
+        assert "access-control-allow-origin" not in c.get("/health", headers=headers).headers
+        assert c.options("/v1/completions", headers=headers).status_code == 405
+    with client(["http://example.com"]) as c:
+        assert c.get("/health", headers=headers).headers["access-control-allow-origin"] == "http://example.com"
+        assert c.options("/v1/completions", headers=headers).status_code == 200
