@@ -54,7 +54,7 @@ def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> di
     rest = list(events)
     tpot = (time.perf_counter() - t - ttft) / max(len(rest), 1)
     warm_pool = engine.kv_pool
-    engine.kv_pool = KVPool.for_model(engine.config, warm_pool.budget_bytes)
+    engine.kv_pool = KVPool.for_model(engine.config, warm_pool.budget_bytes, kv_type=warm_pool.kv_type)
     try:
         t = time.perf_counter()
         cold = next(engine.generate(tokens, GenerationParams(max_tokens=1, sampling=greedy)))

@@ -78,6 +78,7 @@ from kernels.cpu.simd import (
     slli_epi16,
     srli_epi16,
     storeu_ps,
+    storeu_si256,
     sub_epi8,
     sub_epi16,
 )
@@ -598,12 +599,14 @@ def _lanes_32_avx2(qx, y, kind):
 
 
 @njit(cache=True)
-def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count):
+def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count, decoded):
     """Weight row r against x-rows i .. i+count-1 (count = 1, 2 or 4), accumulators in registers.
 
-    Each block is loaded and decoded once for the group. `kind` and `count` are compile-time constants
-    (`literally`: one specialization each), so the format and `count > k` tests cost nothing in the loop.
-    Every x-row sees the same float operations whatever the group it is in.
+    Each block is decoded once for the group, or read back from `decoded` (the address of the row's blocks
+    already decoded, 32 bytes each, when the row serves several groups; 0 otherwise). `kind` and `count` are
+    compile-time constants (`literally`: one specialization each), so the format and `count > k` tests cost
+    nothing in the loop. Every x-row sees the same float operations whatever the group it is in, and whether
+    its weights were decoded here or before (the same bytes either way).
     """
     literally(kind)
     literally(count)
@@ -619,7 +622,7 @@ def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count):
     for b in range(blocks):
         blk = w + block_bytes * b
         wd, wm = load_halves(blk)  # d, and m for Q4_1/Q5_1 (else the first bytes of qh/qs, unused)
-        qx = _decode_32_avx2(blk, kind)
+        qx = loadu_si256(decoded + 32 * b) if decoded else _decode_32_avx2(blk, kind)
         if has_min:  # summs += m * s (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
             m0 = m0 + wm * load_f32(s0 + 4 * b)
             if count > 1:
@@ -646,21 +649,30 @@ def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count):
 
 @njit(cache=True)
 def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-    """AVX2 twin of _rows_32_portable (same ggml functions, same float operations), x-rows in groups of 4."""
+    """AVX2 twin of _rows_32_portable (same ggml functions, same float operations), x-rows in groups of 4.
+
+    With more than one group, a weight row's blocks are decoded once into a scratch row that every group
+    reads (decoding Q5_0 costs more than its dot product): prompts then pay the decode once per 16 x-rows.
+    """
     literally(kind)
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
+    scratch = np.empty(32 * blocks, np.uint8)
+    decoded = address_of(scratch) if n > 4 else 0
     for r in range(r0, r1):
         w = wbase + r * wstride
+        if decoded:
+            for b in range(blocks):
+                storeu_si256(decoded + 32 * b, _decode_32_avx2(w + block_bytes * b, kind))
         i = 0
         while n - i >= 4:
-            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4)
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4, decoded)
             i += 4
         if n - i >= 2:  # groups of 4, 2, 1 only: each group size is one more specialization to compile
-            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2)
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2, decoded)
             i += 2
         if n - i == 1:
-            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1)
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, decoded)
 
 
 @njit(cache=True, inline="always")

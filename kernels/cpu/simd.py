@@ -253,6 +253,19 @@ def storeu_ps(typingctx, address, value):
 
 
 @intrinsic(prefer_literal=True)
+def storeu_si256(typingctx, address, value):
+    """Store 32 bytes to any address (`_mm256_storeu_si256`)."""
+    if not isinstance(address, types.Integer) or value != m256i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _ptr(builder, args[0], I64x4), align=1)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
+@intrinsic(prefer_literal=True)
 def bytes_from_nibbles_32(typingctx, address):
     """16 bytes of packed nibbles -> 32 bytes in [0, 15]: low nibbles first, then high nibbles.
 
