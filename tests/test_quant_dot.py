@@ -291,9 +291,9 @@ def test_kernels_compile_to_vpmaddubsw_and_vpmaddwd():
     out = np.empty((1, 4), np.float32)
     i64 = types.int64
     q4_k_signature = (typeof(raw), typeof(xq), typeof(xd), typeof(bsums), typeof(out), i64, i64)
-    # w, kind = Q8_0, block bytes, blocks, xq, xd, xs, out, r, i, count = 1
+    # w, kind = Q8_0, block bytes, blocks, xq, xd, xs, out, r, i, count = 1, decoded (address or 0)
     q8_0_signature = (i64, types.literal(0), i64, i64, typeof(xq), typeof(xd), typeof(xd), typeof(out), i64, i64)
-    q8_0_signature += (types.literal(1),)
+    q8_0_signature += (types.literal(1), i64)
     for kernel, signature in ((quant_dot._group_32_avx2, q8_0_signature), (quant_dot._rows_q4_k_avx2, q4_k_signature)):
         fresh = njit(kernel.py_func)
         fresh.compile(signature)
