@@ -204,7 +204,10 @@ def _warm_attention() -> None:
         k, scales = np.zeros((1, 16, 32), dtype), np.ones((1, 16, n_scales), _F32)
         _attention.write_rows(k, scales, cols, q[:, :1])
         _attention.read_rows(k, scales, cols, np.empty((1, 1, 32), _F32))
-        attention(q, (k, scales, k, scales, table, 0), np.zeros(1, np.int64), 0, 0, 1.0)
+        for parallel in (False, True):
+            out = np.empty((1, 64), _F32)
+            args = (q, k, scales, k, scales, table, 0, np.zeros(1, np.int64), 0, 0, np.float32(1.0), out)
+            _attention.attend_parallel(*args, 2) if parallel else _attention.attend(*args)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -227,8 +230,13 @@ def attention(q: np.ndarray, cache_inputs: tuple, q_positions: np.ndarray, key_s
     key_start). window > 0: a query at p sees only keys after p - window. Returns (n, n_head * value_dim)."""
     k, k_scale, v, v_scale, table, first_block = cache_inputs
     out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), _F32)
-    _attention.attend(q, k, k_scale, v, v_scale, table, first_block, q_positions, key_start, window,
-                      np.float32(scale), out, _threads[0])
+    work = q.shape[0] * q.shape[1] * (int(q_positions[-1]) - key_start + 1) * q.shape[2]
+    if _threads[0] > 1 and work >= _attention.PARALLEL_MIN_WORK:
+        _attention.attend_parallel(q, k, k_scale, v, v_scale, table, first_block, q_positions, key_start, window,
+                                   np.float32(scale), out, _threads[0])
+    else:
+        _attention.attend(q, k, k_scale, v, v_scale, table, first_block, q_positions, key_start, window,
+                          np.float32(scale), out)
     return out
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kernels.cpu.simd import HAVE_AVX2, address_of, fmadd_ps, hsum_float_8, loadu_ps, set1_ps, setzero_ps, storeu_ps
+
 BLOCK = 16  # tokens per KV block (localllm.kv_cache.BLOCK, which imports this)
 QBLOCK = 32  # values per q8_0 scale
 PARALLEL_MIN_WORK = 1 << 18  # (query, head, key, dim) products below which waking a second thread costs more
@@ -115,30 +117,94 @@ def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_bl
         out[i, h * dv + t] = acc[t] * inv
 
 
-@njit(cache=True, parallel=True)
-def attend(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window, scale, out,
-           threads):
+@njit(cache=True)
+def _one_query_avx2(q, i, h, kvh, k_store, v_store, table, first_block, lo, hi, scale, scores, out):
+    """_one_query for float32 storage with head sizes that are multiples of 32, in explicit AVX2 registers:
+    two accumulators per dot product (summed in ggml's hsum order), four for the weighted sum of values, so
+    no loop is bound by a chain of dependent FMAs."""
+    d = q.shape[2]
+    dv = v_store.shape[2]
+    qa = address_of(q) + (i * q.shape[1] + h) * d * 4
+    k_row = k_store.shape[2] * 4
+    ka0 = address_of(k_store) + kvh * k_store.shape[1] * k_row
+    v_row = dv * 4
+    va0 = address_of(v_store) + kvh * v_store.shape[1] * v_row
+    m = -np.inf
+    for j in range(hi - lo + 1):
+        ka = ka0 + _column(table, first_block, lo + j) * k_row
+        a0, a1 = setzero_ps(), setzero_ps()
+        for t in range(0, d, 16):
+            a0 = fmadd_ps(loadu_ps(qa + 4 * t), loadu_ps(ka + 4 * t), a0)
+            a1 = fmadd_ps(loadu_ps(qa + 4 * t + 32), loadu_ps(ka + 4 * t + 32), a1)
+        s = (hsum_float_8(a0) + hsum_float_8(a1)) * scale
+        scores[j] = s
+        m = max(m, s)
+    total = np.float32(0.0)
+    for j in range(hi - lo + 1):
+        e = np.exp(scores[j] - m)
+        scores[j] = e
+        total += e
+    inv = set1_ps(np.float32(1.0) / total)
+    zero = setzero_ps()
+    oa = address_of(out) + (i * out.shape[1] + h * dv) * 4
+    for t in range(0, dv, 32):
+        a0, a1, a2, a3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()
+        for j in range(hi - lo + 1):
+            va = va0 + _column(table, first_block, lo + j) * v_row + 4 * t
+            w = set1_ps(scores[j])
+            a0 = fmadd_ps(w, loadu_ps(va), a0)
+            a1 = fmadd_ps(w, loadu_ps(va + 32), a1)
+            a2 = fmadd_ps(w, loadu_ps(va + 64), a2)
+            a3 = fmadd_ps(w, loadu_ps(va + 96), a3)
+        storeu_ps(oa + 4 * t, fmadd_ps(a0, inv, zero))
+        storeu_ps(oa + 4 * t + 32, fmadd_ps(a1, inv, zero))
+        storeu_ps(oa + 4 * t + 64, fmadd_ps(a2, inv, zero))
+        storeu_ps(oa + 4 * t + 96, fmadd_ps(a3, inv, zero))
+
+
+@njit(cache=True)
+def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
+                  window, scale, out, scores, acc):
+    """Work share c of `chunks`: the (query, head) items c, c + chunks, ... (interleaved, because causal rows
+    grow longer with the query index and contiguous ranges would unbalance the threads)."""
+    n, n_head, d = q.shape
+    group = n_head // k_store.shape[0]
+    registers = HAVE_AVX2 and k_scale.shape[2] == 0 and d % 32 == 0 and v_store.shape[2] % 32 == 0
+    for item in range(c, n * n_head, chunks):
+        i, h = item // n_head, item % n_head
+        p = q_positions[i]
+        lo = key_start
+        if window > 0:
+            lo = max(lo, p - window + 1)
+        if registers:
+            _one_query_avx2(q, i, h, h // group, k_store, v_store, table, first_block, lo, p, scale, scores, out)
+        else:
+            _one_query(q, i, h, h // group, k_store, k_scale, v_store, v_scale, table, first_block, lo, p, scale,
+                       scores, acc, out)
+
+
+@njit(cache=True)
+def attend(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window, scale, out):
     """Causal grouped-query attention of q (n, n_head, d) over a paged cache; writes out (n, n_head * dv).
 
     A query at position p sees keys at max(key_start, p - window + 1) .. p (window = 0: no window). Query head
-    h reads KV head h // (n_head // n_kv), as ggml's broadcasting does.
+    h reads KV head h // (n_head // n_kv), as ggml's broadcasting does. Single-threaded: entering a parallel
+    region costs ~15 us, as much as a decode step's attention over a short context.
     """
-    n, n_head, d = q.shape
-    group = n_head // k_store.shape[0]
-    items = n * n_head
-    longest = q_positions[n - 1] - key_start + 1
-    chunks = 1
-    if items * longest * d >= PARALLEL_MIN_WORK:
-        chunks = max(1, min(threads, items))
-    scores = np.empty((chunks, longest), np.float32)
+    scores = np.empty(q_positions[-1] - key_start + 1, np.float32)
+    acc = np.empty(v_store.shape[2], np.float32)
+    _attend_items(0, 1, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window,
+                  scale, out, scores, acc)
+
+
+@njit(cache=True, parallel=True)
+def attend_parallel(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window,
+                    scale, out, threads):
+    """`attend` with the (query, head) items shared by `threads` threads; each item is computed exactly as
+    `attend` computes it."""
+    chunks = max(1, min(threads, q.shape[0] * q.shape[1]))
+    scores = np.empty((chunks, q_positions[-1] - key_start + 1), np.float32)
     acc = np.empty((chunks, v_store.shape[2]), np.float32)
     for c in prange(chunks):
-        # Interleaved items: causal rows grow longer with i, so contiguous ranges would unbalance the threads.
-        for item in range(c, items, chunks):
-            i, h = item // n_head, item % n_head
-            p = q_positions[i]
-            lo = key_start
-            if window > 0:
-                lo = max(lo, p - window + 1)
-            _one_query(q, i, h, h // group, k_store, k_scale, v_store, v_scale, table, first_block, lo, p, scale,
-                       scores[c], acc[c], out)
+        _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
+                      window, scale, out, scores[c], acc[c])
