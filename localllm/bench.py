@@ -3,6 +3,10 @@
 pp N: process N prompt tokens from an empty KV cache (one pass through the engine's prompt path).
 tg N: generate N tokens one forward at a time from an empty cache (no sampling cost, as llama-bench).
 Each test runs once to warm up, then `reps` times; we report mean and standard deviation of tokens/s.
+
+Beside them: the weight bandwidth tg achieves (weight bytes read per token x tokens/s, against the machine's
+streaming-read bandwidth, the ceiling of batch-1 decode), the cost of a k-token forward against a 1-token one
+(what speculative verification pays), and a chat turn's time to first token and time per output token.
 """
 
 from __future__ import annotations
@@ -66,6 +70,41 @@ def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> di
             "cold_reused": cold.timings.cache_n}
 
 
+def weight_bytes_per_token(engine) -> int:
+    """Weight bytes a decode step reads: every matrix once, but only one row of the token embedding (unless it
+    doubles as the output head, which is read whole)."""
+    model = engine.model
+    total = sum(w.raw.nbytes for w in model.weights()[2:])  # the layers' matrices
+    total += model.output.raw.nbytes
+    if model.output is not model.token_embd:
+        total += model.token_embd.raw.shape[1]
+    return total
+
+
+def k_token_ratios(engine, ks=(2, 4, 8), context: int = 512, reps: int = 5) -> dict:
+    """time(a k-token forward) / time(a 1-token forward) after `context` tokens, best of `reps` each: the
+    price of verifying k speculated tokens in one pass (1.0 would be free)."""
+    seq = engine.new_sequence()
+    try:
+        engine.evaluate(seq, _tokens(engine, context, seed=3))
+        extra = _tokens(engine, max(ks), seed=4)
+
+        def best(k: int) -> float:
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                engine.evaluate(seq, extra[:k])
+                times.append(time.perf_counter() - t)
+                seq.cache.truncate(context)
+                del seq.tokens[context:]
+            return min(times)
+
+        one = best(1)
+        return {k: best(k) / one for k in ks}
+    finally:
+        seq.close()
+
+
 def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict:
     result = {"model": engine.name, "params": sum(w.rows * w.cols for w in engine.model.weights()),
               "size": engine.path.stat().st_size}
@@ -74,12 +113,36 @@ def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict:
             continue
         if n >= engine.ctx:
             raise ValueError(f"{key}{n} does not fit the context of {engine.ctx} tokens")
-        fn(engine, min(n, 16))  # warm-up
+        fn(engine, n)  # warm-up, as llama-bench runs each test once before timing it
         speeds = [n / fn(engine, n) for _ in range(reps)]
         result[key] = statistics.fmean(speeds)
         result[f"{key}_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
         result[f"{key}_n"] = n
+    if "tg" in result:
+        result["weight_bytes_per_token"] = weight_bytes_per_token(engine)
+        result["bandwidth_gbs"] = result["weight_bytes_per_token"] * result["tg"] / 1e9
     return result
+
+
+def format_extras(r: dict) -> list[str]:
+    """The lines under the table for one model: bandwidth, k-token ratios, chat turn."""
+    lines = []
+    if "bandwidth_gbs" in r:
+        line = f"{r['model']}: tg reads {r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = " \
+               f"{r['bandwidth_gbs']:.1f} GB/s"
+        if "machine_bandwidth_gbs" in r:
+            line += f" of the machine's {r['machine_bandwidth_gbs']:.1f} GB/s streaming read " \
+                    f"({r['bandwidth_gbs'] / r['machine_bandwidth_gbs']:.0%})"
+        lines.append(line)
+    if "k_ratio" in r:
+        ratios = ", ".join(f"k={k}: {v:.2f}" for k, v in r["k_ratio"].items())
+        lines.append(f"{r['model']}: time(k tokens) / time(1 token) at 512 tokens of context: {ratios}")
+    if "chat_turn" in r:
+        c = r["chat_turn"]
+        lines.append(f"{r['model']}: next chat turn after {c['history']} tokens: TTFT {c['ttft_ms']:.0f} ms "
+                     f"({c['reused']} reused) vs {c['cold_ttft_ms']:.0f} ms cold = {c['ttft_ratio']:.3f}; "
+                     f"TPOT {c['tpot_ms']:.1f} ms")
+    return lines
 
 
 def format_rows(results: list[dict], threads: int) -> str:

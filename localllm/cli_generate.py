@@ -273,6 +273,7 @@ def cmd_bench(args) -> int:
     import numba
 
     from kernels import ops
+    from kernels.membw import read_bandwidth
     from localllm import bench, store
     from localllm.engine import Engine
 
@@ -283,11 +284,16 @@ def cmd_bench(args) -> int:
         names += [m.name for m in store.local_models() if m.entry is not None and m.name not in names]
     if not names:
         raise LocalLLMError("name a model, or use --present for every downloaded catalog model")
+    machine_bandwidth = None if args.no_bandwidth else read_bandwidth() / 1e9
     results = []
     for name in names:
-        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.chat_turn + 64), quiet=args.json,
-                             kv_type=args.kv_type)
+        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.chat_turn + 64, 512 + 16),
+                             quiet=args.json, kv_type=args.kv_type)
         result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r)
+        if machine_bandwidth is not None:
+            result["machine_bandwidth_gbs"] = machine_bandwidth
+        if args.k_ratio:
+            result["k_ratio"] = bench.k_token_ratios(engine)
         if args.chat_turn:
             result["chat_turn"] = bench.chat_turn(engine, history=args.chat_turn)
         results.append(result)
@@ -299,11 +305,8 @@ def cmd_bench(args) -> int:
         if args.p > 0 or args.n > 0:
             print(bench.format_rows(results, numba.get_num_threads()))
         for r in results:
-            if "chat_turn" in r:
-                c = r["chat_turn"]
-                print(f"{r['model']}: next chat turn after {c['history']} tokens: TTFT {c['ttft_ms']:.0f} ms "
-                      f"({c['reused']} reused) vs {c['cold_ttft_ms']:.0f} ms cold = {c['ttft_ratio']:.3f}; "
-                      f"TPOT {c['tpot_ms']:.1f} ms")
+            for line in bench.format_extras(r):
+                print(line)
     return 0
 
 
@@ -368,7 +371,11 @@ def add_commands(sub) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=None, help="context size (default: enough for the test)")
     add_kv_type_option(p)
-    p.add_argument("--chat-turn", type=int, default=0, metavar="N",
-                   help="also time a chat's next turn after N tokens of history, with the cache and cold")
+    p.add_argument("--chat-turn", type=int, default=512, metavar="N",
+                   help="time a chat's next turn after N tokens of history (TTFT with the cache and cold, TPOT) "
+                        "(default 512; 0 skips)")
+    p.add_argument("--no-k-ratio", dest="k_ratio", action="store_false",
+                   help="skip timing k-token forwards against 1-token ones (k = 2, 4, 8)")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip measuring the machine's read bandwidth")
     p.add_argument("--json", action="store_true", help='print {"pp", "tg", "pp_sd", "tg_sd", ...}')
     p.set_defaults(func=cmd_bench)
