@@ -155,3 +155,67 @@ def format_rows(results: list[dict], threads: int) -> str:
                 lines.append(f"| {r['model']:<30} | {r['size'] / 2**20:>5.0f} MiB | {threads:>7} | "
                              f"{key}{r[key + '_n']:<4} | {speed:>16} |")
     return "\n".join(lines)
+
+
+# ---- speculative decoding: the same greedy decode with and without it ----------------------------------------
+
+SPEC_PROMPT = '''# File: shapes.py (original)
+```python
+def area_of_square(side):
+    return side * side
+
+def area_of_rectangle(width, height):
+    return width * height
+
+def perimeter_of_square(side):
+    return 4 * side
+
+def perimeter_of_rectangle(width, height):
+    return 2 * (width + height)
+```
+
+# File: shapes.py (after renaming area_of_square to square_area and perimeter_of_square to square_perimeter)
+```python
+'''
+
+
+def speculative(engine, tokens: list[int], spec, n_gen: int = 128, reps: int = 3) -> dict:
+    """Greedy decode of n_gen tokens after `tokens`, plain and with `spec`, interleaved `reps` times (after one
+    warm-up of each, which also caches the prompt); medians of the decode tokens/s (prompt time excluded). The two
+    must give the same tokens: speculation is lossless."""
+    from dataclasses import replace
+
+    from localllm.engine import GenerationParams
+    from localllm.sampling import SamplingParams
+
+    plain = GenerationParams(max_tokens=n_gen, ignore_eos=True, sampling=SamplingParams(temperature=0))
+    params = {"plain": plain, "spec": replace(plain, speculation=spec)}
+    runs: dict[str, list] = {"plain": [], "spec": []}
+    outputs = {}
+    for rep in range(reps + 1):
+        for key, p in params.items():
+            events = list(engine.generate(tokens, p if rep else replace(p, max_tokens=min(n_gen, 16))))
+            outputs[key] = [e.token for e in events]
+            if rep:
+                runs[key].append(events[-1].timings)
+    if outputs["plain"] != outputs["spec"]:
+        raise AssertionError("speculative decoding changed the greedy output")
+    tg = {key: statistics.median(t.predicted_per_second for t in ts) for key, ts in runs.items()}
+    last = runs["spec"]
+    drafted = sum(t.draft_n for t in last)
+    accepted = sum(t.draft_n_accepted for t in last)
+    verifies = sum(t.n_verifies for t in last)
+    return {"model": engine.name, "mode": spec.mode, "draft_model": spec.draft_model, "prompt_tokens": len(tokens),
+            "n_gen": n_gen, "reps": reps, "tg_plain": tg["plain"], "tg_spec": tg["spec"],
+            "speedup": tg["spec"] / tg["plain"] if tg["plain"] else 0.0,
+            "tg_plain_runs": [t.predicted_per_second for t in runs["plain"]],
+            "tg_spec_runs": [t.predicted_per_second for t in last],
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_verify": (accepted + verifies) / verifies if verifies else 0.0}
+
+
+def format_speculative(r: dict) -> str:
+    mode = r["mode"] + (f" ({r['draft_model']})" if r["draft_model"] else "")
+    return (f"{r['model']}: tg{r['n_gen']} after a {r['prompt_tokens']}-token prompt, greedy, median of {r['reps']}: "
+            f"plain {r['tg_plain']:.2f} tok/s, speculative {mode} {r['tg_spec']:.2f} tok/s = {r['speedup']:.2f}x "
+            f"(drafts accepted {r['acceptance_rate']:.0%}, {r['tokens_per_verify']:.2f} tokens per check)")

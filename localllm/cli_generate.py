@@ -48,7 +48,31 @@ def generation_params(args):
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
     max_tokens = None if args.max_tokens is not None and args.max_tokens < 0 else args.max_tokens
     return GenerationParams(max_tokens=max_tokens, stop=list(args.stop), sampling=sampling,
-                            context_overflow=args.context_overflow, n_keep=args.keep)
+                            context_overflow=args.context_overflow, n_keep=args.keep,
+                            speculation=speculation_params(args))
+
+
+def add_speculation_options(p) -> None:
+    g = p.add_argument_group("speculative decoding (lossless: the same output, faster where drafts are right)")
+    g.add_argument("--spec", choices=["ngram", "draft"], default=None,
+                   help="draft tokens by n-gram lookup in the prompt and the text so far (ngram), or with a smaller "
+                        "model of the same vocabulary (draft, with --draft-model); the target checks a whole draft "
+                        "in one forward, and the draft length adapts to what pays (off where nothing does)")
+    g.add_argument("--draft-model", metavar="M", default=None,
+                   help="the draft model for --spec draft (e.g. qwen2.5-coder-0.5b-instruct for the -1.5b)")
+    g.add_argument("--draft-max", type=int, default=8, metavar="K", help="tokens drafted per check at most "
+                   "(default 8)")
+
+
+def speculation_params(args):
+    from localllm.speculative import SpeculationParams
+
+    spec = getattr(args, "spec", None)
+    if spec is None:
+        if getattr(args, "draft_model", None):
+            raise LocalLLMError("--draft-model needs --spec draft")
+        return None
+    return SpeculationParams(mode=spec, draft_model=args.draft_model, draft_max=args.draft_max).validated()
 
 
 def add_overflow_options(p, default: str, why: str) -> None:
@@ -78,13 +102,14 @@ def cmd_run(args) -> int:
         raise LocalLLMError("give a prompt, or --prompt-file FILE")
     if (args.prompt_cache_all or args.prompt_cache_ro) and not args.prompt_cache:
         raise LocalLLMError("--prompt-cache-all and --prompt-cache-ro need --prompt-cache FILE")
+    params = generation_params(args)
     engine = load_engine(args)
     if args.chat:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
     tokens = engine.tokenize_prompt(prompt, chat=args.chat)
     seq = open_prompt_cache(engine, args.prompt_cache) if args.prompt_cache else engine.new_sequence()
     generated, pieces, final = [], [], None
-    for event in engine.generate(tokens, generation_params(args), seq=seq):
+    for event in engine.generate(tokens, params, seq=seq):
         if args.prompt_cache and final is None and not args.prompt_cache_ro:
             # As llama.cpp: the prompt's state is saved once it is evaluated (the first token just came out).
             save_prompt_cache(engine, seq, args.prompt_cache, len(tokens))
@@ -104,8 +129,10 @@ def cmd_run(args) -> int:
     else:
         print()
         if args.verbose:
+            spec = (f"; drafts accepted {timings['draft_n_accepted']}/{timings['draft_n']}, "
+                    f"{timings['tokens_per_verify']:.2f} tokens per check" if params.speculation else "")
             print(f"[prompt {timings['prompt_n']} tokens, {timings['prompt_per_second']:.1f} tok/s; "
-                  f"generated {timings['predicted_n']} tokens, {timings['predicted_per_second']:.1f} tok/s; "
+                  f"generated {timings['predicted_n']} tokens, {timings['predicted_per_second']:.1f} tok/s{spec}; "
                   f"finish: {final.finish_reason}]", file=sys.stderr)
     return 0
 
@@ -284,6 +311,9 @@ def cmd_bench(args) -> int:
         names += [m.name for m in store.local_models() if m.entry is not None and m.name not in names]
     if not names:
         raise LocalLLMError("name a model, or use --present for every downloaded catalog model")
+    spec = speculation_params(args)
+    if spec is not None:
+        return bench_speculative(args, names, spec)
     machine_bandwidth = None if args.no_bandwidth else read_bandwidth() / 1e9
     results = []
     for name in names:
@@ -310,6 +340,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def bench_speculative(args, names, spec) -> int:
+    """bench --spec: greedy decode of a prompt with and without speculation (the same tokens), tokens/s of each."""
+    from localllm import bench
+    from localllm.engine import Engine
+
+    prompt = read_text_file(args.prompt_file) if args.prompt_file else bench.SPEC_PROMPT
+    results = []
+    for name in names:
+        engine = Engine.load(name, ctx=args.ctx, quiet=args.json, kv_type=args.kv_type)
+        results.append(bench.speculative(engine, engine.tokenize_prompt(prompt), spec, n_gen=args.n, reps=args.r))
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+    else:
+        for r in results:
+            print(bench.format_speculative(r))
+    return 0
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("run", help="generate text from a prompt (streamed)",
                        description="Generate a completion of a prompt, streamed to stdout. Raw completion by "
@@ -330,6 +378,7 @@ def add_commands(sub) -> None:
                    help="with --prompt-cache: only read FILE, never update it")
     add_sampling_options(p)
     add_overflow_options(p, "stop", "a completion never silently loses the start of its prompt")
+    add_speculation_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal",
@@ -377,5 +426,8 @@ def add_commands(sub) -> None:
     p.add_argument("--no-k-ratio", dest="k_ratio", action="store_false",
                    help="skip timing k-token forwards against 1-token ones (k = 2, 4, 8)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring the machine's read bandwidth")
+    p.add_argument("--prompt-file", metavar="F", default=None,
+                   help="with --spec: the prompt to decode from (default: a small built-in code edit)")
+    add_speculation_options(p)
     p.add_argument("--json", action="store_true", help='print {"pp", "tg", "pp_sd", "tg_sd", ...}')
     p.set_defaults(func=cmd_bench)

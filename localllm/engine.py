@@ -26,6 +26,7 @@ from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import BLOCK as KV_BLOCK
 from localllm.kv_cache import KV_TYPES, KVCache, KVPool
 from localllm.sampling import Sampler, SamplingParams
+from localllm.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
 from localllm.stop import StopMatcher
 from localllm.tokenizer import Tokenizer
 from localllm.warmup import warm_up
@@ -44,6 +45,9 @@ class GenerationParams:
     # first n_keep and goes on, as llama.cpp's context shift does. n_keep < 0 keeps the whole prompt (--keep -1).
     context_overflow: str = "stop"
     n_keep: int = 0
+    # Speculative decoding (n-gram or a draft model; see speculative.py); None = off. Lossless: greedy output is
+    # token for token the same, sampled output keeps the target's distribution.
+    speculation: SpeculationParams | None = None
 
 
 @dataclass
@@ -57,6 +61,20 @@ class Timings:
     predicted_ms: float = 0.0
     token_ms: list[float] = field(default_factory=list)  # wall time of each generated token
     n_shifts: int = 0  # context shifts during generation (context_overflow="shift")
+    # Speculative decoding (llama.cpp's server names the first two): tokens drafted and checked, drafted tokens
+    # the target accepted, and forwards that verified a draft.
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    n_verifies: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a verifying forward yielded on average: the accepted drafts and the target's own next token."""
+        return (self.draft_n_accepted + self.n_verifies) / self.n_verifies if self.n_verifies else 0.0
 
     @property
     def prompt_per_second(self) -> float:
@@ -78,6 +96,11 @@ class Timings:
             "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
             "predicted_per_second": round(self.predicted_per_second, 3),
             "n_shifts": self.n_shifts,
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+            "n_verifies": self.n_verifies,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_verify": round(self.tokens_per_verify, 3),
         }
 
 
@@ -117,6 +140,11 @@ class Sequence:
         self.tokens[:] = tokens[:common]
         return common
 
+    def truncate(self, n: int) -> None:
+        """Roll back to the first n tokens (rejected speculative tokens leave the KV cache)."""
+        self.cache.truncate(n)
+        del self.tokens[n:]
+
     def close(self) -> None:
         """Give the KV blocks back to the engine's pool (they stay cached for other sequences)."""
         self.cache.release()
@@ -141,6 +169,8 @@ class Engine:
             raise LocalLLMError(f"KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
         self.kv_pool = KVPool.for_model(self.config, kv_type=kv_type)
         self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
+        self.kv_type = kv_type
+        self._draft_engines: dict[str, Engine] = {}
         warm_up(self.model.weights(), quiet=quiet)
 
     @classmethod
@@ -148,6 +178,15 @@ class Engine:
         from localllm import store
 
         return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type)
+
+    def draft_engine(self, name_or_path: str) -> "Engine":
+        """A draft model for speculative decoding (loaded once, same context size and KV type)."""
+        key = str(name_or_path)
+        if key not in self._draft_engines:
+            draft = Engine.load(key, ctx=self.ctx, quiet=True, kv_type=self.kv_type)
+            check_draft_engine(self, draft)
+            self._draft_engines[key] = draft
+        return self._draft_engines[key]
 
     # ---- building blocks -------------------------------------------------------------------------------
 
@@ -225,6 +264,9 @@ class Engine:
                 seq.close()
             return
         gen = Generation(self, tokens, params, seq)
+        if params.speculation is not None:
+            yield from self._generate_speculative(gen)
+            return
         logits = gen.prefill()
         while True:
             event = gen.step(logits)
@@ -234,6 +276,21 @@ class Engine:
             yield event
             if event.finish_reason is not None:
                 return
+
+    def _generate_speculative(self, gen: "Generation") -> Iterator[TokenEvent]:
+        """generate() with speculative decoding: each round is one forward that verifies a draft and hands out
+        every token it accepted (speculative.py)."""
+        spec = gen.params.speculation.validated()
+        run = SpeculativeRun(gen, spec, make_drafter(self, spec, gen.sampler.seed))
+        try:
+            run.start()
+            while True:
+                for event in run.round():
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+        finally:
+            run.close()
 
     def evaluate_batch(self, items: list[tuple[Sequence, list[int]]]) -> list[np.ndarray]:
         """Append tokens to several sequences in one forward (each weight read once for all of them); returns
@@ -322,10 +379,12 @@ class Generation:
         self.sampler.accept_many(self.tokens)
         self._t_gen = time.perf_counter()
 
-    def step(self, logits: np.ndarray) -> TokenEvent:
-        """Pick the next token from `logits`; decide whether generation ends here."""
+    def step(self, logits: np.ndarray, token: int | None = None, n_past: int | None = None) -> TokenEvent:
+        """Pick the next token from `logits`; decide whether generation ends here. Speculative decoding may
+        give the `token` its acceptance rule chose, and `n_past`, the tokens before this one (the sequence then
+        still holds draft tokens after it)."""
         self._t_tok = time.perf_counter()
-        picked = self.sampler.sample(logits)
+        picked = self.sampler.sample(logits, token=token)
         self.sampler.accept(picked.id)
         finish = None
         if self.engine.tokenizer.is_eog(picked.id) and not self.params.ignore_eos:
@@ -338,7 +397,7 @@ class Generation:
         self.timings.predicted_n += 1
         if finish is None and self.timings.predicted_n >= self.limit:
             finish = "length"
-        if finish is None and len(self.seq.tokens) + 1 >= self.engine.ctx:
+        if finish is None and (len(self.seq.tokens) if n_past is None else n_past) + 1 >= self.engine.ctx:
             # The context is full (as llama.cpp's server decides it): this token is the last that fits.
             if self.shift:
                 self.engine.shift_context(self.seq, self.n_keep)

@@ -392,8 +392,10 @@ class Sampler:
         probs /= probs.sum()
         return ids, probs
 
-    def sample(self, logits: np.ndarray) -> SampledToken:
-        """Pick the next token from the model's raw logits (float32, shape (vocab,)). Does not `accept` it."""
+    def sample(self, logits: np.ndarray, token: int | None = None) -> SampledToken:
+        """Pick the next token from the model's raw logits (float32, shape (vocab,)). Does not `accept` it.
+        With `token`, no draw: that token (chosen elsewhere, e.g. by speculative decoding's acceptance rule) is
+        returned with its logprobs."""
         original = np.asarray(logits)
         x = self._constrained(original)
         _, lse = self._log_normalizer(x)
@@ -403,6 +405,10 @@ class Sampler:
             top_vals = x[top_ids]
             top = [(int(t), float(v) - lse) for t, v in zip(top_ids, top_vals) if v != -np.inf]
         x, changed = self._penalize(x, original)
+        if token is not None:
+            token = int(token)
+            raw = changed.get(token, float(x[token]))
+            return SampledToken(id=token, logprob=float(raw) - lse, top_logprobs=top)
         ids, w = self._final(x)
         if w.shape[0] == 1:
             i = 0

@@ -1,0 +1,397 @@
+"""Speculative decoding for batch-1 latency: guess a few tokens cheaply, check them all in one forward of the
+target model, keep the ones the target agrees with. Lossless: the output is exactly what plain decoding gives
+(greedy: token for token) or follows exactly the target's distribution (sampling).
+
+Pieces, each small:
+
+* Drafters (one interface, `draft(context, k, sampler) -> Draft`):
+  - `NGramDrafter`: prompt lookup. A dict from every n-gram (n = 2..5) of the token history to the position
+    after its latest occurrence, updated incrementally as tokens arrive; the draft is what followed the longest
+    n-gram that ends the context. No model, about 10 µs a draft. Its draft is a point mass (q = 1).
+  - `DraftModelDrafter`: a smaller model with the same vocabulary (qwen2.5-coder-0.5b for -1.5b) and its own
+    KV cache, kept in step with the target's by its common prefix (rejected tokens are rolled back, the tokens
+    the target chose instead are evaluated in the next draft's first forward). Its draft carries q.
+* `accept_token`: the acceptance rule. Greedy: the target's own pick (the sampler's argmax) must equal the
+  draft token. Sampling: accept draft d with probability min(1, p(d)/q(d)), else draw from (p - q)+ normalized,
+  which leaves every emitted token distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
+* `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (an exponential
+  average, and a free "shadow" measurement for the n-gram drafter while speculation is off: would its guess
+  have been the token that came?) and the wall time of a verify of n tokens (a line a + b (n - 1), fitted with
+  forgetting), plus the drafter's own time per drafted token. It picks the k in 0..draft_max maximizing
+  expected tokens per second, (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step); k = 0 is plain
+  decoding, so speculation switches itself off where it cannot pay.
+* `SpeculativeRun`: drives a `Generation` (engine.py) round by round. A round evaluates the pending token and
+  k draft tokens in one forward (logits for every position), walks the draft with `Generation.step` (so the
+  sampler's history, the detokenizer, stop strings, max_tokens, EOS and the context limit act exactly as in
+  plain decoding), truncates the KV cache to what was accepted, and returns the round's events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from localllm.errors import LocalLLMError
+
+MODES = ("ngram", "draft")
+
+
+@dataclass
+class SpeculationParams:
+    mode: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model)
+    draft_model: str | None = None  # catalog name or .gguf path, for mode "draft"
+    draft_max: int = 8  # most tokens drafted per verify
+    adaptive: bool = True  # False: always draft draft_max tokens (tests, measurements)
+    ngram_max: int = 5
+    ngram_min: int = 2
+
+    def validated(self) -> "SpeculationParams":
+        if self.mode not in MODES:
+            raise LocalLLMError(f"speculation {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.mode == "draft" and not self.draft_model:
+            raise LocalLLMError("speculation with a draft model needs --draft-model MODEL")
+        if not 1 <= self.draft_max <= 32:
+            raise LocalLLMError(f"--draft-max must be in 1..32, got {self.draft_max}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise LocalLLMError("n-gram sizes: need 1 <= ngram_min <= ngram_max")
+        return self
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # Per token, the distribution it was drawn from as (ids, probs), or None for a point mass (q(d) = 1).
+    q: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
+
+
+# ---- drafters ----------------------------------------------------------------------------------------------
+
+
+class NGramDrafter:
+    """Prompt lookup: drafts are copied from what followed the latest earlier occurrence of the context's last
+    n tokens (longest n first) in the history (prompt and generated text)."""
+
+    free = True  # drafting costs next to nothing: the controller may shadow-draft while speculation is off
+
+    def __init__(self, n_max: int = 5, n_min: int = 2):
+        self.n_max, self.n_min = n_max, n_min
+        self.history: list[int] = []
+        self.index: dict[tuple, int] = {}  # n-gram -> position right after its latest occurrence
+        self._indexed = 0  # n-grams ending before this position are indexed (their continuation exists)
+
+    def prefill(self, tokens: list[int]) -> None:
+        self.history, self.index, self._indexed = [], {}, 0
+        self._extend(tokens)
+
+    def _extend(self, context: list[int]) -> None:
+        """The history only grows (rejected drafts never enter it); take the new tail of `context`."""
+        h = self.history
+        if len(context) < len(h) or context[: len(h)][-self.n_max :] != h[-self.n_max :]:
+            h[:] = []  # a different history (a context shift or a new prompt): start over
+            self.index, self._indexed = {}, 0
+        h.extend(context[len(h) :])
+        # Index the n-grams that end at positions _indexed .. len - 2 (each has a next token to draft).
+        for end in range(self._indexed + 1, len(h)):
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.index[tuple(h[end - n : end])] = end
+        self._indexed = max(self._indexed, len(h) - 1)
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        h, out = self.history, []
+        while len(out) < k:
+            tail = context + out if out else context
+            for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
+                pos = self.index.get(tuple(tail[-n:]))
+                if pos is not None:
+                    out += h[pos : pos + k - len(out)]
+                    break
+            else:
+                break
+        return out
+
+    def draft(self, context: list[int], k: int, sampler=None) -> Draft:
+        self._extend(context)
+        tokens = self.lookup(context, k)
+        return Draft(tokens, [None] * len(tokens))
+
+    def close(self) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A smaller model with the target's vocabulary drafts autoregressively with the target's sampler settings
+    (greedy: its argmax; sampling: a draw from its own final distribution, which is the q of the acceptance
+    rule). Its sequence follows the target's context by their common prefix."""
+
+    free = False
+
+    def __init__(self, engine, seed: int = 0, temperature: float | None = None):
+        self.engine = engine
+        self.seq = engine.new_sequence()
+        self.rng = np.random.Generator(np.random.PCG64([seed, 1]))
+        self.temperature = temperature  # drafting temperature when sampling (None: the target's)
+
+    def prefill(self, tokens: list[int]) -> None:
+        self.seq.reuse_prefix(tokens)  # the draft model's KV pool caches prompts as the target's does
+        self._sync(tokens)
+
+    def _sync(self, context: list[int]) -> np.ndarray | None:
+        """Make the draft sequence hold `context`; return the last position's logits when it evaluated some."""
+        seq, have = self.seq, self.seq.tokens
+        common, limit = 0, min(len(have), len(context))
+        if limit and have[:limit] == context[:limit]:
+            common = limit
+        else:
+            while common < limit and have[common] == context[common]:
+                common += 1
+        if common == len(context):  # nothing new to evaluate: step back one token to get its logits
+            common -= 1
+        if common < len(have):
+            seq.cache.truncate(common)
+            del have[common:]
+        if common < len(context):
+            return self.engine.evaluate(seq, context[common:])
+        return None
+
+    def draft(self, context: list[int], k: int, sampler) -> Draft:
+        out = Draft()
+        if k <= 0:
+            return out
+        logits = self._sync(context)
+        greedy = sampler.params.greedy
+        local = sampler.clone()  # the target's penalty history, extended by the draft tokens
+        if self.temperature is not None and not greedy:
+            local.params = replace(local.params, temperature=self.temperature)
+        for i in range(k):
+            if greedy:
+                d = local.sample(logits).id
+                out.q.append(None)
+            else:
+                ids, probs = local.distribution(logits)
+                d = int(ids[_draw(probs, self.rng)])
+                out.q.append((ids, probs))
+            out.tokens.append(d)
+            local.accept(d)
+            if i + 1 < k:
+                logits = self.engine.evaluate(self.seq, [d])
+        return out
+
+    def close(self) -> None:
+        self.seq.close()
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cum = np.cumsum(probs)
+    return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), len(probs) - 1)
+
+
+# ---- the acceptance rule -----------------------------------------------------------------------------------
+
+
+def accept_token(p: tuple[np.ndarray, np.ndarray], d: int, q: tuple[np.ndarray, np.ndarray] | None,
+                 rng: np.random.Generator) -> tuple[int, bool]:
+    """Speculative sampling for one position: the target's final distribution p = (ids, probs), the draft token
+    d drawn from q = (ids, probs) (None: a point mass on d). Returns (token, accepted): d with probability
+    min(1, p(d)/q(d)), else a draw from the residual max(p - q, 0) normalized. The token is distributed as p."""
+    p_ids, p_probs = p
+    where = np.flatnonzero(p_ids == d)
+    p_d = float(p_probs[where[0]]) if where.size else 0.0
+    if q is None:
+        q_d = 1.0
+    else:
+        qw = np.flatnonzero(q[0] == d)
+        q_d = float(q[1][qw[0]]) if qw.size else 0.0
+    if q_d > 0 and rng.random() * q_d < p_d:  # u < p/q, without dividing
+        return d, True
+    residual = p_probs.copy()
+    if q is None:
+        if where.size:
+            residual[where[0]] = 0.0
+    else:
+        q_on_p = np.zeros(len(p_ids))
+        order = np.argsort(q[0])
+        pos = np.searchsorted(q[0], p_ids, sorter=order)
+        pos = np.minimum(pos, len(order) - 1)
+        hit = q[0][order[pos]] == p_ids
+        q_on_p[hit] = q[1][order[pos[hit]]]
+        residual = np.maximum(residual - q_on_p, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q up to rounding: the rejection had probability ~0; p itself is the right law
+        residual, total = p_probs, p_probs.sum()
+    return int(p_ids[_draw(residual / total, rng)]), False
+
+
+# ---- the adaptive draft length -----------------------------------------------------------------------------
+
+
+class Controller:
+    """Chooses k, the tokens to draft for the next verify, from measured acceptance and measured costs."""
+
+    DECAY = 0.95  # forgetting per observation
+    PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, before two sizes were measured
+
+    def __init__(self, draft_max: int, adaptive: bool = True, free_drafts: bool = True):
+        self.draft_max, self.adaptive, self.free_drafts = draft_max, adaptive, free_drafts
+        self.accept_rate = 0.6  # optimistic start: speculation is tried, then measured
+        self._fit = np.zeros(5)  # forgetting sums for the fit of verify time on n: w, w n, w n^2, w t, w n t
+        self.draft_step = 0.0  # seconds per drafted token (EWMA)
+        self.off_rounds = 0
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        """`drafted` tokens were checked and the first `accepted` of them kept."""
+        seen = min(drafted, accepted + 1)  # tokens after the first rejection were never tested
+        for i in range(seen):
+            self.accept_rate = self.DECAY * self.accept_rate + (1 - self.DECAY) * (1.0 if i < accepted else 0.0)
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        self._fit = self.DECAY * self._fit + np.array([1.0, n, n * n, seconds, n * seconds])
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        if k > 0:
+            per = seconds / k
+            self.draft_step = per if self.draft_step == 0 else 0.8 * self.draft_step + 0.2 * per
+
+    def verify_cost(self, n: int) -> float:
+        w, sn, snn, st, snt = self._fit
+        if w == 0:
+            return 1.0 + self.PRIOR_SLOPE * (n - 1)
+        var = snn / w - (sn / w) ** 2
+        if var < 0.05:  # one size measured so far: its mean, with the prior slope
+            base = st / w / (1 + self.PRIOR_SLOPE * (sn / w - 1))
+            return base * (1 + self.PRIOR_SLOPE * (n - 1))
+        slope = max((snt / w - sn / w * st / w) / var, 0.0)
+        mean_n, mean_t = sn / w, st / w
+        return max(mean_t + slope * (n - mean_n), 1e-6)
+
+    def expected_rate(self, k: int) -> float:
+        a = min(self.accept_rate, 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (self.verify_cost(k + 1) + k * self.draft_step)
+
+    def choose(self, limit: int) -> int:
+        limit = min(limit, self.draft_max)
+        if limit <= 0:
+            return 0
+        if not self.adaptive:
+            return limit
+        k = max(range(limit + 1), key=self.expected_rate)
+        if k == 0 and not self.free_drafts:
+            # A draft model's acceptance cannot be measured for free: probe with one token now and then.
+            self.off_rounds += 1
+            if self.off_rounds % 16 == 0:
+                return 1
+        return k
+
+
+# ---- driving a Generation ----------------------------------------------------------------------------------
+
+
+class SpeculativeRun:
+    """Speculative decoding of one `Generation` (see engine.py): `start()` after the prompt, then `round()`
+    until an event carries a finish reason. Each round is one forward of the target."""
+
+    def __init__(self, gen, spec: SpeculationParams, drafter):
+        self.gen, self.spec, self.drafter = gen, spec, drafter
+        self.engine, self.seq = gen.engine, gen.seq
+        self.greedy = gen.params.sampling.greedy
+        self.rng = np.random.Generator(np.random.PCG64([gen.sampler.seed, 2]))
+        self.controller = Controller(spec.draft_max, spec.adaptive, free_drafts=drafter.free)
+        self.pending = None  # the event whose token is chosen but not yet evaluated (nor handed out)
+        self.history: list[int] = []  # prompt and every token handed out (the n-gram drafter's text)
+
+    def start(self) -> None:
+        """Prompt processing for the target and the drafter; picks the first token."""
+        gen = self.gen
+        t0 = time.perf_counter()
+        new = gen.start_prefill()
+        logits = self.engine.evaluate(self.seq, new)
+        self.drafter.prefill(gen.tokens)
+        gen.end_prefill()
+        gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+        self.history = list(gen.tokens)
+        self.pending = gen.step(logits)
+
+    def round(self) -> list:
+        gen, seq, ctl, timings = self.gen, self.seq, self.controller, self.gen.timings
+        event = self.pending
+        if event.finish_reason is not None:
+            gen.record(event)
+            return [event]
+        s, base = event.token, len(seq.tokens)
+        context = self.history + [s]
+        # Never draft past max_tokens, nor so far that the context limit (a shift, or "length") would fall inside
+        # the draft: there, k = 0 is exactly plain decoding.
+        room = min(gen.limit - timings.predicted_n, self.engine.ctx - base - 3)
+        k = ctl.choose(int(min(room, self.spec.draft_max)))
+        shadow = None
+        t0 = time.perf_counter()
+        if k > 0:
+            draft = self.drafter.draft(seq.tokens + [s] if not self.drafter.free else context, k, gen.sampler)
+        else:
+            draft = Draft()
+            if self.drafter.free and self.spec.adaptive and room > 0:
+                guess = self.drafter.draft(context, 1)  # what it would have drafted: acceptance for free
+                shadow = guess.tokens[0] if guess.tokens else None
+        t1 = time.perf_counter()
+        ctl.observe_draft(len(draft.tokens), t1 - t0)
+        n = len(draft.tokens) + 1
+        rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))
+        ctl.observe_verify(n, time.perf_counter() - t1)
+        gen.record(event)
+        out = [event]
+        self.history.append(s)
+        accepted = 0
+        for i, d in enumerate(draft.tokens):
+            n_past = base + 1 + i
+            if self.greedy:
+                nxt = gen.step(rows[i], n_past=n_past)
+                ok = nxt.token == d
+            else:
+                token, ok = accept_token(gen.sampler.distribution(rows[i]), d, draft.q[i], self.rng)
+                nxt = gen.step(rows[i], token=token, n_past=n_past)
+            if ok:
+                accepted += 1
+            if not ok or nxt.finish_reason is not None:
+                seq.truncate(n_past)  # d and every draft token after it leave the KV cache
+                self.pending = nxt
+                break
+            gen.record(nxt)
+            out.append(nxt)
+            self.history.append(d)
+        else:
+            self.pending = gen.step(rows[n - 1])
+        if draft.tokens:
+            timings.draft_n += len(draft.tokens)
+            timings.draft_n_accepted += accepted
+            timings.n_verifies += 1
+            ctl.observe_acceptance(len(draft.tokens), accepted)
+        elif shadow is not None and self.pending.token is not None:
+            ctl.observe_acceptance(1, int(self.pending.token == shadow))
+        return out
+
+    def close(self) -> None:
+        self.drafter.close()
+
+
+def make_drafter(engine, spec: SpeculationParams, seed: int):
+    if spec.mode == "ngram":
+        return NGramDrafter(spec.ngram_max, spec.ngram_min)
+    draft_engine = engine.draft_engine(spec.draft_model)
+    return DraftModelDrafter(draft_engine, seed)
+
+
+def check_draft_engine(target, draft) -> None:
+    """A draft model must speak the target's vocabulary: same size, same token pieces."""
+    tv, dv = target.tokenizer, draft.tokenizer
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise LocalLLMError(f"draft model {draft.name} has a vocabulary of {draft.config.vocab_size} tokens, "
+                            f"{target.name} has {target.config.vocab_size}: a draft model must share the vocabulary")
+    n = target.config.vocab_size
+    if any(tv.piece_bytes(t) != dv.piece_bytes(t) for t in range(0, n, max(1, n // 512))):
+        raise LocalLLMError(f"draft model {draft.name} tokenizes differently from {target.name}")
+
+
+__all__ = ["SpeculationParams", "Draft", "NGramDrafter", "DraftModelDrafter", "accept_token", "Controller",
+           "SpeculativeRun", "make_drafter", "check_draft_engine", "MODES"]
