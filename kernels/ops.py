@@ -132,6 +132,32 @@ def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None, precise: boo
     return out
 
 
+class WeightGroup:
+    """Weights that are always applied to the same x (attention's Q, K and V; the FFN's gate and up).
+
+    When they share a format with an integer kernel, one call quantizes x once and computes all of them in one
+    parallel region (kernels.cpu.quant_dot.bind_many); otherwise it is one `matmul` per weight. Either way the
+    outputs are bitwise what separate `matmul` calls give.
+    """
+
+    def __init__(self, weights: list[Weight]):
+        self.weights = list(weights)
+        fusable = (all(w._use_quant_dot for w in self.weights) and len({w.qtype for w in self.weights}) == 1
+                   and len({w.cols for w in self.weights}) == 1)
+        self._many = _quant_dot.bind_many([w.raw for w in self.weights], self.weights[0].qtype) if fusable else None
+
+    def __call__(self, x: np.ndarray, precise: bool = False) -> list[np.ndarray]:
+        n = x.shape[0]
+        if self._many is None or (precise and n >= BLAS_MIN_N):
+            return [matmul(w, x, precise=precise) for w in self.weights]
+        if x.shape[1] != self.weights[0].cols or x.dtype != _F32 or not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous float32 (n, {self.weights[0].cols}), got {x.dtype} {x.shape}")
+        outs = [np.empty((n, w.rows), _F32) for w in self.weights]
+        for i in range(0, n, ROWS_PER_PASS):
+            self._many(x[i : i + ROWS_PER_PASS], tuple(out[i : i + ROWS_PER_PASS] for out in outs), _threads[0])
+        return outs
+
+
 def matmul_fused(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The portable fused kernel whatever n is (the oracle for the other paths, and for benchmarks)."""
     if out is None:
@@ -253,19 +279,26 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
             continue
         small = Weight(w.raw[: min(w.rows, 64)], w.qtype)
         variants = [("decode", w, 1), ("prompt", small, ROWS_PER_PASS), ("embed", small, 0)]
+        if w._use_quant_dot:
+            for count in (2, 3):  # the Q/K/V and gate/up groups
+                variants.append((f"group of {count}", WeightGroup([small] * count), 1))
         for kind, target, n in variants:
-            serial = target.rows * target.cols < 256 * 1024  # quant_dot's serial/threaded split
+            # quant_dot's serial/threaded split (groups: the threads wake either way)
+            serial = isinstance(target, Weight) and target.rows * target.cols < 256 * 1024
             key = (w.qtype, kind, serial)
             if key in seen:
                 continue
             seen.add(key)
             if kind == "embed":
                 calls.append((f"{w.format.name} rows", lambda t=target: embed(t, np.zeros(1, np.int64))))
+            elif isinstance(target, WeightGroup):
+                x = np.zeros((n, small.cols), _F32)
+                calls.append((f"{w.format.name} {kind}", lambda t=target, x=x: t(x)))
             else:
                 x = np.zeros((n, target.cols), _F32)
                 calls.append((f"{w.format.name} {kind}", lambda t=target, x=x: matmul(t, x)))
     return calls
 
 
-__all__ = ["Weight", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "attention", "set_threads",
+__all__ = ["Weight", "WeightGroup", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "attention", "set_threads",
            "warm_up_calls", "FORMATS", "BLAS_MIN_N"]

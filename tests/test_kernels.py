@@ -216,3 +216,22 @@ def test_real_tensors_dequantize_like_gguf_py(model, wanted_types):
         assert_close_to_float64(ops.matmul(w, x), w.raw, info.qtype, x, rtol=small_n_rtol(info.qtype))
         assert_close_to_float64(ops.matmul_fused(w, x), w.raw, info.qtype, x)
     assert seen == wanted_types
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_weight_group_gives_bitwise_what_separate_matmuls_give(qtype):
+    """Q/K/V and gate/up in one call (x quantized once, one parallel region) change nothing in the results."""
+    # Different row counts, as Q (n_head rows) and K, V (n_kv_head rows) have.
+    group = [ops.Weight(make_weight(qtype, seed=s).raw[:rows], qtype) for s, rows in ((11, 37), (12, 20), (13, 7))]
+    fused = ops.WeightGroup(group)
+    assert fused._many is not None or not group[0]._use_quant_dot or not quant_dot_has_avx2()
+    for n in (1, 5, 37):
+        x = np.random.default_rng(n).standard_normal((n, group[0].cols)).astype(np.float32)
+        for got, w in zip(fused(x), group):
+            assert np.array_equal(got.view(np.uint32), ops.matmul(w, x).view(np.uint32))
+
+
+def quant_dot_has_avx2() -> bool:
+    from kernels.cpu import quant_dot
+
+    return quant_dot.USES_AVX2

@@ -79,6 +79,11 @@ class LayerWeights:
     attn_post_norm: np.ndarray | None = None
     ffn_post_norm: np.ndarray | None = None
 
+    def __post_init__(self):
+        # Matrices that always read the same input: one kernel call each group (kernels.ops.WeightGroup).
+        self.qkv = ops.WeightGroup([self.wq, self.wk, self.wv])
+        self.gate_up = ops.WeightGroup([self.ffn_gate, self.ffn_up])
+
 
 def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
     info = g.tensor_info(name)
@@ -216,9 +221,7 @@ class Transformer:
             x *= np.float32(math.sqrt(c.n_embd))
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.attn_norm, c.rms_eps)
-            q = ops.matmul(L.wq, h, precise=precise)
-            k = ops.matmul(L.wk, h, precise=precise)
-            v = ops.matmul(L.wv, h, precise=precise)
+            q, k, v = L.qkv(h, precise=precise)
             if L.bq is not None:
                 q += L.bq
             if L.bk is not None:
@@ -251,8 +254,7 @@ class Transformer:
             x = x + o
 
             h = rms_norm(x, L.ffn_norm, c.rms_eps)
-            gate = ops.matmul(L.ffn_gate, h, precise=precise)
-            up = ops.matmul(L.ffn_up, h, precise=precise)
+            gate, up = L.gate_up(h, precise=precise)
             d = ops.matmul(L.ffn_down, self.activation(gate) * up, precise=precise)
             if tr.post_norms:
                 d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
