@@ -210,6 +210,20 @@ def test_ollama_client_chat_and_generate(server):
     assert "Paris" in raw.response
 
 
+def test_ollama_chat_longer_than_the_context_drops_the_oldest_turns(server, http):
+    """As Ollama: a conversation that outgrew the context is answered from its newest turns, not refused."""
+    client = ollama.Client(host=server, headers={"Authorization": f"Bearer {KEY}"})
+    ctx = http.get("/props").json()["n_ctx"]
+    filler = "The quick brown fox jumps over the lazy dog near the river bank. " * 12
+    messages = [{"role": "system", "content": "You are terse."}]
+    while len(messages) < 2 + 2 * (ctx // 120):
+        messages += [{"role": "user", "content": filler}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": "Say OK."})
+    reply = client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 4})
+    assert reply.done and reply.message.content
+    assert reply.prompt_eval_count + 4 <= ctx  # evaluated tokens: what was kept, within the context
+
+
 def test_ollama_errors_are_ollama_shaped(http):
     r = http.post("/api/chat", json={"model": MODEL, "messages": "hi"})
     assert r.status_code == 400 and isinstance(r.json()["error"], str)

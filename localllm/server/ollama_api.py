@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from localllm import __version__
+from localllm.chat_history import fit_messages
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, first_item, fix_seed,
                                  json_response, read_json, sampling_from, stream_error, stream_events, submit)
@@ -211,7 +212,11 @@ async def chat(state: ServerState, request: Request):
             raise ApiError(400, "images are not supported by this model")
         clean.append({"role": mf.get("role", str, ""), "content": mf.get("content", str, "")})
     params = _params(state, f)
-    tokens = state.engine.tokenize_prompt(state.engine.render_chat(clean), chat=True)
+    # As Ollama does: a conversation longer than the context loses its oldest turns (the system prompt and the
+    # last message stay) rather than failing.
+    room = max(1, min(params.max_tokens or state.engine.ctx // 4, state.engine.ctx // 4))
+    kept, _ = fit_messages(state.engine, clean, room)
+    tokens = state.engine.tokenize_prompt(state.engine.render_chat(kept), chat=True)
     return await _respond(state, request, f, tokens, params,
                           lambda text: {"message": {"role": "assistant", "content": text}})
 

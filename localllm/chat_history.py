@@ -1,0 +1,34 @@
+"""Keeping a conversation inside the context: drop the oldest turns, as Ollama does, instead of refusing.
+
+A chat's rendered prompt grows every turn. When it no longer leaves room to answer, the oldest user/assistant
+messages go (system messages always stay, and so does the newest user message). Dropping changes the prompt's
+start, so the cached KV of the conversation cannot be reused for that turn; to pay that cost seldom, turns are
+dropped until a quarter of the context is free, not just enough for one answer.
+"""
+
+from __future__ import annotations
+
+from localllm.errors import ContextOverflowError
+
+
+def fit_messages(engine, messages: list[dict], room: int) -> tuple[list[dict], int]:
+    """(the messages to render, how many were dropped) so that the prompt plus `room` tokens fit the context."""
+    if fits(engine, messages, room):
+        return messages, 0
+    system = [m for m in messages if m.get("role") == "system"]
+    turns = [m for m in messages if m.get("role") != "system"]
+    headroom = max(room, engine.ctx // 4)
+    for dropped in range(1, len(turns)):
+        kept = turns[dropped:]
+        if kept[0].get("role") == "assistant":
+            continue  # a conversation restarts at a user message
+        if fits(engine, system + kept, headroom) or (len(kept) == 1 and fits(engine, system + kept, room)):
+            return system + kept, dropped
+    raise ContextOverflowError(
+        f"the last message alone does not leave {room} tokens to answer in a {engine.ctx}-token context "
+        "(shorten it, or raise the context size)")
+
+
+def fits(engine, messages: list[dict], room: int) -> bool:
+    n = len(engine.tokenize_prompt(engine.render_chat(messages), chat=True))
+    return n + room <= engine.ctx
