@@ -81,3 +81,14 @@ def test_q8_0_cache_is_close_to_float32_and_smaller():
 def test_unknown_kv_type_is_a_clear_error():
     with pytest.raises(ValueError, match="q8_0"):
         KVPool(1, N_KV, D, D, kv_type="q4")
+
+
+def test_softmax_exponential_is_within_a_few_ulp_of_libm():
+    from kernels.cpu.attention import _softmax_weights
+
+    x = np.concatenate([-np.geomspace(1e-8, 86, 4000), [0.0]]).astype(np.float32)
+    scores = x.copy()
+    total = _softmax_weights(scores, len(scores), np.float32(0.0))
+    want = np.exp(x.astype(np.float64))
+    np.testing.assert_allclose(scores, want, rtol=3e-7)
+    assert abs(total - want.sum()) < 1e-5 * want.sum()

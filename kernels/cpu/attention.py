@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.simd import HAVE_AVX2, address_of, fmadd_ps, hsum_float_8, loadu_ps, set1_ps, setzero_ps, storeu_ps
+from kernels.cpu.simd import (HAVE_AVX2, address_of, bits_to_float, fmadd_ps, hsum_float_8, loadu_ps, set1_ps,
+                              setzero_ps, storeu_ps)
 
 BLOCK = 16  # tokens per KV block (localllm.kv_cache.BLOCK, which imports this)
 QBLOCK = 32  # values per q8_0 scale
@@ -64,6 +65,37 @@ def read_rows(store, scales, cols, out):
 
 
 @njit(cache=True, inline="always")
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 (a softmax's scores minus their max) in plain float operations, Cephes' expf: within
+    2 ulp of libm, and a loop of it vectorises, where a call to expf per score cost as much as the score's dot
+    product. Below -87 the result is 2^-126-ish instead of a denormal: nothing a softmax weight can notice."""
+    x = max(x, np.float32(-87.0))
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    return p * bits_to_float((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@njit(cache=True)
+def _softmax_weights(scores, count, m):
+    """scores[:count] = exp(scores - m), returning their sum, added in position order. Two loops, so the first
+    vectorises (it has no reduction) and the sum keeps its order (no fastmath: every element is computed by the
+    same operations, vector lane or not)."""
+    for j in range(count):
+        scores[j] = _exp_nonpositive(scores[j] - m)
+    total = np.float32(0.0)
+    for j in range(count):
+        total += scores[j]
+    return total
+
+
+@njit(cache=True, inline="always")
 def _column(table, first_block, pos):
     return table[pos // BLOCK - first_block] * BLOCK + pos % BLOCK
 
@@ -95,11 +127,7 @@ def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_bl
         s *= scale
         scores[j] = s
         m = max(m, s)
-    total = np.float32(0.0)
-    for j in range(hi - lo + 1):
-        e = np.exp(scores[j] - m)
-        scores[j] = e
-        total += e
+    total = _softmax_weights(scores, hi - lo + 1, m)
     acc[:dv] = 0.0
     for j in range(hi - lo + 1):
         c = _column(table, first_block, lo + j)
@@ -139,11 +167,7 @@ def _one_query_avx2(q, i, h, kvh, k_store, v_store, table, first_block, lo, hi, 
         s = (hsum_float_8(a0) + hsum_float_8(a1)) * scale
         scores[j] = s
         m = max(m, s)
-    total = np.float32(0.0)
-    for j in range(hi - lo + 1):
-        e = np.exp(scores[j] - m)
-        scores[j] = e
-        total += e
+    total = _softmax_weights(scores, hi - lo + 1, m)
     inv = set1_ps(np.float32(1.0) / total)
     zero = setzero_ps()
     oa = address_of(out) + (i * out.shape[1] + h * dv) * 4
