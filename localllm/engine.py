@@ -265,7 +265,7 @@ class Engine:
             return
         gen = Generation(self, tokens, params, seq)
         if params.speculation is not None:
-            yield from self._generate_speculative(gen)
+            yield from self.generate_speculative(gen)
             return
         logits = gen.prefill()
         while True:
@@ -277,9 +277,11 @@ class Engine:
             if event.finish_reason is not None:
                 return
 
-    def _generate_speculative(self, gen: "Generation") -> Iterator[TokenEvent]:
+    def generate_speculative(self, gen: "Generation") -> Iterator[TokenEvent]:
         """generate() with speculative decoding: each round is one forward that verifies a draft and hands out
-        every token it accepted (speculative.py)."""
+        every token it accepted (speculative.py). Instead of the Generation protocol (prefill, step, record), a
+        scheduler may drive a speculative request with this iterator: the forward of a round runs when the first
+        event of the round is asked for; closing the iterator releases the draft model's sequence."""
         spec = gen.params.speculation.validated()
         run = SpeculativeRun(gen, spec, make_drafter(self, spec, gen.sampler.seed))
         try:

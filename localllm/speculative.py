@@ -15,8 +15,8 @@ Pieces, each small:
   draft token. Sampling: accept draft d with probability min(1, p(d)/q(d)), else draw from (p - q)+ normalized,
   which leaves every emitted token distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
 * `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (an exponential
-  average, and a free "shadow" measurement for the n-gram drafter while speculation is off: would its guess
-  have been the token that came?) and the wall time of a verify of n tokens (a line a + b (n - 1), fitted with
+  average per draft kind, for the n-gram drafter per matched length, with a free "shadow" measurement while
+  speculation is off: would its guess have been the token that came?) and the wall time of a verify of n tokens (a line a + b (n - 1), fitted with
   forgetting), plus the drafter's own time per drafted token. It picks the k in 0..draft_max maximizing
   expected tokens per second, (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step); k = 0 is plain
   decoding, so speculation switches itself off where it cannot pay.
@@ -64,6 +64,10 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     # Per token, the distribution it was drawn from as (ids, probs), or None for a point mass (q(d) = 1).
     q: list[tuple[np.ndarray, np.ndarray] | None] = field(default_factory=list)
+    kind: int = 0  # what the controller keeps a separate acceptance rate for (n-gram: the matched length)
+
+    def cut(self, k: int) -> "Draft":
+        return Draft(self.tokens[:k], self.q[:k], self.kind)
 
 
 # ---- drafters ----------------------------------------------------------------------------------------------
@@ -74,6 +78,7 @@ class NGramDrafter:
     n tokens (longest n first) in the history (prompt and generated text)."""
 
     free = True  # drafting costs next to nothing: the controller may shadow-draft while speculation is off
+    prior_rate = 0.6  # acceptance assumed before any is measured
 
     def __init__(self, n_max: int = 5, n_min: int = 2):
         self.n_max, self.n_min = n_max, n_min
@@ -98,23 +103,26 @@ class NGramDrafter:
                 self.index[tuple(h[end - n : end])] = end
         self._indexed = max(self._indexed, len(h) - 1)
 
-    def lookup(self, context: list[int], k: int) -> list[int]:
-        h, out = self.history, []
+    def lookup(self, context: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens, and the length of the first match (0: none). A continuation that runs into the end
+        of the history is extended by looking up again."""
+        h, out, first = self.history, [], 0
         while len(out) < k:
             tail = context + out if out else context
             for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
                 pos = self.index.get(tuple(tail[-n:]))
                 if pos is not None:
                     out += h[pos : pos + k - len(out)]
+                    first = first or n
                     break
             else:
                 break
-        return out
+        return out, first
 
     def draft(self, context: list[int], k: int, sampler=None) -> Draft:
         self._extend(context)
-        tokens = self.lookup(context, k)
-        return Draft(tokens, [None] * len(tokens))
+        tokens, matched = self.lookup(context, k)
+        return Draft(tokens, [None] * len(tokens), kind=matched)
 
     def close(self) -> None:
         pass
@@ -126,9 +134,11 @@ class DraftModelDrafter:
     rule). Its sequence follows the target's context by their common prefix."""
 
     free = False
+    prior_rate = 0.8  # a smaller model of the same family agrees with the target most of the time
 
     def __init__(self, engine, seed: int = 0, temperature: float | None = None):
         self.engine = engine
+        self.catchup_seconds = 0.0  # time the last draft spent catching up with tokens beyond the usual one or two
         self.seq = engine.new_sequence()
         self.rng = np.random.Generator(np.random.PCG64([seed, 1]))
         self.temperature = temperature  # drafting temperature when sampling (None: the target's)
@@ -152,7 +162,12 @@ class DraftModelDrafter:
             seq.cache.truncate(common)
             del have[common:]
         if common < len(context):
-            return self.engine.evaluate(seq, context[common:])
+            t0 = time.perf_counter()
+            logits = self.engine.evaluate(seq, context[common:])
+            # After speculation was off a while, the draft model evaluates what it missed: not a per-token cost.
+            self.catchup_seconds = time.perf_counter() - t0 if len(context) - common > 2 else 0.0
+            return logits
+        self.catchup_seconds = 0.0
         return None
 
     def draft(self, context: list[int], k: int, sampler) -> Draft:
@@ -227,23 +242,31 @@ def accept_token(p: tuple[np.ndarray, np.ndarray], d: int, q: tuple[np.ndarray, 
 
 
 class Controller:
-    """Chooses k, the tokens to draft for the next verify, from measured acceptance and measured costs."""
+    """Chooses k, the tokens to draft for the next verify, from measured acceptance and measured costs.
+    Acceptance is kept per draft kind: an n-gram draft from a 5-token match is right far more often than one
+    from a 2-token match, so each match length gets its own rate (and its own draft length)."""
 
     DECAY = 0.95  # forgetting per observation
     PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, before two sizes were measured
 
-    def __init__(self, draft_max: int, adaptive: bool = True, free_drafts: bool = True):
+    def __init__(self, draft_max: int, adaptive: bool = True, free_drafts: bool = True, prior_rate: float = 0.6):
         self.draft_max, self.adaptive, self.free_drafts = draft_max, adaptive, free_drafts
-        self.accept_rate = 0.6  # optimistic start: speculation is tried, then measured
+        self.prior_rate = prior_rate
+        self.rates: dict[int, float] = {}  # acceptance rate per draft kind
         self._fit = np.zeros(5)  # forgetting sums for the fit of verify time on n: w, w n, w n^2, w t, w n t
         self.draft_step = 0.0  # seconds per drafted token (EWMA)
         self.off_rounds = 0
 
-    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+    def accept_rate(self, kind: int = 0) -> float:
+        return self.rates.get(kind, self.prior_rate)  # optimistic start: speculation is tried, then measured
+
+    def observe_acceptance(self, drafted: int, accepted: int, kind: int = 0) -> None:
         """`drafted` tokens were checked and the first `accepted` of them kept."""
         seen = min(drafted, accepted + 1)  # tokens after the first rejection were never tested
+        a = self.accept_rate(kind)
         for i in range(seen):
-            self.accept_rate = self.DECAY * self.accept_rate + (1 - self.DECAY) * (1.0 if i < accepted else 0.0)
+            a = self.DECAY * a + (1 - self.DECAY) * (1.0 if i < accepted else 0.0)
+        self.rates[kind] = a
 
     def observe_verify(self, n: int, seconds: float) -> None:
         self._fit = self.DECAY * self._fit + np.array([1.0, n, n * n, seconds, n * seconds])
@@ -265,23 +288,23 @@ class Controller:
         mean_n, mean_t = sn / w, st / w
         return max(mean_t + slope * (n - mean_n), 1e-6)
 
-    def expected_rate(self, k: int) -> float:
-        a = min(self.accept_rate, 0.999)
+    def expected_rate(self, k: int, kind: int = 0) -> float:
+        a = min(self.accept_rate(kind), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
         return tokens / (self.verify_cost(k + 1) + k * self.draft_step)
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, kind: int = 0) -> int:
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return 0
         if not self.adaptive:
             return limit
-        k = max(range(limit + 1), key=self.expected_rate)
+        k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind))
         if k == 0 and not self.free_drafts:
-            # A draft model's acceptance cannot be measured for free: probe with one token now and then.
+            # A draft model's acceptance cannot be measured for free: probe with two tokens now and then.
             self.off_rounds += 1
-            if self.off_rounds % 16 == 0:
-                return 1
+            if self.off_rounds % 8 == 0:
+                return min(2, limit)
         return k
 
 
@@ -297,7 +320,7 @@ class SpeculativeRun:
         self.engine, self.seq = gen.engine, gen.seq
         self.greedy = gen.params.sampling.greedy
         self.rng = np.random.Generator(np.random.PCG64([gen.sampler.seed, 2]))
-        self.controller = Controller(spec.draft_max, spec.adaptive, free_drafts=drafter.free)
+        self.controller = Controller(spec.draft_max, spec.adaptive, drafter.free, drafter.prior_rate)
         self.pending = None  # the event whose token is chosen but not yet evaluated (nor handed out)
         self.history: list[int] = []  # prompt and every token handed out (the n-gram drafter's text)
 
@@ -324,18 +347,20 @@ class SpeculativeRun:
         # Never draft past max_tokens, nor so far that the context limit (a shift, or "length") would fall inside
         # the draft: there, k = 0 is exactly plain decoding.
         room = min(gen.limit - timings.predicted_n, self.engine.ctx - base - 3)
-        k = ctl.choose(int(min(room, self.spec.draft_max)))
+        limit = int(min(room, self.spec.draft_max))
         shadow = None
         t0 = time.perf_counter()
-        if k > 0:
-            draft = self.drafter.draft(seq.tokens + [s] if not self.drafter.free else context, k, gen.sampler)
+        if self.drafter.free:  # look first (it costs nothing), then decide how much of it to verify
+            draft = self.drafter.draft(context, limit) if limit > 0 else Draft()
+            k = ctl.choose(len(draft.tokens), draft.kind)
+            if k == 0 and draft.tokens:
+                shadow = draft.tokens[0]  # would it have been right? Acceptance measured for free
+            draft = draft.cut(k)
         else:
-            draft = Draft()
-            if self.drafter.free and self.spec.adaptive and room > 0:
-                guess = self.drafter.draft(context, 1)  # what it would have drafted: acceptance for free
-                shadow = guess.tokens[0] if guess.tokens else None
+            k = ctl.choose(limit)
+            draft = self.drafter.draft(seq.tokens + [s], k, gen.sampler) if k > 0 else Draft()
         t1 = time.perf_counter()
-        ctl.observe_draft(len(draft.tokens), t1 - t0)
+        ctl.observe_draft(len(draft.tokens), t1 - t0 - getattr(self.drafter, "catchup_seconds", 0.0))
         n = len(draft.tokens) + 1
         rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))
         ctl.observe_verify(n, time.perf_counter() - t1)
@@ -366,9 +391,9 @@ class SpeculativeRun:
             timings.draft_n += len(draft.tokens)
             timings.draft_n_accepted += accepted
             timings.n_verifies += 1
-            ctl.observe_acceptance(len(draft.tokens), accepted)
+            ctl.observe_acceptance(len(draft.tokens), accepted, draft.kind)
         elif shadow is not None and self.pending.token is not None:
-            ctl.observe_acceptance(1, int(self.pending.token == shadow))
+            ctl.observe_acceptance(1, int(self.pending.token == shadow), draft.kind)
         return out
 
     def close(self) -> None:

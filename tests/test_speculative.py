@@ -122,7 +122,7 @@ def _controller(accept: float, slope: float, draft_step: float = 0.0, rounds: in
     c.draft_step = draft_step * 0.1
     for i in range(400):  # every 1/(1 - accept)-th draft token rejected
         c.observe_acceptance(1, int((i + 1) * (1 - accept) % 1 >= 1 - accept - 1e-9))
-    assert abs(c.accept_rate - accept) < 0.1
+    assert abs(c.accept_rate() - accept) < 0.1
     return c
 
 
@@ -137,11 +137,18 @@ def test_controller_switches_speculation_off_where_it_cannot_pay():
     assert 0 < _controller(accept=0.7, slope=0.35, draft_step=0.05).choose(8) < 8  # in between: a short draft
 
 
+def test_controller_keeps_a_rate_per_draft_kind():
+    c = _controller(accept=0.1, slope=0.35)
+    for _ in range(100):
+        c.observe_acceptance(6, 6, kind=5)
+    assert c.choose(8, kind=5) == 8 and c.choose(8, kind=0) == 0 and c.accept_rate(kind=3) == c.prior_rate
+
+
 def test_controller_probes_a_switched_off_draft_model_now_and_then():
     c = Controller(draft_max=8, free_drafts=False)
-    c.accept_rate = 0.0
+    c.rates[0] = 0.0
     ks = [c.choose(8) for _ in range(64)]
-    assert 0 < sum(ks) <= 4
+    assert 0 < sum(ks) <= 16 and ks.count(0) >= 56
 
 
 # ---- greedy: token for token ----------------------------------------------------------------------------------
