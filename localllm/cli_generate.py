@@ -193,6 +193,10 @@ def chat_settings_overrides(args, saved):
         changes["seed"] = args.seed
     if args.stop:
         changes["stop"] = list(args.stop)
+    if args.spec is not None:
+        changes["speculation"] = args.spec
+    if args.draft_model is not None:
+        changes["draft_model"] = args.draft_model
     try:
         return replace(saved, **changes).validated()
     except ValueError as e:
@@ -396,6 +400,7 @@ def add_commands(sub) -> None:
     add_overflow_options(p, "shift", "an answer that reaches the context limit goes on, forgetting the "
                          "oldest tokens, instead of being cut off mid-sentence; models with sliding-window layers "
                          "stop instead")
+    add_speculation_options(p)
     p.set_defaults(func=cmd_chat, max_tokens=1024, parser_default=p.get_default)
 
     p = sub.add_parser("perplexity", help="measure perplexity on a text file (llama.cpp's protocol)",

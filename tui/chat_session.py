@@ -36,6 +36,8 @@ class TurnStats:
     stopped: bool = False
     n_shifts: int = 0
     max_tokens: int | None = None
+    draft_n: int = 0  # speculative decoding: drafted tokens checked, and how many the model accepted
+    draft_accepted: int = 0
 
     @property
     def context_full(self) -> bool:
@@ -45,7 +47,8 @@ class TurnStats:
 
     def summary(self) -> str:
         cache = f"cache {self.cache_n}/{self.cache_n + self.prompt_n}"
-        return (f"TTFT {self.ttft_ms / 1000:.2f}s · {self.tokens_per_second:.1f} tok/s · "
+        drafts = f" · drafts {self.draft_accepted / self.draft_n:.0%} accepted" if self.draft_n else ""
+        return (f"TTFT {self.ttft_ms / 1000:.2f}s · {self.tokens_per_second:.1f} tok/s{drafts} · "
                 f"ctx {self.context_used}/{self.context_size} · {cache}")
 
     def outcome(self) -> str | None:
@@ -105,6 +108,7 @@ class ChatSession:
                 stats.generated = t.predicted_n
                 stats.prompt_n, stats.cache_n, stats.n_shifts = t.prompt_n, t.cache_n, t.n_shifts
                 stats.tokens_per_second = t.predicted_per_second
+                stats.draft_n, stats.draft_accepted = t.draft_n, t.draft_n_accepted
                 stats.context_used = len(self.seq.tokens)
                 stats.finish_reason = event.finish_reason
                 if event.text:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from localllm import paths
 from localllm.engine import GenerationParams
 from localllm.sampling import SamplingParams
+from localllm.speculative import SpeculationParams
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,18 @@ class ChatSettings:
     context_overflow: str = "shift"  # "shift" or "stop"; models with sliding-window layers always stop
     keep: int = 0  # tokens a context shift keeps at the start; -1: the whole prompt
     stop: list[str] = field(default_factory=list)  # stop strings (never shown in the answer)
+    speculation: str = "off"  # speculative decoding: "off", "ngram" (prompt lookup) or "draft" (with draft_model)
+    draft_model: str = ""  # the draft model for "draft": same vocabulary, smaller (qwen2.5-coder-0.5b for -1.5b)
 
     def generation_params(self, can_shift: bool = True) -> GenerationParams:
         sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
         overflow = self.context_overflow if can_shift else "stop"
+        speculation = None if self.speculation == "off" else SpeculationParams(
+            mode=self.speculation, draft_model=self.draft_model or None)
         return GenerationParams(max_tokens=None if self.max_tokens < 0 else self.max_tokens, stop=list(self.stop),
                                 sampling=sampling,
-                                context_overflow=overflow, n_keep=self.keep)
+                                context_overflow=overflow, n_keep=self.keep, speculation=speculation)
 
     def validated(self) -> "ChatSettings":
         """These settings, or a ValueError naming the first value out of range."""
@@ -53,6 +58,8 @@ class ChatSettings:
             (self.context_overflow in ("shift", "stop"), "context overflow must be shift or stop"),
             (self.keep >= -1, "keep must be >= 0, or -1 for the whole prompt"),
             (all(isinstance(t, str) and t for t in self.stop), "stop strings must be non-empty text"),
+            (self.speculation in ("off", "ngram", "draft"), "speculation must be off, ngram or draft"),
+            (self.speculation != "draft" or bool(self.draft_model), "speculation with a draft model needs one"),
         ]
         for ok, message in checks:
             if not ok:
