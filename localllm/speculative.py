@@ -75,7 +75,12 @@ class Draft:
 
 class NGramDrafter:
     """Prompt lookup: drafts are copied from what followed the latest earlier occurrence of the context's last
-    n tokens (longest n first) in the history (prompt and generated text)."""
+    n tokens (longest n first) in the history (prompt and generated text). While the text goes on copying one
+    place (an edited file, a quoted passage), the draft goes on from where the last one was copied, as long as
+    the context agrees with that place over at least as many tokens as a fresh lookup matches: a line that
+    repeats earlier in the copy does not send the draft there."""
+
+    MAX_AGREE = 16
 
     free = True  # drafting costs next to nothing: the controller may shadow-draft while speculation is off
     prior_rate = 0.6  # acceptance assumed before any is measured
@@ -85,17 +90,35 @@ class NGramDrafter:
         self.history: list[int] = []
         self.index: dict[tuple, int] = {}  # n-gram -> position right after its latest occurrence
         self._indexed = 0  # n-grams ending before this position are indexed (their continuation exists)
+        self._source: tuple[int, int] | None = None  # (position the last draft was copied from, history length then)
 
     def prefill(self, tokens: list[int]) -> None:
-        self.history, self.index, self._indexed = [], {}, 0
+        self.history, self.index, self._indexed, self._source = [], {}, 0, None
         self._extend(tokens)
+
+    def _follow(self) -> tuple[int, int]:
+        """Where the last draft's source continues now, and over how many tokens it agrees with the context."""
+        if self._source is None:
+            return 0, 0
+        h, (pos, length) = self.history, self._source
+        at = pos + len(h) - length
+        m = 0
+        while m < self.MAX_AGREE and m < at < len(h) and h[at - 1 - m] == h[len(h) - 1 - m]:
+            m += 1
+        return at, m
+
+    def _longest(self, context: list[int]) -> int:
+        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
+            if tuple(context[-n:]) in self.index:
+                return n
+        return 0
 
     def _extend(self, context: list[int]) -> None:
         """The history only grows (rejected drafts never enter it); take the new tail of `context`."""
         h = self.history
         if len(context) < len(h) or context[: len(h)][-self.n_max :] != h[-self.n_max :]:
             h[:] = []  # a different history (a context shift or a new prompt): start over
-            self.index, self._indexed = {}, 0
+            self.index, self._indexed, self._source = {}, 0, None
         h.extend(context[len(h) :])
         # Index the n-grams that end at positions _indexed .. len - 2 (each has a next token to draft).
         for end in range(self._indexed + 1, len(h)):
@@ -107,11 +130,17 @@ class NGramDrafter:
         """Up to k tokens, and the length of the first match (0: none). A continuation that runs into the end
         of the history is extended by looking up again."""
         h, out, first = self.history, [], 0
+        at, agree = self._follow()
+        if agree >= self.n_min and agree >= self._longest(context):
+            out, first = h[at : at + k], agree
+            self._source = (at, len(h))
         while len(out) < k:
             tail = context + out if out else context
             for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
                 pos = self.index.get(tuple(tail[-n:]))
                 if pos is not None:
+                    if not out:
+                        self._source = (pos, len(h))
                     out += h[pos : pos + k - len(out)]
                     first = first or n
                     break
