@@ -9,6 +9,7 @@ import json
 import math
 import sys
 
+from localllm.chat_history import fit_messages
 from localllm.cli import read_text_file
 from localllm.errors import LocalLLMError
 
@@ -236,9 +237,13 @@ def chat_plain(args) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = engine.render_chat(messages)
         answer = []
         try:
+            kept, dropped = fit_messages(engine, messages, room=min(params.max_tokens or engine.ctx, engine.ctx // 4))
+            if dropped:
+                print(f"(the oldest {dropped} messages no longer fit the context: dropped)", file=sys.stderr)
+                messages[:] = kept
+            prompt = engine.render_chat(messages)
             for event in engine.generate(engine.tokenize_prompt(prompt, chat=True), params, seq=seq):
                 answer.append(event.text)
                 sys.stdout.write(event.text)

@@ -220,13 +220,14 @@ async def test_a_full_context_says_so(home):
         stats = app.last_stats
         assert stats.finish_reason == "length" and stats.context_full and stats.context_used >= 63
         assert "Context full (64 tokens)" in stats.outcome()
-        # The next message no longer fits: it is given back to edit, with the engine's explanation.
+        # The next message no longer fits with the whole conversation: the oldest turn is left out of the
+        # prompt (and says so), as Ollama does; the conversation itself keeps every message.
         app.query_one(ChatInput).load_text("Go on.")
         press_now(app, "enter")
-        stats_line = app.query_one("#stats")
-        await until(pilot, lambda: "the context holds 64" in str(stats_line.render()), what="the overflow error")
-        await until(pilot, lambda: app.query_one(ChatInput).text == "Go on.", what="the message given back")
-        assert app.busy is None and app.conversation.messages[-1]["role"] == "assistant"
+        await until(pilot, lambda: len(app.conversation.messages) == 4 and app.busy is None, what="the answer")
+        stats = app.last_stats
+        assert stats.dropped == 2 and "oldest 2 messages were left out" in stats.outcome()
+        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant", "user", "assistant"]
 
 
 @pytest.mark.anyio

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from localllm import session_file, warmup
+from localllm.chat_history import fit_messages
 from localllm.engine import Engine, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError
 
@@ -38,6 +39,7 @@ class TurnStats:
     max_tokens: int | None = None
     draft_n: int = 0  # speculative decoding: drafted tokens checked, and how many the model accepted
     draft_accepted: int = 0
+    dropped: int = 0  # oldest messages left out of this turn's prompt to fit the context
 
     @property
     def context_full(self) -> bool:
@@ -55,6 +57,9 @@ class TurnStats:
         """What the user should know about how the answer ended, if anything unusual happened."""
         if self.stopped:
             return "Stopped."
+        if self.dropped:
+            return (f"The conversation outgrew the context: its oldest {self.dropped} messages were left out of "
+                    "the prompt. Ctrl+N starts a new chat; F2 raises the context size.")
         if self.n_shifts:
             return ("Context full: the oldest part of the conversation was dropped to go on (context shift). "
                     "Ctrl+N starts a new chat; F2 raises the context size.")
@@ -73,6 +78,8 @@ class ChatSession:
         self.engine = engine
         self.seq = engine.new_sequence()
         self.cancel = threading.Event()
+        self.first_in_context = 0  # messages before this index no longer fit the context
+        self.dropped = 0
 
     @property
     def can_shift(self) -> bool:
@@ -82,20 +89,29 @@ class ChatSession:
         """A new conversation: the old one's blocks go back to the pool (still cached for a shared prefix)."""
         self.seq.close()
         self.seq = self.engine.new_sequence()
+        self.first_in_context = 0
 
     def close(self) -> None:
         self.seq.close()
 
-    def prompt_tokens(self, messages: list[dict], system_prompt: str) -> list[int]:
-        chat = ([{"role": "system", "content": system_prompt}] if system_prompt.strip() else []) + messages
-        return self.engine.tokenize_prompt(self.engine.render_chat(chat), chat=True)
+    def prompt_tokens(self, messages: list[dict], system_prompt: str, room: int = 1) -> list[int]:
+        """The conversation's prompt, from its first message still in context: when it outgrows the context
+        the oldest messages are left out (localllm.chat_history), and stay out for the following turns so the
+        cached prefix holds."""
+        system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+        start = min(self.first_in_context, max(len(messages) - 1, 0))
+        kept, self.dropped = fit_messages(self.engine, system + messages[start:], room)
+        self.first_in_context = start + self.dropped
+        return self.engine.tokenize_prompt(self.engine.render_chat(kept), chat=True)
 
     def stream(self, messages: list[dict], system_prompt: str, params: GenerationParams,
                stats: TurnStats) -> Iterator[str]:
         """Text pieces of the next assistant message, filling `stats` as they come. Stops between two tokens
         once `self.cancel` is set; closing the generator then leaves the sequence holding what was generated."""
         self.cancel.clear()
-        tokens = self.prompt_tokens(messages, system_prompt)
+        tokens = self.prompt_tokens(messages, system_prompt,
+                                    room=min(params.max_tokens or self.engine.ctx, self.engine.ctx // 4))
+        stats.dropped = self.dropped
         stats.context_size = self.engine.ctx
         stats.max_tokens = params.max_tokens
         t0 = time.perf_counter()
