@@ -23,7 +23,9 @@ Pieces, each small:
 * `SpeculativeRun`: drives a `Generation` (engine.py) round by round. A round evaluates the pending token and
   k draft tokens in one forward (logits for every position), walks the draft with `Generation.step` (so the
   sampler's history, the detokenizer, stop strings, max_tokens, EOS and the context limit act exactly as in
-  plain decoding), truncates the KV cache to what was accepted, and returns the round's events.
+  plain decoding), truncates the KV cache to what was accepted, and returns the round's events. In draft-model
+  mode each round also looks the context up (free) and verifies that draft instead when the controller expects
+  more tokens per second of it (a long copy); `SpeculationParams.lookup=False` keeps to the model.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class SpeculationParams:
     draft_model: str | None = None  # catalog name or .gguf path, for mode "draft"
     draft_max: int = 8  # most tokens drafted per verify
     adaptive: bool = True  # False: always draft draft_max tokens (tests, measurements)
+    # With a draft model: also look the context up in the text so far (free), and verify that draft instead
+    # when its measured acceptance makes it the better bet (a long copy). Only when adaptive.
+    lookup: bool = True
     ngram_max: int = 5
     ngram_min: int = 2
 
@@ -317,19 +322,20 @@ class Controller:
         mean_n, mean_t = sn / w, st / w
         return max(mean_t + slope * (n - mean_n), 1e-6)
 
-    def expected_rate(self, k: int, kind: int = 0) -> float:
+    def expected_rate(self, k: int, kind: int = 0, free: bool = False) -> float:
+        """Expected tokens per second of a verify with k drafted tokens (in units of the measured costs)."""
         a = min(self.accept_rate(kind), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self.verify_cost(k + 1) + k * self.draft_step)
+        return tokens / (self.verify_cost(k + 1) + (0.0 if free else k * self.draft_step))
 
-    def choose(self, limit: int, kind: int = 0) -> int:
+    def choose(self, limit: int, kind: int = 0, free: bool = False) -> int:
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return 0
         if not self.adaptive:
             return limit
-        k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind))
-        if k == 0 and not self.free_drafts:
+        k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free))
+        if k == 0 and not (free or self.free_drafts):
             # A draft model's acceptance cannot be measured for free: probe with two tokens now and then.
             self.off_rounds += 1
             if self.off_rounds % 8 == 0:
@@ -351,6 +357,8 @@ class SpeculativeRun:
         self.rng = np.random.Generator(np.random.PCG64([gen.sampler.seed, 2]))
         self.controller = Controller(spec.draft_max, spec.adaptive, drafter.free, drafter.prior_rate)
         self.pending = None  # the event whose token is chosen but not yet evaluated (nor handed out)
+        self.lookup = (NGramDrafter(spec.ngram_max, spec.ngram_min)
+                       if not drafter.free and spec.lookup and spec.adaptive else None)
         self.history: list[int] = []  # prompt and every token handed out (the n-gram drafter's text)
 
     def start(self) -> None:
@@ -360,6 +368,8 @@ class SpeculativeRun:
         new = gen.start_prefill()
         logits = self.engine.evaluate(self.seq, new)
         self.drafter.prefill(gen.tokens)
+        if self.lookup is not None:
+            self.lookup.prefill(gen.tokens)
         gen.end_prefill()
         gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
         self.history = list(gen.tokens)
@@ -377,19 +387,30 @@ class SpeculativeRun:
         # the draft: there, k = 0 is exactly plain decoding.
         room = min(gen.limit - timings.predicted_n, self.engine.ctx - base - 3)
         limit = int(min(room, self.spec.draft_max))
-        shadow = None
+        shadow = None  # (a draft token not verified, its kind): would it have been right? Measured for free
         t0 = time.perf_counter()
         if self.drafter.free:  # look first (it costs nothing), then decide how much of it to verify
             draft = self.drafter.draft(context, limit) if limit > 0 else Draft()
             k = ctl.choose(len(draft.tokens), draft.kind)
             if k == 0 and draft.tokens:
-                shadow = draft.tokens[0]  # would it have been right? Acceptance measured for free
+                shadow = draft.tokens[0], draft.kind
             draft = draft.cut(k)
         else:
             k = ctl.choose(limit)
-            draft = self.drafter.draft(seq.tokens + [s], k, gen.sampler) if k > 0 else Draft()
+            draft = None
+            if self.lookup is not None and limit > 0:
+                found = self.lookup.draft(context, limit)
+                if found.tokens:
+                    k_found = ctl.choose(len(found.tokens), found.kind, free=True)
+                    if k_found and ctl.expected_rate(k_found, found.kind, True) >= ctl.expected_rate(k):
+                        draft = found.cut(k_found)
+                    else:
+                        shadow = found.tokens[0], found.kind
+            if draft is None:
+                draft = self.drafter.draft(seq.tokens + [s], k, gen.sampler) if k > 0 else Draft()
+                ctl.observe_draft(len(draft.tokens),
+                                  time.perf_counter() - t0 - getattr(self.drafter, "catchup_seconds", 0.0))
         t1 = time.perf_counter()
-        ctl.observe_draft(len(draft.tokens), t1 - t0 - getattr(self.drafter, "catchup_seconds", 0.0))
         n = len(draft.tokens) + 1
         rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))
         ctl.observe_verify(n, time.perf_counter() - t1)
@@ -421,8 +442,9 @@ class SpeculativeRun:
             timings.draft_n_accepted += accepted
             timings.n_verifies += 1
             ctl.observe_acceptance(len(draft.tokens), accepted, draft.kind)
-        elif shadow is not None and self.pending.token is not None:
-            ctl.observe_acceptance(1, int(self.pending.token == shadow), draft.kind)
+        if shadow is not None:
+            came = out[1].token if len(out) > 1 else self.pending.token
+            ctl.observe_acceptance(1, int(came == shadow[0]), shadow[1])
         return out
 
     def close(self) -> None:

@@ -225,6 +225,17 @@ def test_greedy_draft_model_rejections_roll_back_both_caches(wrong_draft_model):
     assert 0 < t.draft_n_accepted < t.draft_n
 
 
+def test_greedy_draft_model_with_lookup_is_plain_greedy(monkeypatch):
+    """Adaptive draft mode: each round verifies the draft model's tokens or the prompt lookup's, whichever the
+    controller expects more of; the output stays plain greedy."""
+    from dataclasses import replace
+
+    spec = replace(_draft_mode(monkeypatch, _WrongEveryThird), adaptive=True, draft_max=8)
+    e = engine()
+    for prompt in [c["prompt"] for c in reference_cases(SMALL)[:3]] + [EDIT]:
+        assert events(e, prompt, spec) == events(e, prompt), prompt[:40]
+
+
 def test_stop_strings_max_tokens_and_eos_cut_exactly_where_plain_decoding_does():
     e = engine()
     prompt = EDIT
