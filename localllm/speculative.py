@@ -290,6 +290,8 @@ class Controller:
         self._fit = np.zeros(5)  # forgetting sums for the fit of verify time on n: w, w n, w n^2, w t, w n t
         self.draft_step = 0.0  # seconds per drafted token (EWMA)
         self.off_rounds = 0
+        self.fruitless_probes = 0  # probes after which speculation stayed off
+        self._probed = False
 
     def accept_rate(self, kind: int = 0) -> float:
         return self.rates.get(kind, self.prior_rate)  # optimistic start: speculation is tried, then measured
@@ -335,11 +337,18 @@ class Controller:
         if not self.adaptive:
             return limit
         k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free))
-        if k == 0 and not (free or self.free_drafts):
-            # A draft model's acceptance cannot be measured for free: probe with two tokens now and then.
-            self.off_rounds += 1
-            if self.off_rounds % 8 == 0:
-                return min(2, limit)
+        if not (free or self.free_drafts):
+            if self._probed:
+                self.fruitless_probes = self.fruitless_probes + 1 if k == 0 else 0
+                self._probed = False
+            # A draft model's acceptance cannot be measured for free: probe with two tokens now and then. Each
+            # probe first makes the draft model catch up with every token it missed, which costs about as much
+            # as drafting them would have: after three probes that did not turn speculation back on, stop.
+            if k == 0 and self.fruitless_probes < 3:
+                self.off_rounds += 1
+                if self.off_rounds % 8 == 0:
+                    self._probed = True
+                    return min(2, limit)
         return k
 
 
