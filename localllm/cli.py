@@ -187,12 +187,13 @@ def cmd_serve(args) -> int:
     import os
 
     from localllm import catalog
+    from localllm.cli_generate import speculation_params
     from localllm.server import serve
 
     serve(args.model or catalog.default_entry().name, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("LOCALLLM_API_KEY") or None, parallel=args.parallel,
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
-          max_queue=args.max_queue, verbose=args.verbose)
+          max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args))
     return 0
 
 
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; '*' for any). Default: CORS off")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    cli_generate.add_speculation_options(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench-serve", help="load-test a running server: TTFT, TPOT, throughput, goodput",

@@ -127,3 +127,27 @@ def test_cors_is_off_unless_configured(engine):
     with client(["http://example.com"]) as c:
         assert c.get("/health", headers=headers).headers["access-control-allow-origin"] == "http://example.com"
         assert c.options("/v1/completions", headers=headers).status_code == 200
+
+
+def test_speculative_requests_give_the_plain_answer_and_count_their_drafts(engine):
+    """serve --spec ngram: the scheduler drives each request's speculative iterator; greedy answers are the
+    plain ones, token for token, and /metrics' draft counters add up."""
+    from localllm.speculative import SpeculationParams
+
+    repetitive = engine.tokenize_prompt("one two three four five six seven eight one two three four five six")
+    requests = [(repetitive, greedy(24)), (prompts(engine)[0], greedy(8))]
+    alone = [[e.token for e in engine.generate(p, params)] for p, params in requests]
+    sched = Scheduler(engine, parallel=2, speculation=SpeculationParams(mode="ngram", adaptive=False))
+    sched.start()
+    try:
+        async def run():
+            handles = [sched.submit(Request(p, params)) for p, params in requests]
+            return await asyncio.gather(*(drain(h) for h in handles))
+
+        results = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert [tokens for tokens, _ in results] == alone
+    m = sched.metrics
+    assert m.verifies > 0 and 0 < m.draft_accepted <= m.draft_tokens
+    assert results[0][1].timings["n_verifies"] > 0 and sched.live_sequences == 0

@@ -53,7 +53,8 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           parallel: int = 4, ctx: int | None = None, max_tokens: int = 2048, cors_origins: list[str] | None = None,
-          max_body: int | None = None, max_queue: int = 256, verbose: bool = False) -> None:
+          max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None) -> None:
+    """Serve `model` until Ctrl-C. `speculation` (a SpeculationParams): decode every request speculatively."""
     import uvicorn
 
     from localllm import store
@@ -69,7 +70,11 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
     try:
         path = store.resolve(model)
         engine = Engine.load(model, ctx=ctx)
-        scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue)
+        if speculation is not None:
+            speculation.validated()
+            if speculation.mode == "draft":
+                engine.draft_engine(speculation.draft_model)  # load and check it now, not on the first request
+        scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, speculation=speculation)
         name = model if path.name == f"{model}.gguf" else path.stem
         state = ServerState(engine=engine, scheduler=scheduler, model_name=name, model_path=str(path),
                             max_tokens=min(max_tokens, engine.ctx), parallel=parallel, api_key=api_key,

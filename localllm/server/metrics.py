@@ -56,6 +56,9 @@ class Metrics:
         self.kv_blocks_idle = 0
         self.kv_bytes = 0
         self.kv_budget_bytes = 0
+        self.draft_tokens = 0  # speculative decoding (serve --spec): tokens drafted, accepted, verify forwards
+        self.draft_accepted = 0
+        self.verifies = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TOKEN_BUCKETS)
         self.itl = Histogram(TOKEN_BUCKETS)
@@ -77,6 +80,9 @@ class Metrics:
             ("kv_cache_blocks_idle", "gauge", "KV blocks kept cached for prefix reuse.", self.kv_blocks_idle),
             ("kv_cache_bytes", "gauge", "Bytes of KV cache storage allocated.", self.kv_bytes),
             ("kv_cache_budget_bytes", "gauge", "Storage the idle cached blocks may grow to.", self.kv_budget_bytes),
+            ("draft_tokens_total", "counter", "Speculative tokens drafted and verified.", self.draft_tokens),
+            ("draft_tokens_accepted_total", "counter", "Drafted tokens the model accepted.", self.draft_accepted),
+            ("speculative_verifies_total", "counter", "Verify forwards of speculative decoding.", self.verifies),
         ]
         lines: list[str] = []
         for name, kind, help_text, value in rows:

@@ -20,15 +20,18 @@ only; an unexpected failure of a step fails the requests in it and the scheduler
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from localllm.engine import Engine, Generation, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError
 from localllm.server.metrics import Metrics
+from localllm.speculative import SpeculationParams
 
 log = logging.getLogger("localllm.server")
 
@@ -108,11 +111,16 @@ class _Running:
     t_prefill: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
+    # A speculative request (`serve --spec`) runs its own forwards, one verify per round, through this iterator
+    # (Engine.generate_speculative); it hands out one event per scheduler step, so the others keep their turn.
+    spec: Iterator[TokenEvent] | None = None
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, parallel: int = 4, max_queue: int = 256, metrics: Metrics | None = None):
+    def __init__(self, engine: Engine, parallel: int = 4, max_queue: int = 256, metrics: Metrics | None = None,
+                 speculation: SpeculationParams | None = None):
         self.engine = engine
+        self.speculation = speculation
         self.parallel = max(1, int(parallel))
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
@@ -187,6 +195,8 @@ class Scheduler:
 
     def _finish(self, r: _Running, outcome) -> None:
         """Close the request's sequence and deliver its outcome (a Final or an exception), once."""
+        if r.spec is not None:
+            r.spec.close()  # releases the draft model's sequence
         if r.gen.seq is not None:
             r.gen.seq.close()
             self.live_sequences -= 1
@@ -198,8 +208,14 @@ class Scheduler:
             handle = self._waiting.popleft()
             seq = self.engine.new_sequence()
             self.live_sequences += 1
+            params = handle.request.params
+            if self.speculation is not None and params.speculation is None:
+                params = dataclasses.replace(params, speculation=self.speculation)
             try:
-                gen = Generation(self.engine, handle.request.tokens, handle.request.params, seq)
+                gen = Generation(self.engine, handle.request.tokens, params, seq)
+                if params.speculation is not None:
+                    self._running.append(_Running(handle, gen, [], spec=self.engine.generate_speculative(gen)))
+                    continue
                 prefill = gen.start_prefill()
             except LocalLLMError as e:
                 seq.close()
@@ -225,8 +241,10 @@ class Scheduler:
         decoding: list[tuple[_Running, TokenEvent]] = []
         prefilling: list[tuple[_Running, int]] = []
         done: list[tuple[_Running, TokenEvent]] = []
+        for r in [r for r in self._running if r.spec is not None]:
+            self._step_speculative(r)
         for r in self._running:
-            if r.prefill or r.logits is None:
+            if r.spec is not None or r.prefill or r.logits is None:
                 continue
             try:
                 event = r.gen.step(r.logits)
@@ -279,6 +297,32 @@ class Scheduler:
             else:
                 self.metrics.requests_failed += 1
                 self._finish(r, outcome)
+
+    def _step_speculative(self, r: _Running) -> None:
+        """One event of a speculative request: the first of a round runs its verify forward, the others are
+        already computed."""
+        try:
+            event = next(r.spec)
+        except LocalLLMError as e:
+            self._running.remove(r)
+            self.metrics.requests_failed += 1
+            self._finish(r, RequestFailed(str(e), 400))
+            return
+        now = time.perf_counter()
+        if r.t_first is None:
+            self.metrics.prompt_tokens += r.gen.timings.prompt_n
+        self._deliver(r, event, now)
+        if event.finish_reason is not None:
+            self._running.remove(r)
+            t = r.gen.timings
+            m = self.metrics
+            m.draft_tokens += t.draft_n
+            m.draft_accepted += t.draft_n_accepted
+            m.verifies += t.n_verifies
+            matched = r.gen.stops.matched if r.gen.stops.stopped else None
+            m.requests_done += 1
+            self._finish(r, Final(event.finish_reason, len(r.gen.tokens), t.predicted_n, t.cache_n, matched,
+                                  t.to_dict()))
 
     def _deliver(self, r: _Running, event: TokenEvent, now: float) -> None:
         m = self.metrics
