@@ -11,12 +11,20 @@ if "NUMBA_CACHE_DIR" not in os.environ:
 
     os.environ["NUMBA_CACHE_DIR"] = str(kernel_cache_dir())
 
-# Numba's OpenMP thread pool: GNU OpenMP's default lets idle threads spin before sleeping, and on a busy machine a
-# spinning thread takes the core its partner needs: measured here, with other work on both cores, a 2-thread
-# fork/join took ~8 ms (spin policy) against ~10 us (passive: sleep at once, futex wake-up). A token makes
-# hundreds of calls, so we ask for the passive policy unless the user chose one. libgomp reads it when it loads
-# (the first parallel kernel call), so it is set here, before any kernel runs.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Numba's OpenMP thread pool: how a worker waits between two kernel calls. A token makes ~4 parallel calls per
+# layer with a few microseconds of Python between them. Measured on 2 cores (smollm2 decode):
+#   quiet machine:          sleep at once (passive) 91 tok/s, spin 1000 iterations 108, spin 5000 114;
+#   other work on one core: passive 63, spin 1000 46, spin 5000 26 (the spinner takes the core the main thread
+#                           needs), and GNU OpenMP's default spin (300,000) was ~100x slower still.
+# So: a short spin when the machine is idle as we start, passive when it is busy (load average at least all cores
+# but one). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins. libgomp reads these when it loads (the first
+# parallel kernel call), so they are set here, before any kernel runs.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    _busy = os.getloadavg()[0] >= (os.cpu_count() or 1) - 0.5
+    if _busy:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        os.environ["GOMP_SPINCOUNT"] = "2000"
 
 # BLAS runs single-threaded. Our Numba kernels and OpenBLAS's pthreads pool alternate call by call; on two
 # cores OpenBLAS's spinning workers then fight Numba's for the CPUs, and a 256-row sgemm measured 20-100x
