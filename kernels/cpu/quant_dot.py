@@ -408,31 +408,27 @@ def _rows_32_portable(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     """
     n, blocks = xd.shape
     has_min = kind == 2 or kind == 4
-    acc = np.zeros((2, n, 8), np.float32)  # even blocks, odd blocks (as the AVX2 kernel keeps them)
-    summs = np.zeros((2, n), np.float32)
+    acc = np.zeros((n, 8), np.float32)
+    summs = np.zeros(n, np.float32)
     weights = np.empty(32, np.int32)
     lanes = np.empty(8, np.int32)
     for r in range(r0, r1):
         acc[:] = _F0
         summs[:] = _F0
         for b in range(blocks):
-            odd = b & 1
             blk = block_bytes * b
             wd = _half_at(raw, r, blk)
             wm = _half_at(raw, r, blk + 2) if has_min else _F0
             _decode_32(raw, r, blk, kind, weights)
             for i in range(n):
                 if has_min:
-                    summs[odd, i] = summs[odd, i] + wm * xs[i, b]
+                    summs[i] = summs[i] + wm * xs[i, b]
                 scale = wd * xd[i, b]
                 _lane_sums_32(weights, xq, i, 32 * b, lanes)
                 for m in range(8):
-                    acc[odd, i, m] = fma_f32(scale, np.float32(lanes[m]), acc[odd, i, m])
+                    acc[i, m] = fma_f32(scale, np.float32(lanes[m]), acc[i, m])
         for i in range(n):
-            for m in range(8):
-                acc[0, i, m] = acc[0, i, m] + acc[1, i, m]
-            total = _hsum_float_8(acc[0], i)
-            out[i, r] = total + (summs[0, i] + summs[1, i]) if has_min else total
+            out[i, r] = _hsum_float_8(acc, i) + summs[i] if has_min else _hsum_float_8(acc, i)
 
 
 @njit(cache=True, inline="always")
@@ -611,9 +607,6 @@ def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count, d
     compile-time constants (`literally`: one specialization each), so the format and `count > k` tests cost
     nothing in the loop. Every x-row sees the same float operations whatever the group it is in, and whether
     its weights were decoded here or before (the same bytes either way).
-
-    Even and odd blocks accumulate separately (ggml's single accumulator would chain every block's FMA on the
-    previous one: 4 cycles of latency per 32 weights, the bound at batch 1); the two are added at the end.
     """
     literally(kind)
     literally(count)
@@ -624,73 +617,34 @@ def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count, d
     y3 = y2 + xq.strides[0]
     d0 = address_of(xd) + 4 * i * blocks  # fp16-rounded activation scales, then block sums, per x-row
     s0 = address_of(xs) + 4 * i * blocks
-    a0, a1, a2, a3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()  # even blocks
-    c0, c1, c2, c3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()  # odd blocks
+    a0, a1, a2, a3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()
     m0, m1, m2, m3 = _F0, _F0, _F0, _F0
-    n0, n1, n2, n3 = _F0, _F0, _F0, _F0
     for b in range(blocks):
-        odd = b & 1
         blk = w + block_bytes * b
         wd, wm = load_halves(blk)  # d, and m for Q4_1/Q5_1 (else the first bytes of qh/qs, unused)
         qx = loadu_si256(decoded + 32 * b) if decoded else _decode_32_avx2(blk, kind)
         if has_min:  # summs += m * s (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
-            if odd:
-                n0 = n0 + wm * load_f32(s0 + 4 * b)
-            else:
-                m0 = m0 + wm * load_f32(s0 + 4 * b)
+            m0 = m0 + wm * load_f32(s0 + 4 * b)
             if count > 1:
-                if odd:
-                    n1 = n1 + wm * load_f32(s0 + 4 * (blocks + b))
-                else:
-                    m1 = m1 + wm * load_f32(s0 + 4 * (blocks + b))
+                m1 = m1 + wm * load_f32(s0 + 4 * (blocks + b))
             if count > 2:
-                if odd:
-                    n2 = n2 + wm * load_f32(s0 + 4 * (2 * blocks + b))
-                else:
-                    m2 = m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))
+                m2 = m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))
             if count > 3:
-                if odd:
-                    n3 = n3 + wm * load_f32(s0 + 4 * (3 * blocks + b))
-                else:
-                    m3 = m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))
-        p0 = _lanes_32_avx2(qx, y0 + 32 * b, kind)
-        s = set1_ps(wd * load_f32(d0 + 4 * b))
-        if odd:
-            c0 = fmadd_ps(s, p0, c0)
-        else:
-            a0 = fmadd_ps(s, p0, a0)
+                m3 = m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))
+        a0 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * b)), _lanes_32_avx2(qx, y0 + 32 * b, kind), a0)
         if count > 1:
-            p1 = _lanes_32_avx2(qx, y1 + 32 * b, kind)
-            s = set1_ps(wd * load_f32(d0 + 4 * (blocks + b)))
-            if odd:
-                c1 = fmadd_ps(s, p1, c1)
-            else:
-                a1 = fmadd_ps(s, p1, a1)
+            a1 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (blocks + b))), _lanes_32_avx2(qx, y1 + 32 * b, kind), a1)
         if count > 2:
-            p2 = _lanes_32_avx2(qx, y2 + 32 * b, kind)
-            s = set1_ps(wd * load_f32(d0 + 4 * (2 * blocks + b)))
-            if odd:
-                c2 = fmadd_ps(s, p2, c2)
-            else:
-                a2 = fmadd_ps(s, p2, a2)
+            a2 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (2 * blocks + b))), _lanes_32_avx2(qx, y2 + 32 * b, kind), a2)
         if count > 3:
-            p3 = _lanes_32_avx2(qx, y3 + 32 * b, kind)
-            s = set1_ps(wd * load_f32(d0 + 4 * (3 * blocks + b)))
-            if odd:
-                c3 = fmadd_ps(s, p3, c3)
-            else:
-                a3 = fmadd_ps(s, p3, a3)
-    one = set1_ps(_F1)  # fma(c, 1, a) = a + c, rounded once: the lane-wise sum of the two accumulators
-    out[i, r] = hsum_float_8(fmadd_ps(c0, one, a0)) + (m0 + n0) if has_min else hsum_float_8(fmadd_ps(c0, one, a0))
+            a3 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (3 * blocks + b))), _lanes_32_avx2(qx, y3 + 32 * b, kind), a3)
+    out[i, r] = hsum_float_8(a0) + m0 if has_min else hsum_float_8(a0)
     if count > 1:
-        t = hsum_float_8(fmadd_ps(c1, one, a1))
-        out[i + 1, r] = t + (m1 + n1) if has_min else t
+        out[i + 1, r] = hsum_float_8(a1) + m1 if has_min else hsum_float_8(a1)
     if count > 2:
-        t = hsum_float_8(fmadd_ps(c2, one, a2))
-        out[i + 2, r] = t + (m2 + n2) if has_min else t
+        out[i + 2, r] = hsum_float_8(a2) + m2 if has_min else hsum_float_8(a2)
     if count > 3:
-        t = hsum_float_8(fmadd_ps(c3, one, a3))
-        out[i + 3, r] = t + (m3 + n3) if has_min else t
+        out[i + 3, r] = hsum_float_8(a3) + m3 if has_min else hsum_float_8(a3)
 
 
 @njit(cache=True)
