@@ -34,11 +34,12 @@ def anyio_backend():
     return "asyncio"
 
 
-def shared_engine(name, ctx, on_compile):
-    """The real engine, loaded once per (model, context) for the whole file: loading is not what most tests test."""
-    if (name, ctx) not in _engines:
-        _engines[name, ctx] = load_engine(name, ctx, on_compile)
-    return _engines[name, ctx]
+def shared_engine(name, ctx, on_compile, kv_type="f32"):
+    """The real engine, loaded once per (model, context, KV type) for the whole file: loading is not what most
+    tests test."""
+    if (name, ctx, kv_type) not in _engines:
+        _engines[name, ctx, kv_type] = load_engine(name, ctx, on_compile, kv_type)
+    return _engines[name, ctx, kv_type]
 
 
 @pytest.fixture
@@ -200,6 +201,18 @@ async def test_settings_are_saved_and_reach_the_generation(home):
         assert generations[0].max_tokens == 6 and generations[0].sampling.seed == 42
         stats = app.last_stats
         assert stats.generated == 6 and stats.finish_reason == "length" and not stats.context_full
+
+        # Speculation and the KV cache type: the first reaches the next generation, the second reloads the model.
+        await pilot.press("f2")
+        app.screen.query_one("#speculation").value = "ngram"
+        app.screen.query_one("#kv_type").value = "q8_0"
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: app.session is not None and app.session.engine.kv_pool.kv_type == "q8_0",
+                    what="the model reloaded with a q8_0 KV cache")
+        app.session.stream = spy
+        await send(pilot, app, "Count from one to twenty.")
+        await answered(pilot, app)
+        assert generations[-1].speculation is not None and generations[-1].speculation.mode == "ngram"
         assert "max tokens" in stats.outcome()
 
         await pilot.press("f2")
@@ -370,7 +383,7 @@ class StandInEngine:
         return SimpleNamespace(tokens=[], close=lambda: None)
 
 
-def stand_in(name, ctx, on_compile):
+def stand_in(name, ctx, on_compile, kv_type="f32"):
     return StandInEngine()
 
 

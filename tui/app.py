@@ -113,7 +113,8 @@ class TurnDone(Message):
         self.stats, self.error = stats, error
 
 
-EngineLoader = Callable[[str, int | None, Callable[[int, int], None] | None], object]
+# (name, ctx, on_compile, kv_type) -> engine
+EngineLoader = Callable[[str, int | None, Callable[[int, int], None] | None, str], object]
 
 
 class ChatApp(App):
@@ -221,7 +222,7 @@ class ChatApp(App):
             self.post_message(LoadProgress("Compiling kernels for this CPU (first run only)", done, total))
 
         try:
-            engine = self.loader(name, ctx, compiling)
+            engine = self.loader(name, ctx, compiling, self.settings.kv_type)
             session = ChatSession(engine)
             restored = session.restore_kv(conversations.kv_path(restore_kv_of)) if restore_kv_of else 0
         except LocalLLMError as e:
@@ -463,7 +464,7 @@ class ChatApp(App):
             old, self.settings = self.settings, new
             settings_store.save(new)
             self.notify("Settings saved")
-            if new.ctx != old.ctx and self.session is not None and not self.busy:
+            if (new.ctx, new.kv_type) != (old.ctx, old.kv_type) and self.session is not None and not self.busy:
                 self.restore_kv_of = None
                 self.load_model(self.session.engine.name)
 

@@ -17,11 +17,12 @@ from localllm.engine import Engine, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError
 
 
-def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None) -> Engine:
+def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None,
+                kv_type: str = "f32") -> Engine:
     """Load a model quietly (the console progress bars would corrupt the screen), reporting kernel compilation,
     which only happens on a first start, to `on_compile(done, total)`."""
     with warmup.reporting(on_compile):
-        return Engine.load(name, ctx=ctx or None, quiet=True)
+        return Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type)
 
 
 @dataclass

@@ -97,6 +97,21 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                     yield Label("At context limit", classes="name")
                     yield Select([("shift (drop oldest)", "shift"), ("stop", "stop")], value=s.context_overflow,
                                  allow_blank=False, id="context_overflow", classes="value", compact=True)
+                with Horizontal(classes="row"):
+                    yield Label("KV cache", classes="name")
+                    yield Select([("float32", "f32"), ("q8_0 (8-bit)", "q8_0")], value=s.kv_type,
+                                 allow_blank=False, id="kv_type", classes="value", compact=True)
+                    yield Label("reloads the model", classes="hint")
+                with Horizontal(classes="row"):
+                    yield Label("Speculation", classes="name")
+                    yield Select([("off", "off"), ("n-gram lookup", "ngram"), ("draft model", "draft")],
+                                 value=s.speculation, allow_blank=False, id="speculation", classes="value",
+                                 compact=True)
+                    yield Label("same answers, faster where drafts are right", classes="hint")
+                with Horizontal(classes="row"):
+                    yield Label("Draft model", classes="name")
+                    yield Input(s.draft_model, id="draft_model", classes="value", compact=True)
+                    yield Label("for draft: same vocabulary, smaller", classes="hint")
             yield Static("", id="error")
             with Horizontal(classes="buttons"):
                 yield Button("Save (Ctrl+S)", variant="primary", id="save", compact=True)
@@ -104,7 +119,10 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     def read(self) -> ChatSettings:
         values = {"system_prompt": self.query_one("#system_prompt", TextArea).text,
-                  "context_overflow": self.query_one("#context_overflow", Select).value}
+                  "context_overflow": self.query_one("#context_overflow", Select).value,
+                  "kv_type": self.query_one("#kv_type", Select).value,
+                  "speculation": self.query_one("#speculation", Select).value,
+                  "draft_model": self.query_one("#draft_model", Input).value.strip()}
         types = {f.name: type(getattr(ChatSettings(), f.name)) for f in fields(ChatSettings)}
         for name, (label, _) in SETTING_LABELS.items():
             text = self.query_one(f"#{name}", Input).value.strip()
