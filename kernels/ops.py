@@ -220,6 +220,8 @@ def _warm_blocks() -> None:
     rms_norm(x, np.ones(4, _F32), 1e-6)
     for neox in (False, True):
         rope(x, np.ones((1, 2), _F32), np.zeros((1, 2), _F32), 4, neox)
+    for kind in GATES:
+        gated_activation(x[0], x[0], kind)
 
 
 def _warm_attention() -> None:
@@ -242,6 +244,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty_like(x2)
     _blocks.rms_norm_rows(x2, weight, eps, out)
     return out.reshape(x.shape)
+
+
+GATES = {"silu": _blocks.GATE_SILU, "gelu_tanh": _blocks.GATE_GELU_TANH}
+
+
+def gated_activation(gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:
+    """act(gate) * up for the gated FFN (kind "silu" or "gelu_tanh"); float32 (n, d) arrays, C-contiguous."""
+    out = np.empty_like(gate)
+    _blocks.gated_activation(gate, up, GATES[kind], out)
+    return out
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> None:
@@ -300,5 +312,5 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
     return calls
 
 
-__all__ = ["Weight", "WeightGroup", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "attention", "set_threads",
+__all__ = ["Weight", "WeightGroup", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "gated_activation", "attention", "set_threads",
            "warm_up_calls", "FORMATS", "BLAS_MIN_N"]

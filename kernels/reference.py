@@ -77,3 +77,12 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: 
     scores /= scores.sum(axis=-1, keepdims=True)
     out = np.matmul(scores.reshape(n_kv, group * n, t), values)  # (n_kv, group*n, dv)
     return out.reshape(n_kv, group, n, dv).transpose(2, 0, 1, 3).reshape(n, n_head * dv)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    # ggml_gelu: the tanh approximation, as GeGLU models were trained with.
+    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * x * (1.0 + 0.044715 * x * x)))

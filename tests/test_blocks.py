@@ -38,3 +38,14 @@ def test_rope_preserves_norms_of_rotated_pairs():
     angles = rng.uniform(0, 6, (2, 4))
     ops.rope(x, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), 8, True)
     np.testing.assert_allclose(np.hypot(x[..., :4], x[..., 4:]), before, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+def test_gated_activation_matches_numpy(kind):
+    from kernels import reference
+
+    rng = np.random.default_rng(5)
+    gate = (rng.standard_normal((3, 300)) * 4).astype(np.float32)
+    up = rng.standard_normal((3, 300)).astype(np.float32)
+    act = {"silu": reference.silu, "gelu_tanh": reference.gelu_tanh}[kind]
+    np.testing.assert_allclose(ops.gated_activation(gate, up, kind), act(gate) * up, rtol=2e-6, atol=1e-6)

@@ -19,24 +19,9 @@ from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import KVCache, KVPool
 
 # ---- blocks ----------------------------------------------------------------------------------------------
-# RMSNorm and RoPE are compiled kernels (kernels.ops; numpy references in kernels/reference.py): in numpy they
-# cost as much per decode step as the matrix products of a small model.
+# RMSNorm, RoPE and the gated activation are compiled kernels (kernels.ops; numpy references in
+# kernels/reference.py): in numpy they cost as much per decode step as the matrix products of a small model.
 rms_norm = ops.rms_norm
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
-
-
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    # ggml_gelu: the tanh approximation, as GeGLU models were trained with.
-    return 0.5 * x * (1.0 + np.tanh(_GELU_C * x * (1.0 + 0.044715 * x * x)))
-
-
-ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 
 class RopeTable:
@@ -154,7 +139,6 @@ class Transformer:
                 self._rope[key] = RopeTable(c.rope_dim, *key)
             self.layer_rope.append(self._rope[key])
         self.layer_window = [c.sliding_window if c.layer_is_sliding(i) else 0 for i in range(c.n_layers)]
-        self.activation = ACTIVATIONS[tr.activation]
 
     def weights(self) -> list[ops.Weight]:
         """Every weight matrix (for kernel warm-up and accounting)."""
@@ -215,6 +199,7 @@ class Transformer:
             bounds.append(bounds[-1] + len(tokens))
         positions = np.concatenate(seg_positions)
         n = bounds[-1]
+        angles = {id(table): table.get(positions) for table in self._rope.values()}  # once per forward
 
         x = ops.embed(self.token_embd, np.concatenate(ids))
         if tr.scale_embeddings:
@@ -234,7 +219,7 @@ class Transformer:
             if tr.qk_norm:
                 q = rms_norm(q, L.q_norm, c.rms_eps)
                 k = rms_norm(k, L.k_norm, c.rms_eps)
-            cos, sin = self.layer_rope[i].get(positions)
+            cos, sin = angles[id(self.layer_rope[i])]
             ops.rope(q, cos, sin, c.rope_dim, neox)
             ops.rope(k, cos, sin, c.rope_dim, neox)
             if len(segments) == 1:
@@ -255,7 +240,7 @@ class Transformer:
 
             h = rms_norm(x, L.ffn_norm, c.rms_eps)
             gate, up = L.gate_up(h, precise=precise)
-            d = ops.matmul(L.ffn_down, self.activation(gate) * up, precise=precise)
+            d = ops.matmul(L.ffn_down, ops.gated_activation(gate, up, tr.activation), precise=precise)
             if tr.post_norms:
                 d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
             x = x + d
