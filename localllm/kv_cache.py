@@ -198,6 +198,7 @@ class KVCache:
         self.tables: list[list[int | None]] = [[] for _ in pool.groups]
         self.first = [0] * len(pool.groups)  # first block each group still holds
         self._block_arrays: list[np.ndarray] = []  # the tables from `first` on, for the kernels (set by reserve)
+        self._write_columns: list[np.ndarray] = []  # storage columns of the tokens being written (set by reserve)
         self.names: list[bytes] = []  # prefix names of the full blocks whose tokens we were told
         # After a context shift, blocks from this one on hold keys computed with tokens that are gone: they
         # are not what a fresh forward of their prefix gives, so they must never be named for reuse.
@@ -217,13 +218,15 @@ class KVCache:
                 last = table[-1] if table else None
                 table.append(self.pool.allocate(gi, None if last is None else last + 1))
         self._block_arrays = [np.asarray(t[f:], np.int64) for t, f in zip(self.tables, self.first)]
+        # Where the n new tokens go, per group: the same for every layer of the forward, so computed once here.
+        self._write_columns = [self._column_array(gi, self.length, need) for gi in range(len(self.tables))]
         self._pending = n
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """k: (n, n_kv_heads, head_dim), v: (n, n_kv_heads, value_dim) for the n reserved tokens."""
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
-        cols = self._column_array(gi, self.length, self.length + self._pending)
+        cols = self._write_columns[gi]
         _kernels.write_rows(g.k[slot], g.k_scale[slot], cols, k)
         _kernels.write_rows(g.v[slot], g.v_scale[slot], cols, v)
 
