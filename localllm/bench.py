@@ -95,8 +95,7 @@ def k_token_ratios(engine, ks=(2, 4, 8), context: int = 512, reps: int = 5) -> d
                 t = time.perf_counter()
                 engine.evaluate(seq, extra[:k])
                 times.append(time.perf_counter() - t)
-                seq.cache.truncate(context)
-                del seq.tokens[context:]
+                seq.truncate(context)
             return min(times)
 
         one = best(1)

@@ -400,34 +400,14 @@ def test_snapshot_empty_chat(home, snap_compare):
     assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=loaded)
 
 
-def test_snapshot_help(home, snap_compare):
-    async def open_help(pilot):
+@pytest.mark.parametrize("screen, key", [("help", "f1"), ("settings", "f2"), ("model_picker", "f3"),
+                                         ("light_theme", "ctrl+t")])
+def test_snapshot_after_a_key(home, snap_compare, screen, key):
+    """The main screens, each one key away from the loaded chat."""
+    async def press(pilot):
         await loaded(pilot)
-        await pilot.press("f1")
-        assert isinstance(pilot.app.screen, HelpScreen)
+        await pilot.press(key)
+        if screen == "help":
+            assert isinstance(pilot.app.screen, HelpScreen)
 
-    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=open_help)
-
-
-def test_snapshot_settings(home, snap_compare):
-    async def open_settings(pilot):
-        await loaded(pilot)
-        await pilot.press("f2")
-
-    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=open_settings)
-
-
-def test_snapshot_model_picker(home, snap_compare):
-    async def open_models(pilot):
-        await loaded(pilot)
-        await pilot.press("f3")
-
-    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=open_models)
-
-
-def test_snapshot_light_theme(home, snap_compare):
-    async def light(pilot):
-        await loaded(pilot)
-        await pilot.press("ctrl+t")
-
-    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=light)
+    assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=press)
