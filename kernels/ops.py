@@ -38,6 +38,10 @@ try:  # the integer SIMD fast path, written separately; the portable path stands
 except ImportError:
     _quant_dot = None
     _QUANT_DOT_SUPPORTED = frozenset()
+try:
+    from kernels.cpu import fused_forward as _fused
+except ImportError:
+    _fused = None
 
 # From this many rows of x on, tiled dequantize + BLAS for weights without an integer kernel (or with
 # precise=True): dequantizing a tile costs about as much as 2-4 rows through the portable fused kernel
@@ -48,6 +52,9 @@ BLAS_MIN_N = 9
 ROWS_PER_PASS = 16
 # Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
 TILE_BYTES = 1 << 20
+# Work shares per thread in each phase of the fused forward: more than one, so a thread that finishes early (or
+# was descheduled) does not leave the other waiting on a half-size share.
+FUSED_TASKS_PER_THREAD = 2
 # The integer 16, handed to the kernels at run time (see kernels/cpu/dequant.py).
 _N16 = 16
 
@@ -312,5 +319,56 @@ def warm_up_calls(weights) -> list[tuple[str, object]]:
     return calls
 
 
-__all__ = ["Weight", "WeightGroup", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "gated_activation", "attention", "set_threads",
+__all__ = ["Weight", "WeightGroup", "FusedForward", "matmul", "matmul_fused", "embed", "dequantize", "rms_norm", "rope", "gated_activation", "attention", "set_threads",
            "warm_up_calls", "FORMATS", "BLAS_MIN_N"]
+
+
+class FusedForward:
+    """A whole forward pass over one sequence's new tokens as one compiled call with one parallel region
+    (kernels/cpu/fused_forward.py): decode steps, speculative verifies and prompt chunks, where per-call Python
+    overhead and thread wake-ups would otherwise cost as much as a small model's kernels.
+
+    Built once per model from its weights; `available` is False where some weight has no integer kernel or the
+    CPU lacks AVX2 (callers then keep the per-kernel path, which computes the same values)."""
+
+    def __init__(self, layer_mats: list[list[Weight]], output: Weight, layer_vecs: list[list], output_norm,
+                 dims: tuple, flags: tuple, eps: float, attention_scale: float):
+        everything = [w for mats in layer_mats for w in mats] + [output]
+        self.available = (_fused is not None and _quant_dot.USES_AVX2
+                          and all(w._use_quant_dot for w in everything))
+        if not self.available:
+            return
+        self.mats = numba.typed.List(w.raw for w in everything)
+        self.mat_types = np.array([int(w.qtype) for w in everything], np.int64)
+        self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in everything], np.int64)
+        empty = np.empty(0, _F32)
+        vecs = [_read_only(empty if a is None else np.ascontiguousarray(a, _F32))
+                for row in layer_vecs for a in row] + [_read_only(np.ascontiguousarray(output_norm, _F32))]
+        self.vecs = numba.typed.List(vecs)
+        self.dims = np.array(dims, np.int64)
+        self.flags = np.array(flags, np.int64)
+        self.eps, self.scale = float(eps), np.float32(attention_scale)
+
+    def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
+                 layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
+                 positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, out_rows: np.ndarray) -> np.ndarray:
+        """Logits (len(out_rows), vocab); x (n, n_embd) is the embedded tokens (overwritten). kv: per-layer typed
+        lists (keys, key scales, values, value scales) of the pool; the rest as in fused_forward.py."""
+        # Checked here because the compiled workers must not fail: one that raised would leave the others
+        # waiting for its tasks.
+        n_layers = int(self.dims[0])
+        if (len(self.mats) != _fused.MATS_PER_LAYER * n_layers + 1 or any(len(lst) != n_layers for lst in kv)
+                or not len(layer_group) == len(layer_window) == len(layer_rope) == n_layers
+                or x.shape[1] != self.dims[6] or len(positions) != len(x) or write_cols.shape[1] != len(x)):
+            raise ValueError("fused forward: the model, its cache and the inputs do not match")
+        threads = _threads[0]
+        return _fused.forward(threads, FUSED_TASKS_PER_THREAD * threads, self.dims, self.flags, self.eps,
+                              self.scale, self.mats, self.mat_types, self.mat_families, self.vecs, kv[0], kv[1],
+                              kv[2], kv[3], layer_group, layer_window, layer_rope, tables, first_blocks, write_cols,
+                              positions, cos, sin, x, out_rows)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view

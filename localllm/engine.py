@@ -171,7 +171,7 @@ class Engine:
         self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
         self.kv_type = kv_type
         self._draft_engines: dict[str, Engine] = {}
-        warm_up(self.model.weights(), quiet=quiet)
+        warm_up(self.model.weights(), quiet=quiet, extra=self.model.warm_up_calls(kv_type))
 
     @classmethod
     def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32") -> "Engine":

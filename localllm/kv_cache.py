@@ -73,6 +73,7 @@ class _Group:
         per_token = sum(a[0].itemsize * a[0].shape[2] for a in (self.k, self.k_scale, self.v, self.v_scale))
         self.block_bytes = BLOCK * n_kv * per_token * len(layers)
         self.refs = np.zeros(0, np.int64)  # sequences holding each block
+        self.version = 0  # bumped whenever storage arrays are replaced (growth)
         self.free: set[int] = set()  # blocks holding nothing worth keeping
         self.index: dict[bytes, int] = {}  # prefix name -> block holding it
         self.name_of: dict[int, bytes] = {}
@@ -91,6 +92,7 @@ class _Group:
                 store[i] = new
         self.refs = np.concatenate([self.refs, np.zeros(GROWTH_BLOCKS, np.int64)])
         self.free.update(range(n, n + GROWTH_BLOCKS))
+        self.version += 1
 
     @property
     def stores(self) -> tuple[list[np.ndarray], ...]:
@@ -122,6 +124,22 @@ class KVPool:
                        for w, layers in sorted(by_window.items())]
         self.where = {layer: (gi, slot) for gi, g in enumerate(self.groups) for slot, layer in enumerate(g.layers)}
         self.budget_bytes = budget_bytes
+        self.layer_group = np.array([self.where[i][0] for i in range(n_layers)], np.int64)
+        self._layer_lists = None  # (versions, typed lists) for compiled whole-forward kernels
+
+    def layer_arrays(self) -> tuple:
+        """Per layer, in layer order: (keys, key scales, values, value scales) as Numba typed lists, for a compiled
+        forward that visits every layer in one call. Rebuilt only when storage grew."""
+        versions = tuple(g.version for g in self.groups)
+        if self._layer_lists is None or self._layer_lists[0] != versions:
+            import numba.typed  # only the compiled forward needs it
+
+            per_layer = [self.groups[gi].stores for gi, _ in (self.where[i] for i in range(len(self.where)))]
+            slots = [self.where[i][1] for i in range(len(self.where))]
+            lists = tuple(numba.typed.List([stores[s][slot] for stores, slot in zip(per_layer, slots)])
+                          for s in range(4))
+            self._layer_lists = (versions, lists)
+        return self._layer_lists[1]
 
     @classmethod
     def for_model(cls, config, budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32") -> "KVPool":
@@ -236,6 +254,15 @@ class KVCache:
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
         return g.k[slot], g.k_scale[slot], g.v[slot], g.v_scale[slot], self._block_arrays[gi], self.first[gi]
+
+    def kernel_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a compiled forward over every layer (after `reserve`): per group, the block table from the first
+        held block (rows padded to one width), that block, and the storage columns of the tokens being written."""
+        width = max(len(t) for t in self._block_arrays)
+        tables = np.zeros((len(self._block_arrays), max(width, 1)), np.int64)
+        for gi, t in enumerate(self._block_arrays):
+            tables[gi, : len(t)] = t
+        return tables, np.asarray(self.first, np.int64), np.stack(self._write_columns)
 
     def start(self, layer: int) -> int:
         """Absolute position of the first token `keys(layer)` holds (> 0 once a sliding layer dropped blocks)."""

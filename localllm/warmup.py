@@ -52,11 +52,12 @@ def _marker(label: str) -> Path:
     return paths.kernel_cache_dir() / "compiled" / _build_key() / label.replace(" ", "_")
 
 
-def warm_up(weights, quiet: bool = False) -> int:
-    """Run the warm-up calls; returns how many kernels had to be compiled (0 on a warm start)."""
+def warm_up(weights, quiet: bool = False, extra=()) -> int:
+    """Run the warm-up calls (the kernels `weights` use, then `extra` (label, thunk) pairs); returns how many
+    kernels had to be compiled (0 on a warm start)."""
     from kernels import ops
 
-    calls = ops.warm_up_calls(weights)
+    calls = ops.warm_up_calls(weights) + list(extra)
     cold = [(label, thunk) for label, thunk in calls if not _marker(label).exists()]
     if not cold:
         return 0

@@ -81,6 +81,8 @@ def one_layer(e: Engine):
     m = copy.copy(e.model)
     m.config = replace(e.config, n_layers=1)
     m.layers, m.layer_rope, m.layer_window = m.layers[:1], m.layer_rope[:1], m.layer_window[:1]
+    m.fused = copy.copy(m.fused)
+    m.fused.available = False  # built for the whole model: the cut one takes the per-kernel path
     return m
 
 

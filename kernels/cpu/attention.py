@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kernels.cpu import forget_stale_cache, simd
 from kernels.cpu.simd import (HAVE_AVX2, address_of, bits_to_float, fmadd_ps, hsum_float_8, loadu_ps, set1_ps,
                               setzero_ps, storeu_ps)
 
@@ -232,3 +233,7 @@ def attend_parallel(q, k_store, k_scale, v_store, v_scale, table, first_block, q
     for c in prange(chunks):
         _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
                       window, scale, out, scores[c], acc[c])
+
+
+# Built with simd.py's intrinsics: recompile when that file changes (see kernels.cpu.forget_stale_cache).
+forget_stale_cache(__file__, attend._cache.cache_path, [simd.__file__])

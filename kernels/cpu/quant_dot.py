@@ -31,14 +31,12 @@ itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation 
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_num_threads, literally, njit, prange
 
-from kernels.cpu import simd
+from kernels.cpu import forget_stale_cache, simd
 from kernels.cpu.simd import (
     HAVE_AVX2,
     add_epi8,
@@ -1255,29 +1253,68 @@ def _matmul_q6_k_avx2_multi(raws, x, outs, threads):
     _matmul_k_avx2_multi(raws, 14, x, outs, threads)
 
 
-def _forget_kernels_built_with_another_simd() -> None:
-    """Drop this module's cached kernels when simd.py has changed since they were compiled.
+# Row ranges of any supported format, for callers that split the work themselves (the fused forward,
+# kernels/cpu/fused_forward.py): activations are quantized once per step into an `Activations` bundle (every
+# family a layer's weights need), and `rows_avx2` computes out[:, r0:r1] with the same row functions as the
+# drivers above, so results are bitwise theirs.
 
-    Numba checks a cached kernel against the content of its own source file only, but these kernels also contain
-    simd.py's intrinsics: after an edit there, Numba would keep loading kernels built from the old primitives. So a
-    stamp of simd.py's content lives beside the cache; when it does not match, this module's cache files go (the
-    kernels recompile on first use). Runs at import, before any kernel is loaded.
-    """
-    try:
-        cache_dir = Path(_matmul_q8_0_avx2._cache.cache_path)
-        digest = hashlib.sha256(Path(simd.__file__).read_bytes()).hexdigest()[:16]
-        stamp = cache_dir / f"quant_dot.simd-{digest}.stamp"
-        if stamp.exists():
-            return
-        for stale in cache_dir.glob("quant_dot.*"):
-            stale.unlink(missing_ok=True)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        stamp.touch()
-    except OSError:
-        pass  # an unwritable cache directory: Numba does not cache there either
+ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 1, 2, 4  # activation families, as bits of a mask
 
 
-_forget_kernels_built_with_another_simd()
+def activation_family(qtype) -> int:
+    """The activation family (ACT_*) that weights of `qtype` are multiplied with."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        return ACT_Q8_1
+    return ACT_Q8_0 if qtype in _KIND_32 else ACT_Q8_K
+
+
+@njit(cache=True)
+def quantize_activations(x, families):
+    """x quantized for every family in the mask `families`; missing ones are empty arrays of the right types.
+    Returns (q8_0 quants, scales, q8_1 quants, scales, sums, q8_K quants, scales, 16-sums)."""
+    n = x.shape[0]
+    q0, d0 = np.empty((n, 0), np.int8), np.empty((n, 0), np.float32)
+    q1, d1, s1 = q0, d0, d0
+    qk, dk, bk = q0, d0, np.empty((n, 0), np.int16)
+    if families & ACT_Q8_0:
+        q0, d0 = quantize_q8_0(x)
+    if families & ACT_Q8_1:
+        q1, d1, s1 = quantize_q8_1(x)
+    if families & ACT_Q8_K:
+        qk, dk, bk = quantize_q8_K(x)
+    return q0, d0, q1, d1, s1, qk, dk, bk
+
+
+@njit(cache=True)
+def rows_avx2(raw, qtype, acts, out, r0, r1):
+    """out[:, r0:r1] = x @ W[r0:r1].T for W = raw in format `qtype` (GGML type id), x given as `acts`
+    (quantize_activations with this format's family)."""
+    q0, d0, q1, d1, s1, qk, dk, bk = acts
+    if qtype == 8:  # Q8_0
+        _rows_32_avx2(raw, 0, 34, q0, d0, d0, out, r0, r1)
+    elif qtype == 2:  # Q4_0
+        _rows_32_avx2(raw, 1, 18, q0, d0, d0, out, r0, r1)
+    elif qtype == 3:  # Q4_1
+        _rows_32_avx2(raw, 2, 20, q1, d1, s1, out, r0, r1)
+    elif qtype == 6:  # Q5_0
+        _rows_32_avx2(raw, 3, 22, q0, d0, d0, out, r0, r1)
+    elif qtype == 7:  # Q5_1
+        _rows_32_avx2(raw, 4, 24, q1, d1, s1, out, r0, r1)
+    elif qtype == 12:  # Q4_K
+        _rows_q4_k_avx2(raw, qk, dk, bk, out, r0, r1)
+    elif qtype == 13:  # Q5_K
+        _rows_q5_k_avx2(raw, qk, dk, bk, out, r0, r1)
+    elif qtype == 14:  # Q6_K
+        _rows_q6_k_avx2(raw, qk, dk, bk, out, r0, r1)
+    elif qtype == 11:  # Q3_K
+        _rows_q3_k_avx2(raw, qk, dk, bk, out, r0, r1)
+    else:  # Q2_K
+        _rows_q2_k_avx2(raw, qk, dk, bk, out, r0, r1)
+
+
+# Built with simd.py's intrinsics: recompile when that file changes (see kernels.cpu.forget_stale_cache).
+forget_stale_cache(__file__, _matmul_q8_0_avx2._cache.cache_path, [simd.__file__])
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public interface (called by kernels.ops.matmul)

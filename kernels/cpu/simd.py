@@ -13,7 +13,7 @@ plus an offset): the kernels compute block offsets themselves, as C does with po
 
 Everything here is module-level so that `@njit(cache=True)` kernels that use it can be cached on disk. Numba
 checks a cached kernel against its own source file only, so quant_dot.py drops its cached kernels itself when
-this file's content changes (`_forget_kernels_built_with_another_simd`).
+this file's content changes (`kernels.cpu.forget_stale_cache`), as do the other modules built with it.
 
 The generic helpers (`address_of`, the scalar `load_*`, `fma_f32`, `float_to_bits`, `bits_to_float`) compile
 on any CPU and serve the portable kernels too; the vector primitives compile to AVX2 instructions and must only be reached when `HAVE_AVX2` is

@@ -139,6 +139,18 @@ class Transformer:
                 self._rope[key] = RopeTable(c.rope_dim, *key)
             self.layer_rope.append(self._rope[key])
         self.layer_window = [c.sliding_window if c.layer_is_sliding(i) else 0 for i in range(c.n_layers)]
+        self._ropes = list(self._rope.values())
+        self._layer_rope_index = np.array([self._ropes.index(t) for t in self.layer_rope], np.int64)
+        self._layer_window = np.array(self.layer_window, np.int64)
+        # The same forward as one compiled call, for one sequence (decode, speculative verify, prompt chunks).
+        self.fused = ops.FusedForward(
+            [[L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down] for L in self.layers], self.output,
+            [[L.attn_norm, L.ffn_norm, L.bq, L.bk, L.bv, L.q_norm, L.k_norm, L.attn_post_norm, L.ffn_post_norm]
+             for L in self.layers], self.output_norm,
+            (c.n_layers, c.n_head, c.n_head_kv, c.head_dim, c.value_dim, c.rope_dim, c.n_embd, c.n_ff,
+             c.vocab_size),
+            (tr.rope_style == "neox", tr.qk_norm, tr.post_norms, ops.GATES[tr.activation]), c.rms_eps,
+            c.attention_scale)
 
     def weights(self) -> list[ops.Weight]:
         """Every weight matrix (for kernel warm-up and accounting)."""
@@ -146,6 +158,16 @@ class Transformer:
         for L in self.layers:
             mats += [L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down]
         return mats
+
+    def warm_up_calls(self, kv_type: str) -> list:
+        """(label, thunk) compiling the fused forward for this KV type (one compile serves every model)."""
+        if not self.fused.available:
+            return []
+
+        def run():
+            self.forward([0], KVPool.for_model(self.config, kv_type=kv_type).new_cache(4))
+
+        return [(f"whole forward {kv_type}", run)]
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""
@@ -182,11 +204,37 @@ class Transformer:
         """
         return self.forward_batch([(tokens, cache, output_rows)], precise)[0]
 
+    def _forward_fused(self, tokens, cache: KVCache, output_rows) -> np.ndarray:
+        """forward_batch for one sequence, as one compiled call (kernels.ops.FusedForward): bitwise the same
+        logits."""
+        c = self.config
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        positions = np.arange(cache.length, cache.length + n)
+        cache.reserve(n)
+        x = ops.embed(self.token_embd, tokens)
+        if c.traits.scale_embeddings:
+            x *= np.float32(math.sqrt(c.n_embd))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        angles = [table.get(positions) for table in self._ropes]
+        cos = np.stack([a[0] for a in angles])
+        sin = np.stack([a[1] for a in angles])
+        rows = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
+        pool = cache.pool
+        tables, first_blocks, write_cols = cache.kernel_tables()
+        logits = self.fused(x, pool.layer_arrays(), pool.layer_group, self._layer_window, self._layer_rope_index,
+                            tables, first_blocks, write_cols, positions, cos, sin, rows.astype(np.int64))
+        cache.commit()
+        return logits
+
     def forward_batch(self, segments: list, precise: bool = False) -> list[np.ndarray]:
         """One forward for several sequences: segments are (tokens, cache, output_rows or None). The matrix
         products run once over all rows (each weight read once per step, whatever the batch); RoPE, the cache
         writes and attention are per sequence. Every kernel computes each row alone, so a sequence's logits
         are bitwise the same whatever else is in the batch."""
+        if (len(segments) == 1 and self.fused.available and len(segments[0][0]) > 0
+                and not (precise and len(segments[0][0]) >= ops.BLAS_MIN_N)):
+            return [self._forward_fused(*segments[0])]
         c = self.config
         tr = c.traits
         neox = tr.rope_style == "neox"

@@ -1,0 +1,235 @@
+"""A decoder-only transformer's forward pass over new tokens of one sequence, as one compiled call.
+
+This is `Transformer.forward_batch` (localllm/architectures/transformer.py) for a single sequence (a decode
+step, a speculative verify, a prompt chunk), for weights that all have integer kernels. There, a step is
+~13 kernel calls per layer from Python, and each matrix product enters its own parallel region; a small model's
+step then spends as long in Python and in waking threads as in its kernels. Here the whole step is one call and
+one parallel region: the threads go through the step's phases together (kernels/cpu/team.py), claiming row
+ranges of each product, (query, head) items of attention, and column ranges of the activation.
+
+Every value is computed by the same kernels, on the same inputs, in the same order as the Python path (the
+row functions of quant_dot, rms_norm_rows, rope_rows, write_rows, attention's items, gated_activation), so the
+two agree bit for bit (tests/test_fused_forward.py), and each token's row still depends on nothing else in the
+step (batch invariance).
+
+Layout of the model description (built once by the architecture; KV lists rebuilt when the pool grows):
+* `mats`: typed list of read-only uint8 (rows, row_bytes) weights, MATS_PER_LAYER per layer in the order
+  q, k, v, o, gate, up, down, then the output head; `mat_types` their GGML type ids, `mat_families` their
+  activation families (quant_dot.ACT_*).
+* `vecs`: typed list of float32 vectors, VECS_PER_LAYER per layer in the order attn_norm, ffn_norm, bq, bk, bv,
+  q_norm, k_norm, attn_post_norm, ffn_post_norm (empty where the architecture has none), then output_norm.
+* `dims`: n_layers, n_head, n_kv, head_dim, value_dim, rope_dim, n_embd, n_ff, vocab;
+  `flags`: neox rope, qk_norm, post_norms, activation kind (kernels/cpu/blocks.py's GATE_*).
+* Per layer: its KV arrays (`kv_k`, `kv_ks`, `kv_v`, `kv_vs`), its KV group (block table row), its window, its
+  RoPE table; per group: block tables from the first held block (`tables`, padded), that block (`first_blocks`),
+  the storage columns of the new tokens (`write_cols`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.cpu import attention, blocks, forget_stale_cache, quant_dot, simd, team
+from kernels.cpu.attention import BLOCK, _attend_items, write_rows
+from kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
+from kernels.cpu.quant_dot import quantize_activations, rows_avx2
+from kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
+
+MATS_PER_LAYER = 7
+VECS_PER_LAYER = 9
+PHASES_PER_LAYER = 9
+PASS = 16  # x rows per pass through a weight's rows (kernels.ops.ROWS_PER_PASS)
+
+
+@njit(cache=True)
+def _one_task(ctl, p):
+    """Claim the single task of a one-task phase: True for the thread that does it."""
+    return next_task(ctl, p, 1) == 0
+
+
+@njit(cache=True)
+def _norm_into(x, w, eps, out):
+    rms_norm_rows(x, w, eps, out)
+
+
+@njit(cache=True)
+def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, outs_a, outs_b, outs_c,
+              vecs, bias_first):
+    """Phase p: out_j = xin @ mats[first + j].T for j < count (1..3 weights, rows laid end to end and cut into
+    `tasks` ranges), plus bias vecs[bias_first + j] where it is non-empty (bias_first < 0: none)."""
+    if not any_left(ctl, p, tasks):
+        return
+    families = 0
+    total = 0
+    for j in range(count):
+        families |= mat_families[first + j]
+        total += mats[first + j].shape[0]
+    q0, d0, q1, d1, s1, qk, dk, bk = quantize_activations(xin, families)
+    n = xin.shape[0]
+    while True:
+        t = next_task(ctl, p, tasks)
+        if t < 0:
+            break
+        lo, hi = task_bounds(t, tasks, total, 1)
+        start = 0
+        for j in range(count):
+            raw = mats[first + j]
+            rows = raw.shape[0]
+            r0, r1 = max(lo - start, 0), min(hi - start, rows)
+            if r0 < r1:
+                out = outs_a if j == 0 else outs_b if j == 1 else outs_c
+                # x in passes of PASS rows, as kernels.ops.matmul feeds it: the pass's 8-bit activations stay
+                # in L1 while the task's weight rows stream past them
+                for i0 in range(0, n, PASS):
+                    i1 = min(i0 + PASS, n)
+                    part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1],
+                            bk[i0:i1])
+                    rows_avx2(raw, mat_types[first + j], part, out[i0:i1], r0, r1)
+                if bias_first >= 0:
+                    b = vecs[bias_first + j]
+                    if b.shape[0] > 0:
+                        for i in range(out.shape[0]):
+                            for r in range(r0, r1):
+                                out[i, r] += b[r]
+            start += rows
+        task_done(ctl, p)
+
+
+@njit(cache=True)
+def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_families, vecs, kv_k, kv_ks, kv_v,
+            kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin,
+            x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits):
+    n_layers, n_head, n_kv, head_dim, value_dim, rope_dim = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
+    neox, qk_norm, post_norms, act_kind = flags[0] != 0, flags[1] != 0, flags[2] != 0, flags[3]
+    n = x.shape[0]
+    q3 = q.reshape(n, n_head, head_dim)
+    k3 = k.reshape(n, n_kv, head_dim)
+    v3 = v.reshape(n, n_kv, value_dim)
+    attn_items = min(tasks, n * n_head)
+    for layer in range(n_layers):
+        p = PHASES_PER_LAYER * layer
+        m = MATS_PER_LAYER * layer
+        vb = VECS_PER_LAYER * layer
+        # 0: the previous layer's FFN output joins the residual; attention's input norm
+        if _one_task(ctl, p):
+            if layer > 0:
+                if post_norms:
+                    _norm_into(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
+                x += dn
+            _norm_into(x, vecs[vb + 0], eps, h)
+            task_done(ctl, p)
+        wait_phase(ctl, p, 1)
+        # 1: Q, K, V (+ biases)
+        _products(ctl, p + 1, tasks, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2)
+        wait_phase(ctl, p + 1, tasks)
+        # 2: Q/K norms, RoPE, the new keys and values into the cache
+        g = layer_group[layer]
+        if _one_task(ctl, p + 2):
+            if qk_norm:
+                qr = q.reshape(n * n_head, head_dim)
+                kr = k.reshape(n * n_kv, head_dim)
+                _norm_into(qr, vecs[vb + 5], eps, qr)
+                _norm_into(kr, vecs[vb + 6], eps, kr)
+            r = layer_rope[layer]
+            rope_rows(q3, cos[r], sin[r], rope_dim, neox)
+            rope_rows(k3, cos[r], sin[r], rope_dim, neox)
+            write_rows(kv_k[layer], kv_ks[layer], write_cols[g], k3)
+            write_rows(kv_v[layer], kv_vs[layer], write_cols[g], v3)
+            task_done(ctl, p + 2)
+        wait_phase(ctl, p + 2, 1)
+        # 3: attention, (query, head) items shared out as attend_parallel shares them
+        if any_left(ctl, p + 3, attn_items):
+            key_start = first_blocks[g] * BLOCK
+            scores = np.empty(positions[n - 1] - key_start + 1, np.float32)
+            acc = np.empty(value_dim, np.float32)
+            while True:
+                t = next_task(ctl, p + 3, attn_items)
+                if t < 0:
+                    break
+                _attend_items(t, attn_items, q3, kv_k[layer], kv_ks[layer], kv_v[layer], kv_vs[layer], tables[g],
+                              first_blocks[g], positions, key_start, layer_window[layer], attn_scale, attn,
+                              scores, acc)
+                task_done(ctl, p + 3)
+        wait_phase(ctl, p + 3, attn_items)
+        # 4: attention output projection
+        _products(ctl, p + 4, tasks, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs, -1)
+        wait_phase(ctl, p + 4, tasks)
+        # 5: residual; the FFN's input norm
+        if _one_task(ctl, p + 5):
+            if post_norms:
+                _norm_into(o, vecs[vb + 7], eps, o)
+            x += o
+            _norm_into(x, vecs[vb + 1], eps, h)
+            task_done(ctl, p + 5)
+        wait_phase(ctl, p + 5, 1)
+        # 6: gate and up
+        _products(ctl, p + 6, tasks, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
+        wait_phase(ctl, p + 6, tasks)
+        # 7: act(gate) * up, in column ranges
+        while True:
+            t = next_task(ctl, p + 7, tasks)
+            if t < 0:
+                break
+            lo, hi = task_bounds(t, tasks, gate.shape[1], 32)
+            if lo < hi:
+                gated_activation(gate[:, lo:hi], up[:, lo:hi], act_kind, act[:, lo:hi])
+            task_done(ctl, p + 7)
+        wait_phase(ctl, p + 7, tasks)
+        # 8: down
+        _products(ctl, p + 8, tasks, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
+        wait_phase(ctl, p + 8, tasks)
+    # the last FFN output, the output norm of the rows that want logits, the output head
+    p = PHASES_PER_LAYER * n_layers
+    if _one_task(ctl, p):
+        vb = VECS_PER_LAYER * n_layers
+        if post_norms:
+            _norm_into(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
+        x += dn
+        for i in range(out_rows.shape[0]):
+            xo[i] = x[out_rows[i]]
+        _norm_into(xo, vecs[vb], eps, xo)
+        task_done(ctl, p)
+    wait_phase(ctl, p, 1)
+    if out_rows.shape[0] > 0:
+        _products(ctl, p + 1, tasks, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1, xo, logits,
+                  logits, logits, vecs, -1)
+    else:
+        for t in range(tasks):
+            if next_task(ctl, p + 1, tasks) >= 0:
+                task_done(ctl, p + 1)
+    wait_phase(ctl, p + 1, tasks)
+
+
+@njit(parallel=True, cache=True)
+def forward(threads, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_families, vecs, kv_k, kv_ks, kv_v,
+            kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin, x,
+            out_rows):
+    """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
+    logits (len(out_rows), vocab) of the rows `out_rows`. The cache must have reserved the n tokens."""
+    n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
+    n_embd, n_ff, vocab = dims[6], dims[7], dims[8]
+    n = x.shape[0]
+    h = np.empty((n, n_embd), np.float32)
+    q = np.empty((n, n_head * head_dim), np.float32)
+    k = np.empty((n, n_kv * head_dim), np.float32)
+    v = np.empty((n, n_kv * value_dim), np.float32)
+    attn = np.empty((n, n_head * value_dim), np.float32)
+    o = np.empty((n, n_embd), np.float32)
+    gate = np.empty((n, n_ff), np.float32)
+    up = np.empty((n, n_ff), np.float32)
+    act = np.empty((n, n_ff), np.float32)
+    dn = np.empty((n, n_embd), np.float32)
+    xo = np.empty((out_rows.shape[0], n_embd), np.float32)
+    logits = np.empty((out_rows.shape[0], vocab), np.float32)
+    ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
+    for _ in prange(threads):
+        _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_families, vecs, kv_k, kv_ks, kv_v,
+                kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos,
+                sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
+    return logits
+
+
+# The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
+forget_stale_cache(__file__, forward._cache.cache_path,
+                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks)])

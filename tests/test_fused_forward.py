@@ -1,0 +1,147 @@
+"""The fused forward (one compiled call per forward of one sequence, kernels/cpu/fused_forward.py)
+computes bitwise what the per-kernel path computes, on every real model, in both KV layouts and types, past a
+sliding window; and its thread protocol (kernels/cpu/team.py) finishes whatever threads the runtime gives it."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numba
+import numpy as np
+import pytest
+from numba import njit, prange
+
+from conftest import CATALOG_MODELS, english_tokens, model_file
+from kernels import ops
+from kernels.cpu.team import next_task, task_bounds, task_done, wait_phase
+from localllm.engine import Engine
+
+STEPS = (1, 3, 1, 8, 16, 37, 2)  # decode steps, verify-sized ones, a chunk of several 16-row passes
+
+
+@cache
+def engine(name: str, kv_type: str = "f32") -> Engine:
+    return Engine(model_file(name), ctx=2048, kv_type=kv_type)
+
+
+def run(e: Engine, fused: bool, prompt: list[int], steps: list[list[int]], interleave: bool) -> list[np.ndarray]:
+    """Logits of every position of every step after `prompt`; `interleave`: a second sequence grows in turn,
+    so both block tables fragment (the paged layout)."""
+    e.model.fused.available = fused
+    try:
+        e.kv_pool = type(e.kv_pool).for_model(e.config, kv_type=e.kv_type)
+        e.kv_pool.budget_bytes = e.ctx * e.kv_pool.bytes_per_token
+        seq, other = e.new_sequence(), e.new_sequence()
+        outs = [e.evaluate(seq, prompt)]
+        if interleave:
+            e.evaluate(other, prompt[::-1])
+        for tokens in steps:
+            outs.append(e.evaluate(seq, tokens, logit_positions=range(len(tokens))))
+            if interleave:
+                e.evaluate(other, tokens[:1])
+        assert seq.cache.contiguous == (not interleave)
+        seq.close()
+        other.close()
+        return outs
+    finally:
+        e.model.fused.available = True
+
+
+def steps_for(e: Engine, seed: int) -> list[list[int]]:
+    words = english_tokens(e.tokenizer, sum(STEPS), seed)
+    cuts = np.cumsum((0,) + STEPS)
+    return [words[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def assert_bitwise(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", CATALOG_MODELS)
+def test_fused_steps_equal_the_per_kernel_path_bitwise(name):
+    e = engine(name)
+    assert e.model.fused.available  # every catalog model has integer kernels for all its weights
+    prompt = english_tokens(e.tokenizer, 40, seed=1)
+    steps = steps_for(e, seed=2)
+    for interleave in (False, True):
+        assert_bitwise(run(e, True, prompt, steps, interleave), run(e, False, prompt, steps, interleave))
+
+
+def test_fused_steps_past_gemma3_sliding_window():
+    """gemma3's sliding layers have dropped their first blocks (their table starts later than the global
+    layers')."""
+    e = engine("gemma3-270m")
+    window = e.config.sliding_window
+    prompt = english_tokens(e.tokenizer, window + 40, seed=3)
+    steps = steps_for(e, seed=4)
+    assert_bitwise(run(e, True, prompt, steps, False), run(e, False, prompt, steps, False))
+
+
+def test_fused_steps_with_a_q8_0_cache():
+    e = engine("smollm2-135m-instruct", "q8_0")
+    prompt = english_tokens(e.tokenizer, 40, seed=5)
+    steps = steps_for(e, seed=6)
+    assert_bitwise(run(e, True, prompt, steps, True), run(e, False, prompt, steps, True))
+
+
+def test_fused_step_with_two_workers_on_one_thread():
+    """Two workers that the runtime runs one after the other on a single thread (fewer threads than asked):
+    the first does every task, the second finds none left; no deadlock, same logits."""
+    e = engine("smollm2-135m-instruct")
+    prompt = english_tokens(e.tokenizer, 20, seed=7)
+    steps = steps_for(e, seed=8)
+    want = run(e, True, prompt, steps, False)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    saved = ops._threads[0]
+    ops._threads[0] = 2  # the fused forward still splits its work for two workers
+    try:
+        got = run(e, True, prompt, steps, False)
+    finally:
+        numba.set_num_threads(threads)
+        ops._threads[0] = saved
+    assert_bitwise(got, want)
+
+
+@njit
+def _phased_sums(ctl, out, tasks):
+    """Phase p adds 1 to each element of row p-1 into row p, in `tasks` ranges: row p must hold p + 1 everywhere
+    only if every phase saw the whole previous row (the phase boundaries hold)."""
+    for p in range(out.shape[0]):
+        while True:
+            t = next_task(ctl, p, tasks)
+            if t < 0:
+                break
+            lo, hi = task_bounds(t, tasks, out.shape[1], 8)
+            for j in range(lo, hi):
+                # read a neighbour from another task's range of the previous row
+                prev = out[p - 1, (j + out.shape[1] // 2) % out.shape[1]] if p > 0 else 0
+                out[p, j] = prev + 1
+            task_done(ctl, p)
+        wait_phase(ctl, p, tasks)
+
+
+@njit(parallel=True)
+def _run_phased(out, tasks, workers):
+    ctl = np.zeros(2 * out.shape[0], np.int64)
+    for _ in prange(workers):
+        _phased_sums(ctl, out, tasks)
+
+
+@pytest.mark.parametrize("workers,tasks", [(2, 4), (2, 1), (2, 7), (1, 3)])
+def test_phases_see_every_task_of_the_previous_phase(workers, tasks):
+    out = np.zeros((200, 1000), np.int64)
+    for _ in range(5):
+        _run_phased(out, tasks, workers)
+        assert (out == np.arange(1, 201)[:, None]).all()
+
+
+def test_task_bounds_cover_the_range_once_at_aligned_cuts():
+    for total, tasks, align in [(576, 4, 1), (1536, 4, 32), (100, 7, 8), (5, 8, 1)]:
+        cuts = [task_bounds(t, tasks, total, align) for t in range(tasks)]
+        assert cuts[0][0] == 0 and cuts[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+        assert all(lo % align == 0 for lo, hi in cuts if lo < total)
