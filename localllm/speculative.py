@@ -14,12 +14,18 @@ Pieces, each small:
 * `accept_token`: the acceptance rule. Greedy: the target's own pick (the sampler's argmax) must equal the
   draft token. Sampling: accept draft d with probability min(1, p(d)/q(d)), else draw from (p - q)+ normalized,
   which leaves every emitted token distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
-* `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (an exponential
-  average per draft kind, for the n-gram drafter per matched length, with a free "shadow" measurement while
-  speculation is off: would its guess have been the token that came?) and the wall time of a verify of n tokens (a line a + b (n - 1), fitted with
-  forgetting), plus the drafter's own time per drafted token. It picks the k in 0..draft_max maximizing
-  expected tokens per second, (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step); k = 0 is plain
-  decoding, so speculation switches itself off where it cannot pay.
+* `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (a forgetting average
+  per draft kind, for the n-gram drafter per matched length, started from a prior worth two tokens, with a free
+  "shadow" measurement while speculation is off: would its guess have been the token that came?), the wall
+  time of a verify of n tokens with its sampling (a line a + b (n - 1), fitted with forgetting) and, for a
+  draft model, the wall time of its forwards the same way (before any is timed: the ratio of the two models'
+  weights). It picks the k in 0..draft_max maximizing expected tokens per second,
+  (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step + catch-up); k = 0 is plain decoding, so
+  speculation switches itself off where it cannot pay. A draft model that missed tokens (speculation was
+  off, or the lookup's draft was verified) evaluates them all in its next first forward: that catch-up is
+  charged, spread over the rounds it buys, and a lookup draft verified while the model drafts is charged the
+  catch-up it causes. While off, a draft model probes with one token a few rounds after switching off (the
+  catch-up is still short), twice at most unless a probe turns speculation back on.
 * `SpeculativeRun`: drives a `Generation` (engine.py) round by round. A round evaluates the pending token and
   k draft tokens in one forward (logits for every position), walks the draft with `Generation.step` (so the
   sampler's history, the detokenizer, stop strings, max_tokens, EOS and the context limit act exactly as in
@@ -172,7 +178,9 @@ class DraftModelDrafter:
 
     def __init__(self, engine, seed: int = 0, temperature: float | None = None):
         self.engine = engine
-        self.catchup_seconds = 0.0  # time the last draft spent catching up with tokens beyond the usual one or two
+        # The last draft's forwards as (tokens evaluated, seconds, the draw after it included): the first one
+        # also evaluates whatever the draft model missed since its last draft (a catch-up).
+        self.forwards: list[tuple[int, float]] = []
         self.seq = engine.new_sequence()
         self.rng = np.random.Generator(np.random.PCG64([seed, 1]))
         self.temperature = temperature  # drafting temperature when sampling (None: the target's)
@@ -181,34 +189,47 @@ class DraftModelDrafter:
         self.seq.reuse_prefix(tokens)  # the draft model's KV pool caches prompts as the target's does
         self._sync(tokens)
 
-    def _sync(self, context: list[int]) -> np.ndarray | None:
-        """Make the draft sequence hold `context`; return the last position's logits when it evaluated some."""
-        seq, have = self.seq, self.seq.tokens
-        common, limit = 0, min(len(have), len(context))
+    def _common(self, context: list[int]) -> int:
+        have = self.seq.tokens
+        limit = min(len(have), len(context))
         if limit and have[:limit] == context[:limit]:
-            common = limit
-        else:
-            while common < limit and have[common] == context[common]:
-                common += 1
+            return limit
+        common = 0
+        while common < limit and have[common] == context[common]:
+            common += 1
+        return common
+
+    def size_ratio(self, target) -> float:
+        """The draft model's weights over the target's (file sizes): about what one forward costs next to the
+        target's."""
+        try:
+            return self.engine.path.stat().st_size / target.path.stat().st_size
+        except (AttributeError, OSError):
+            return 0.0
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens the next draft's first forward evaluates: those of `context` the draft model has not seen (at
+        least one: the last token's logits are needed)."""
+        return max(len(context) - self._common(context), 1)
+
+    def _sync(self, context: list[int]) -> tuple[np.ndarray, int]:
+        """Make the draft sequence hold `context`; return the last position's logits and how many tokens that
+        evaluated."""
+        seq = self.seq
+        common = self._common(context)
         if common == len(context):  # nothing new to evaluate: step back one token to get its logits
             common -= 1
-        if common < len(have):
-            seq.cache.truncate(common)
-            del have[common:]
-        if common < len(context):
-            t0 = time.perf_counter()
-            logits = self.engine.evaluate(seq, context[common:])
-            # After speculation was off a while, the draft model evaluates what it missed: not a per-token cost.
-            self.catchup_seconds = time.perf_counter() - t0 if len(context) - common > 2 else 0.0
-            return logits
-        self.catchup_seconds = 0.0
-        return None
+        if common < len(seq.tokens):
+            seq.truncate(common)
+        return self.engine.evaluate(seq, context[common:]), len(context) - common
 
     def draft(self, context: list[int], k: int, sampler) -> Draft:
         out = Draft()
+        self.forwards = []
         if k <= 0:
             return out
-        logits = self._sync(context)
+        t0 = time.perf_counter()
+        logits, n = self._sync(context)
         greedy = sampler.params.greedy
         local = sampler.clone()  # the target's penalty history, extended by the draft tokens
         if self.temperature is not None and not greedy:
@@ -223,7 +244,10 @@ class DraftModelDrafter:
                 out.q.append((ids, probs))
             out.tokens.append(d)
             local.accept(d)
+            t1 = time.perf_counter()
+            self.forwards.append((n, t1 - t0))
             if i + 1 < k:
+                t0, n = t1, 1
                 logits = self.engine.evaluate(self.seq, [d])
         return out
 
@@ -275,81 +299,166 @@ def accept_token(p: tuple[np.ndarray, np.ndarray], d: int, q: tuple[np.ndarray, 
 # ---- the adaptive draft length -----------------------------------------------------------------------------
 
 
+class _LineFit:
+    """Wall time of a forward of n tokens as a line, t(n) = mean + slope (n - mean n), least squares over the
+    observations with forgetting. Before two sizes were measured: the mean size's mean time, with a prior slope
+    relative to a one-token forward."""
+
+    def __init__(self, decay: float, prior_slope: float):
+        self.decay, self.prior_slope = decay, prior_slope
+        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.w > 0
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = self.decay
+        self.w, self.sn, self.snn = d * self.w + 1.0, d * self.sn + n, d * self.snn + n * n
+        self.st, self.snt = d * self.st + seconds, d * self.snt + n * seconds
+
+    def __call__(self, n: float) -> float:
+        w = self.w
+        if w == 0:
+            return 1.0 + self.prior_slope * (n - 1)
+        mean_n, mean_t = self.sn / w, self.st / w
+        var = self.snn / w - mean_n ** 2
+        if var < 0.05:  # one size measured so far: its mean, with the prior slope
+            base = mean_t / (1 + self.prior_slope * (mean_n - 1))
+            return base * (1 + self.prior_slope * (n - 1))
+        slope = max((self.snt / w - mean_n * mean_t) / var, 0.0)
+        return max(mean_t + slope * (n - mean_n), 1e-6)
+
+
 class Controller:
     """Chooses k, the tokens to draft for the next verify, from measured acceptance and measured costs.
     Acceptance is kept per draft kind: an n-gram draft from a 5-token match is right far more often than one
-    from a 2-token match, so each match length gets its own rate (and its own draft length)."""
+    from a 2-token match, so each match length gets its own rate (and its own draft length).
+
+    Costs are wall times, measured as a line in the tokens a forward evaluates: a verify of n tokens (with the
+    walk that samples and accepts at each of its positions) and, for a draft model, one of its forwards (with
+    the draw after it). A draft of k tokens costs k one-token draft forwards in steady state; a draft model that
+    missed tokens (speculation was off, or the lookup's draft was verified instead) first evaluates them all in
+    its first forward: a catch-up, charged where it is paid (see `choose`)."""
 
     DECAY = 0.95  # forgetting per observation
+    PRIOR_WEIGHT = 2.0  # the prior acceptance counts as this many tested tokens
     PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, before two sizes were measured
+    PROBE_EVERY = 4  # a switched-off draft model probes after this many rounds off
+    MAX_FRUITLESS = 2  # and stops after this many probes that left speculation off
 
-    def __init__(self, draft_max: int, adaptive: bool = True, free_drafts: bool = True, prior_rate: float = 0.6):
+    def __init__(self, draft_max: int, adaptive: bool = True, free_drafts: bool = True, prior_rate: float = 0.6,
+                 draft_ratio: float = 0.0):
         self.draft_max, self.adaptive, self.free_drafts = draft_max, adaptive, free_drafts
         self.prior_rate = prior_rate
-        self.rates: dict[int, float] = {}  # acceptance rate per draft kind
-        self._fit = np.zeros(5)  # forgetting sums for the fit of verify time on n: w, w n, w n^2, w t, w n t
-        self.draft_step = 0.0  # seconds per drafted token (EWMA)
+        # A draft model's forward / the target's, assumed until measured (the ratio of their weights' sizes: a
+        # one-token forward reads every weight once).
+        self.draft_ratio = draft_ratio
+        self._seen: dict[int, list[float]] = {}  # per draft kind: forgetting sums of tokens accepted, tested
+        self._verify = _LineFit(self.DECAY, self.PRIOR_SLOPE)
+        self._draft = _LineFit(self.DECAY, self.PRIOR_SLOPE)  # a draft model's forward of n tokens
         self.off_rounds = 0
         self.fruitless_probes = 0  # probes after which speculation stayed off
         self._probed = False
 
     def accept_rate(self, kind: int = 0) -> float:
-        return self.rates.get(kind, self.prior_rate)  # optimistic start: speculation is tried, then measured
+        seen = self._seen.get(kind)
+        return self.prior_rate if seen is None else seen[0] / seen[1]
+
+    @property
+    def rates(self) -> dict[int, float]:
+        return {kind: self.accept_rate(kind) for kind in self._seen}
 
     def observe_acceptance(self, drafted: int, accepted: int, kind: int = 0) -> None:
-        """`drafted` tokens were checked and the first `accepted` of them kept."""
+        """`drafted` tokens were checked and the first `accepted` of them kept. The rate is a forgetting average
+        over the tokens tested, started from the prior counted as PRIOR_WEIGHT tokens: an optimistic start gets
+        speculation tried, and two or three rejections are enough to show it was wrong."""
         seen = min(drafted, accepted + 1)  # tokens after the first rejection were never tested
-        a = self.accept_rate(kind)
+        s = self._seen.setdefault(kind, [self.PRIOR_WEIGHT * self.prior_rate, self.PRIOR_WEIGHT])
         for i in range(seen):
-            a = self.DECAY * a + (1 - self.DECAY) * (1.0 if i < accepted else 0.0)
-        self.rates[kind] = a
+            s[0] = self.DECAY * s[0] + (1.0 if i < accepted else 0.0)
+            s[1] = self.DECAY * s[1] + 1.0
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        self._fit = self.DECAY * self._fit + np.array([1.0, n, n * n, seconds, n * seconds])
+        self._verify.observe(n, seconds)
 
-    def observe_draft(self, k: int, seconds: float) -> None:
-        if k > 0:
-            per = seconds / k
-            self.draft_step = per if self.draft_step == 0 else 0.8 * self.draft_step + 0.2 * per
+    def observe_draft(self, n: int, seconds: float) -> None:
+        """A draft model's forward of n tokens (and its draw) took `seconds`."""
+        self._draft.observe(n, seconds)
 
     def verify_cost(self, n: int) -> float:
-        w, sn, snn, st, snt = self._fit
-        if w == 0:
-            return 1.0 + self.PRIOR_SLOPE * (n - 1)
-        var = snn / w - (sn / w) ** 2
-        if var < 0.05:  # one size measured so far: its mean, with the prior slope
-            base = st / w / (1 + self.PRIOR_SLOPE * (sn / w - 1))
-            return base * (1 + self.PRIOR_SLOPE * (n - 1))
-        slope = max((snt / w - sn / w * st / w) / var, 0.0)
-        mean_n, mean_t = sn / w, st / w
-        return max(mean_t + slope * (n - mean_n), 1e-6)
+        return self._verify(n)
 
-    def expected_rate(self, k: int, kind: int = 0, free: bool = False) -> float:
-        """Expected tokens per second of a verify with k drafted tokens (in units of the measured costs)."""
+    def draft_forward(self, n: int) -> float:
+        """A draft model's forward of n tokens: measured, or before that, `draft_ratio` times the target's."""
+        if self._draft.measured:
+            return self._draft(n)
+        return self.draft_ratio * self.verify_cost(1) * (1 + self.PRIOR_SLOPE * (n - 1))
+
+    def draft_cost(self, k: int, lag: int = 1) -> float:
+        """A draft model's k tokens when its first forward evaluates `lag` tokens (1 in steady state)."""
+        if k <= 0:
+            return 0.0
+        return self.draft_forward(lag) + (k - 1) * self.draft_forward(1)
+
+    @property
+    def draft_step(self) -> float:
+        """Seconds per drafted token in steady state."""
+        return self.draft_cost(1)
+
+    @property
+    def catchup_step(self) -> float:
+        """Seconds a draft model spends per token it missed, evaluating it in its next draft's first forward."""
+        return self.draft_forward(2) - self.draft_forward(1)
+
+    def expected_tokens(self, k: int, kind: int = 0) -> float:
         a = min(self.accept_rate(kind), 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self.verify_cost(k + 1) + (0.0 if free else k * self.draft_step))
+        return (1 - a ** (k + 1)) / (1 - a)
 
-    def choose(self, limit: int, kind: int = 0, free: bool = False) -> int:
+    def expected_rate(self, k: int, kind: int = 0, free: bool = False, extra: float = 0.0) -> float:
+        """Expected tokens per second of a verify with k drafted tokens (in units of the measured costs), plus
+        `extra` seconds the round causes elsewhere."""
+        cost = self.verify_cost(k + 1) + (0.0 if free else self.draft_cost(k)) + extra
+        return self.expected_tokens(k, kind) / cost
+
+    def catchup(self, lag: int, room: float = float("inf")) -> float:
+        """Seconds per round to charge a draft that first makes the draft model catch up on `lag` tokens: its
+        forward's cost beyond a steady-state one, spread over the rounds it buys (as many as the rates are
+        measured over, 1 / (1 - DECAY), or as fit in the `room` left to generate)."""
+        if lag <= 1:
+            return 0.0
+        rounds = max(1.0, min(1 / (1 - self.DECAY), room / max(self.expected_tokens(1), 1.0)))
+        return (self.draft_forward(lag) - self.draft_forward(1)) / rounds
+
+    def choose(self, limit: int, kind: int = 0, free: bool = False, lag: int = 1,
+               room: float = float("inf")) -> int:
+        """The draft length for the next verify, at most `limit`. A draft model's `lag`: the tokens its first
+        forward would evaluate (1 in steady state); `room`: tokens left to generate."""
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return 0
         if not self.adaptive:
             return limit
-        k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free))
+        extra = 0.0 if free else self.catchup(lag, room)
+        k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free, extra if k else 0.0))
         if not (free or self.free_drafts):
             if self._probed:
                 self.fruitless_probes = self.fruitless_probes + 1 if k == 0 else 0
                 self._probed = False
-            # A draft model's acceptance cannot be measured for free: probe with two tokens now and then. Each
-            # probe first makes the draft model catch up with every token it missed, which costs about as much
-            # as drafting them would have: after three probes that did not turn speculation back on, stop.
-            if k == 0 and self.fruitless_probes < 3:
+            # A draft model's acceptance cannot be measured for free: probe with one token now and then. A probe
+            # costs the draft model's catch-up on every token it missed (a forward of that many tokens, about
+            # catchup_step each) for one tested token: probe soon after switching off, while the catch-up is
+            # short, and after MAX_FRUITLESS probes that did not turn speculation back on, stop.
+            if k == 0 and self.fruitless_probes < self.MAX_FRUITLESS:
                 self.off_rounds += 1
-                if self.off_rounds % 8 == 0:
+                if self.off_rounds % self.PROBE_EVERY == 0:
                     self._probed = True
-                    return min(2, limit)
+                    return 1
         return k
+
+    def probe_skipped(self) -> None:
+        """The probe `choose` asked for was not made (a lookup draft was verified instead): it proved nothing."""
+        self._probed = False
 
 
 # ---- driving a Generation ----------------------------------------------------------------------------------
@@ -364,7 +473,8 @@ class SpeculativeRun:
         self.engine, self.seq = gen.engine, gen.seq
         self.greedy = gen.params.sampling.greedy
         self.rng = np.random.Generator(np.random.PCG64([gen.sampler.seed, 2]))
-        self.controller = Controller(spec.draft_max, spec.adaptive, drafter.free, drafter.prior_rate)
+        self.controller = Controller(spec.draft_max, spec.adaptive, drafter.free, drafter.prior_rate,
+                                     getattr(drafter, "size_ratio", lambda target: 0.0)(self.engine))
         self.pending = None  # the event whose token is chosen but not yet evaluated (nor handed out)
         self.lookup = (NGramDrafter(spec.ngram_max, spec.ngram_min)
                        if not drafter.free and spec.lookup and spec.adaptive else None)
@@ -397,7 +507,6 @@ class SpeculativeRun:
         room = min(gen.limit - timings.predicted_n, self.engine.ctx - base - 3)
         limit = int(min(room, self.spec.draft_max))
         shadow = None  # (a draft token not verified, its kind): would it have been right? Measured for free
-        t0 = time.perf_counter()
         if self.drafter.free:  # look first (it costs nothing), then decide how much of it to verify
             draft = self.drafter.draft(context, limit) if limit > 0 else Draft()
             k = ctl.choose(len(draft.tokens), draft.kind)
@@ -405,24 +514,32 @@ class SpeculativeRun:
                 shadow = draft.tokens[0], draft.kind
             draft = draft.cut(k)
         else:
-            k = ctl.choose(limit)
+            lag = self.drafter.lag(seq.tokens + [s])
+            k = ctl.choose(limit, lag=lag, room=room)
             draft = None
             if self.lookup is not None and limit > 0:
                 found = self.lookup.draft(context, limit)
                 if found.tokens:
                     k_found = ctl.choose(len(found.tokens), found.kind, free=True)
-                    if k_found and ctl.expected_rate(k_found, found.kind, True) >= ctl.expected_rate(k):
+                    # While the draft model drafts, every token the lookup's draft yields instead is one it
+                    # will have to catch up on.
+                    later = ctl.catchup_step * ctl.expected_tokens(k_found, found.kind) if k else 0.0
+                    model = ctl.expected_rate(k, extra=ctl.catchup(lag, room) if k else 0.0)
+                    if k_found and ctl.expected_rate(k_found, found.kind, True, later) >= model:
                         draft = found.cut(k_found)
+                        ctl.probe_skipped()
                     else:
                         shadow = found.tokens[0], found.kind
             if draft is None:
-                draft = self.drafter.draft(seq.tokens + [s], k, gen.sampler) if k > 0 else Draft()
-                ctl.observe_draft(len(draft.tokens),
-                                  time.perf_counter() - t0 - getattr(self.drafter, "catchup_seconds", 0.0))
+                if k > 0:
+                    draft = self.drafter.draft(seq.tokens + [s], k, gen.sampler)
+                    for n_eval, seconds in self.drafter.forwards:
+                        ctl.observe_draft(n_eval, seconds)
+                else:
+                    draft = Draft()
         t1 = time.perf_counter()
         n = len(draft.tokens) + 1
         rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))
-        ctl.observe_verify(n, time.perf_counter() - t1)
         gen.record(event)
         out = [event]
         self.history.append(s)
@@ -446,6 +563,8 @@ class SpeculativeRun:
             self.history.append(d)
         else:
             self.pending = gen.step(rows[n - 1])
+        # The verify's cost: its forward, and the sampling and acceptance at each position it walked.
+        ctl.observe_verify(n, time.perf_counter() - t1)
         if draft.tokens:
             timings.draft_n += len(draft.tokens)
             timings.draft_n_accepted += accepted
