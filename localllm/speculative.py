@@ -395,16 +395,17 @@ class Controller:
             return self._draft(n)
         return self.draft_ratio * self.verify_cost(1) * (1 + self.PRIOR_SLOPE * (n - 1))
 
-    def draft_cost(self, k: int, lag: int = 1) -> float:
-        """A draft model's k tokens when its first forward evaluates `lag` tokens (1 in steady state)."""
+    def draft_cost(self, k: int, kind: int = 0) -> float:
+        """A draft model's k tokens in steady state: k one-token forwards, and when the target accepts them all,
+        the last one is evaluated in the next draft's first forward (a second token there)."""
         if k <= 0:
             return 0.0
-        return self.draft_forward(lag) + (k - 1) * self.draft_forward(1)
+        return k * self.draft_forward(1) + self.accept_rate(kind) ** k * self.catchup_step
 
     @property
     def draft_step(self) -> float:
-        """Seconds per drafted token in steady state."""
-        return self.draft_cost(1)
+        """Seconds of a one-token draft forward (with its draw)."""
+        return self.draft_forward(1)
 
     @property
     def catchup_step(self) -> float:
@@ -418,17 +419,17 @@ class Controller:
     def expected_rate(self, k: int, kind: int = 0, free: bool = False, extra: float = 0.0) -> float:
         """Expected tokens per second of a verify with k drafted tokens (in units of the measured costs), plus
         `extra` seconds the round causes elsewhere."""
-        cost = self.verify_cost(k + 1) + (0.0 if free else self.draft_cost(k)) + extra
+        cost = self.verify_cost(k + 1) + (0.0 if free else self.draft_cost(k, kind)) + extra
         return self.expected_tokens(k, kind) / cost
 
     def catchup(self, lag: int, room: float = float("inf")) -> float:
         """Seconds per round to charge a draft that first makes the draft model catch up on `lag` tokens: its
-        forward's cost beyond a steady-state one, spread over the rounds it buys (as many as the rates are
-        measured over, 1 / (1 - DECAY), or as fit in the `room` left to generate)."""
-        if lag <= 1:
+        forward's cost beyond a steady-state one (of up to 2 tokens, charged by `draft_cost`), spread over the
+        rounds it buys (as many as the rates are measured over, 1 / (1 - DECAY), or as fit in the `room` left)."""
+        if lag <= 2:
             return 0.0
         rounds = max(1.0, min(1 / (1 - self.DECAY), room / max(self.expected_tokens(1), 1.0)))
-        return (self.draft_forward(lag) - self.draft_forward(1)) / rounds
+        return (self.draft_forward(lag) - self.draft_forward(2)) / rounds
 
     def choose(self, limit: int, kind: int = 0, free: bool = False, lag: int = 1,
                room: float = float("inf")) -> int:
@@ -442,6 +443,8 @@ class Controller:
         extra = 0.0 if free else self.catchup(lag, room)
         k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free, extra if k else 0.0))
         if not (free or self.free_drafts):
+            if k == 0 and not self._draft.measured:
+                return 1  # time one draft while the draft model is still in step with the prompt: no catch-up
             if self._probed:
                 self.fruitless_probes = self.fruitless_probes + 1 if k == 0 else 0
                 self._probed = False

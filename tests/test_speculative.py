@@ -157,21 +157,26 @@ def _draft_model_controller(accept: float, verify: float = 0.07, slope: float = 
         n = 1 + i % 4
         c.observe_verify(n, verify * (1 + slope * (n - 1)))
         c.observe_draft(1 if i % 4 else 6, step + catchup * (0 if i % 4 else 5))
-    for i in range(60):
-        c.observe_acceptance(1, int((i + 1) * (1 - accept) % 1 >= 1 - accept - 1e-9))
+    for i in range(60):  # accepted in the proportion `accept`, evenly spread
+        c.observe_acceptance(1, int(np.floor((i + 1) * accept + 1e-9) > np.floor(i * accept + 1e-9)))
     return c
 
 
 def test_draft_model_cost_counts_every_forward_and_a_catch_up_per_token_missed():
     c = _draft_model_controller(accept=0.9)
     assert abs(c.draft_step - 0.035) < 1e-9 and abs(c.catchup_step - 0.012) < 1e-9
-    assert abs(c.draft_cost(3) - 3 * 0.035) < 1e-9  # steady state: one one-token forward per drafted token
-    assert abs(c.draft_cost(3, lag=10) - (3 * 0.035 + 9 * 0.012)) < 1e-9  # first catching up on 9 missed tokens
+    # Steady state: a one-token forward per drafted token, and when all are accepted the next draft's first
+    # forward also evaluates the last of them.
+    a = c.accept_rate()
+    assert abs(c.draft_cost(3) - (3 * 0.035 + a ** 3 * 0.012)) < 1e-9
+    # Catching up on 9 tokens beyond those 2: 0.108 s, spread over the 20 rounds it buys, or the room left.
+    assert c.catchup(2) == 0 and abs(c.catchup(11) - 9 * 0.012 / 20) < 1e-9
+    assert abs(c.catchup(11, room=4 * c.expected_tokens(1)) - 9 * 0.012 / 4) < 1e-9
 
 
 def test_controller_with_a_costly_draft_model_stays_off_at_a_storys_acceptance():
     """The story's case: a draft model costing half a verify, right 60% of the time, does not pay (1.6 tokens
-    for 1.2 + 0.5 verifies): speculation stays off. Right 90% of the time (an edit), it drafts."""
+    for 1.2 + 0.5 verifies and more): speculation stays off. Right 90% of the time (an edit), it drafts."""
     assert _draft_model_controller(accept=0.6).choose(8) == 0
     assert _draft_model_controller(accept=0.9).choose(8) >= 2
 
@@ -180,10 +185,10 @@ def test_a_long_catch_up_keeps_a_marginal_draft_model_off():
     """Where the draft model barely pays, catching up on the tokens it missed is worth it only while they are
     few (its cost spread over the 20 rounds it buys, or the rounds left to generate); with a clear gain, even
     after many."""
-    marginal = lambda: _draft_model_controller(accept=0.75)  # noqa: E731 (choose counts rounds off: fresh ones)
-    assert marginal().choose(8, lag=1) > 0 and marginal().choose(8, lag=3) > 0
-    assert marginal().choose(8, lag=10) == 0 and marginal().choose(8, lag=60) == 0
-    assert marginal().choose(8, lag=3, room=8) == 0 and marginal().choose(8, lag=3, room=200) > 0
+    marginal = lambda: _draft_model_controller(accept=0.85)  # noqa: E731 (choose counts rounds off: fresh ones)
+    assert marginal().choose(8, lag=1) > 0 and marginal().choose(8, lag=5) > 0
+    assert marginal().choose(8, lag=20) == 0 and marginal().choose(8, lag=60) == 0
+    assert marginal().choose(8, lag=4, room=4) == 0 and marginal().choose(8, lag=4, room=200) > 0
     assert _draft_model_controller(accept=1.0).choose(8, lag=60) > 0
 
 
@@ -198,10 +203,15 @@ def test_the_prior_acceptance_counts_as_two_tested_tokens():
 
 
 def test_an_unmeasured_draft_model_is_assumed_to_cost_its_share_of_the_target_weights():
-    """Before a draft is timed, a draft forward costs draft_ratio verifies: a model 0.44 the target's size is
-    tried one token at a time (the prior acceptance 0.8 just pays), one as big as the target is not tried."""
-    assert Controller(draft_max=8, free_drafts=False, prior_rate=0.8, draft_ratio=0.44).choose(8) == 1
-    assert Controller(draft_max=8, free_drafts=False, prior_rate=0.8, draft_ratio=1.0).choose(8) == 0
+    """Before a draft is timed, a draft forward costs draft_ratio verifies: a tiny draft model drafts more than
+    one token at once; a bigger one first drafts a single token (timed while it is in step with the prompt)."""
+    assert Controller(draft_max=8, free_drafts=False, prior_rate=0.8, draft_ratio=0.1).choose(8) >= 2
+    for ratio, measured in ((0.44, 0.1), (0.44, 1.0)):
+        c = Controller(draft_max=8, free_drafts=False, prior_rate=0.8, draft_ratio=ratio)
+        assert c.choose(8) == 1 and c.fruitless_probes == 0
+        c.observe_draft(1, measured)  # timed: a draft as costly as the target's own forward is not made again
+        c.observe_verify(1, 1.0)
+        assert (c.choose(8) > 0) == (measured < 0.5)
 
 
 def test_controller_probes_a_switched_off_draft_model_a_few_times_then_stops():
