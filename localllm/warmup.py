@@ -62,7 +62,7 @@ def warm_up(weights, quiet: bool = False, extra=()) -> int:
     if not cold:
         return 0
     listener = _listener.get()
-    note("Compiling kernels for this CPU (first run only; later runs start in about a second)", quiet)
+    note("Compiling kernels for this CPU (first run only; later runs start in under two seconds)", quiet)
     with progress_bar("compiling kernels", len(cold), quiet, unit="items") as bar:
         for i, (label, thunk) in enumerate(cold):
             if listener:
