@@ -49,11 +49,6 @@ def _one_task(ctl, p):
 
 
 @njit(cache=True)
-def _norm_into(x, w, eps, out):
-    rms_norm_rows(x, w, eps, out)
-
-
-@njit(cache=True)
 def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, outs_a, outs_b, outs_c,
               vecs, bias_first):
     """Phase p: out_j = xin @ mats[first + j].T for j < count (1..3 weights, rows laid end to end and cut into
@@ -115,9 +110,9 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_famil
         if _one_task(ctl, p):
             if layer > 0:
                 if post_norms:
-                    _norm_into(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
+                    rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
                 x += dn
-            _norm_into(x, vecs[vb + 0], eps, h)
+            rms_norm_rows(x, vecs[vb + 0], eps, h)
             task_done(ctl, p)
         wait_phase(ctl, p, 1)
         # 1: Q, K, V (+ biases)
@@ -129,8 +124,8 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_famil
             if qk_norm:
                 qr = q.reshape(n * n_head, head_dim)
                 kr = k.reshape(n * n_kv, head_dim)
-                _norm_into(qr, vecs[vb + 5], eps, qr)
-                _norm_into(kr, vecs[vb + 6], eps, kr)
+                rms_norm_rows(qr, vecs[vb + 5], eps, qr)
+                rms_norm_rows(kr, vecs[vb + 6], eps, kr)
             r = layer_rope[layer]
             rope_rows(q3, cos[r], sin[r], rope_dim, neox)
             rope_rows(k3, cos[r], sin[r], rope_dim, neox)
@@ -158,9 +153,9 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_famil
         # 5: residual; the FFN's input norm
         if _one_task(ctl, p + 5):
             if post_norms:
-                _norm_into(o, vecs[vb + 7], eps, o)
+                rms_norm_rows(o, vecs[vb + 7], eps, o)
             x += o
-            _norm_into(x, vecs[vb + 1], eps, h)
+            rms_norm_rows(x, vecs[vb + 1], eps, h)
             task_done(ctl, p + 5)
         wait_phase(ctl, p + 5, 1)
         # 6: gate and up
@@ -184,11 +179,11 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_famil
     if _one_task(ctl, p):
         vb = VECS_PER_LAYER * n_layers
         if post_norms:
-            _norm_into(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
+            rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
         x += dn
         for i in range(out_rows.shape[0]):
             xo[i] = x[out_rows[i]]
-        _norm_into(xo, vecs[vb], eps, xo)
+        rms_norm_rows(xo, vecs[vb], eps, xo)
         task_done(ctl, p)
     wait_phase(ctl, p, 1)
     if out_rows.shape[0] > 0:
