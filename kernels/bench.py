@@ -1,4 +1,4 @@
-"""`python -m kernels.bench`: throughput of `kernels.ops` per format and path, on random weights.
+"""`python -m localllm.kernels.bench`: throughput of `kernels.ops` per format and path, on random weights.
 
 Prints G weights/s (weights of W processed per second; at n > 1, per x row) as the best of several repeats,
 since the machine may be shared. Shapes are (rows, cols) of W: 4864x896 and 896x4864 are Qwen2.5-0.5B's FFN;
@@ -13,8 +13,8 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from kernels import ops
-from kernels.formats import FORMATS
+from localllm.kernels import ops
+from localllm.kernels.formats import FORMATS
 
 
 def random_weight(qtype: T, rows: int, cols: int, seed: int = 0) -> ops.Weight:

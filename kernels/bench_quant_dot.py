@@ -1,6 +1,6 @@
 """Benchmark of the quantized matmul kernels (kernels/cpu/quant_dot.py).
 
-    python -m kernels.bench_quant_dot [--formats Q8_0,Q4_K] [--repeats 15] [--portable] [--best] [--threads N]
+    python -m localllm.kernels.bench_quant_dot [--formats Q8_0,Q4_K] [--repeats 15] [--portable] [--best] [--threads N]
 
 Reports, per format: G weights/s at n = 1 on a 4864xH (FFN up/gate), 896x4864 (FFN down) and 151936xH
 (vocabulary output) matrix of random blocks, H = 896 (Qwen2.5-0.5B's width) for the 32-block formats and 1024 for
@@ -20,7 +20,7 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels.cpu import quant_dot
+from localllm.kernels.cpu import quant_dot
 
 Q = GGMLQuantizationType
 FORMATS = ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q4_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"]

@@ -17,7 +17,7 @@ from typing import Callable
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels.cpu import dequant, float_matmul
+from localllm.kernels.cpu import dequant, float_matmul
 from localllm.errors import ModelFileError
 
 

@@ -27,25 +27,26 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from kernels.cpu import attention as _attention
-from kernels.cpu import blocks as _blocks
-from kernels.formats import FORMATS, QuantFormat, format_of
+from localllm.kernels.cpu import attention as _attention
+from localllm.kernels.cpu import runtime as _runtime
+from localllm.kernels.cpu import blocks as _blocks
+from localllm.kernels.formats import FORMATS, QuantFormat, format_of
 
 try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
-    from kernels.cpu import quant_dot as _quant_dot
+    from localllm.kernels.cpu import quant_dot as _quant_dot
 
     _QUANT_DOT_SUPPORTED = frozenset(_quant_dot.SUPPORTED)
 except ImportError:
     _quant_dot = None
     _QUANT_DOT_SUPPORTED = frozenset()
 try:
-    from kernels.cpu import fused_forward as _fused
+    from localllm.kernels.cpu import fused_forward as _fused
 except ImportError:
     _fused = None
 
 # From this many rows of x on, tiled dequantize + BLAS for weights without an integer kernel (or with
 # precise=True): dequantizing a tile costs about as much as 2-4 rows through the portable fused kernel
-# (`python -m kernels.bench`, crossover table, Zen 3), but n <= 8 (speculative verify, small server batches)
+# (`python -m localllm.kernels.bench`, crossover table, Zen 3), but n <= 8 (speculative verify, small server batches)
 # stays on the row-invariant fused kernel.
 BLAS_MIN_N = 9
 # x rows per integer-kernel pass (see the module docstring).
@@ -71,6 +72,7 @@ class Weight:
     )
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
+        _ensure_runtime()  # before any kernel runs; a model's first weight comes before its first call
         fmt: QuantFormat = format_of(qtype)
         if raw.dtype != np.uint8 or raw.ndim != 2 or not raw.flags.c_contiguous:
             raise ValueError(f"a weight's raw data must be a C-contiguous 2-D uint8 array, not {raw.dtype} {raw.shape}")
@@ -100,12 +102,26 @@ class Weight:
         return f"Weight({self.format.name}, rows={self.rows}, cols={self.cols})"
 
 
-# Threads for the parallel kernels, read once: numba.get_num_threads() costs microseconds per call.
-_threads = [numba.get_num_threads()]
+# Threads for the parallel kernels, read once on first use: numba.get_num_threads() costs microseconds per call,
+# and starts OpenMP, whose settings must be in place first (kernels/cpu/runtime.py). 0: not yet read.
+_threads = [0]
+
+
+def _ensure_runtime() -> None:
+    if not _threads[0]:
+        _runtime.configure()
+        _threads[0] = numba.get_num_threads()
+
+
+def threads() -> int:
+    """Threads the parallel kernels use."""
+    _ensure_runtime()
+    return _threads[0]
 
 
 def set_threads(n: int) -> None:
     """Use n threads in the kernels (at most the cores Numba was started with)."""
+    _ensure_runtime()
     numba.set_num_threads(n)
     _threads[0] = n
 
@@ -274,6 +290,7 @@ def attention(q: np.ndarray, cache_inputs: tuple, q_positions: np.ndarray, key_s
     q_positions (ascending) over a paged KV cache (`KVCache.attention_inputs(layer)`, whose first key sits at
     key_start). window > 0: a query at p sees only keys after p - window. Returns (n, n_head * value_dim)."""
     k, k_scale, v, v_scale, table, first_block = cache_inputs
+    _ensure_runtime()
     out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), _F32)
     work = q.shape[0] * q.shape[1] * (int(q_positions[-1]) - key_start + 1) * q.shape[2]
     if _threads[0] > 1 and work >= _attention.PARALLEL_MIN_WORK:

@@ -94,7 +94,7 @@ def _parse_entry(raw: dict) -> CatalogEntry:
 def entries() -> dict[str, CatalogEntry]:
     """All catalog entries by name, in name order."""
     found = {}
-    for item in resources.files("models").iterdir():
+    for item in resources.files("localllm.models").iterdir():
         if item.name.endswith(".toml"):
             entry = _parse_entry(tomllib.loads(item.read_text(encoding="utf-8")))
             found[entry.name] = entry

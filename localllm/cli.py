@@ -10,27 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 
 from localllm import __version__
 from localllm.errors import LocalLLMError
+from localllm.files import read_text_file
+from localllm.model_info import model_info
 
 DEFAULT_MODEL_HELP = "catalog name or path to a .gguf file"
 
 
 def _print_json(obj) -> None:
     print(json.dumps(obj, ensure_ascii=False))
-
-
-def read_text_file(path: str) -> str:
-    """A UTF-8 text file named on the command line, or a clear error (missing, unreadable, not text)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise LocalLLMError(f"cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise LocalLLMError(f"{path} is not UTF-8 text") from None
 
 
 def _human_size(n: int) -> str:
@@ -104,36 +94,6 @@ def cmd_rm(args) -> int:
         if not args.quiet:
             print(f"removed {name} ({path})")
     return 0
-
-
-def model_info(path) -> dict:
-    """What `show` reports about a GGUF file (also used by the server's model endpoints)."""
-    from localllm.gguf_file import GGUFFile
-
-    g = GGUFFile(path)
-    arch = g.architecture
-    meta = g.metadata
-    tensor_types = Counter(t.qtype.name for t in g.tensors.values())
-    info = {
-        "path": str(g.path),
-        "name": meta.get("general.name"),
-        "architecture": arch,
-        "parameters": sum(t.n_elements for t in g.tensors.values()),
-        "file_size": g.file_size,
-        "tensor_count": len(g.tensors),
-        "tensor_types": dict(sorted(tensor_types.items(), key=lambda kv: -kv[1])),
-        "context_length": meta.get(f"{arch}.context_length"),
-        "embedding_length": meta.get(f"{arch}.embedding_length"),
-        "block_count": meta.get(f"{arch}.block_count"),
-        "tokenizer": {
-            "model": meta.get("tokenizer.ggml.model"),
-            "pre": meta.get("tokenizer.ggml.pre"),
-            "vocab_size": len(meta.get("tokenizer.ggml.tokens", [])),
-        },
-        "chat_template": "tokenizer.chat_template" in meta,
-    }
-    g.close()
-    return info
 
 
 def cmd_show(args) -> int:

@@ -10,7 +10,7 @@ import math
 import sys
 
 from localllm.chat_history import fit_messages
-from localllm.cli import read_text_file
+from localllm.files import read_text_file
 from localllm.errors import LocalLLMError
 
 MODEL_HELP = "catalog name or path to a .gguf file"
@@ -169,8 +169,8 @@ def save_prompt_cache(engine, seq, path, n_tokens=None) -> None:
 def cmd_chat(args) -> int:
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return chat_plain(args)
-    from tui.app import run
-    from tui.settings import load
+    from localllm.tui.app import run
+    from localllm.tui.settings import load
 
     return run(args.model, chat_settings_overrides(args, load()))
 
@@ -306,10 +306,8 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import numba
-
-    from kernels import ops
-    from kernels.membw import read_bandwidth
+    from localllm.kernels import ops
+    from localllm.kernels.membw import read_bandwidth
     from localllm import bench, store
     from localllm.engine import Engine
 
@@ -342,7 +340,7 @@ def cmd_bench(args) -> int:
         print(json.dumps(results[0] if len(results) == 1 else results))
     else:
         if args.p > 0 or args.n > 0:
-            print(bench.format_rows(results, numba.get_num_threads()))
+            print(bench.format_rows(results, ops.threads()))
         for r in results:
             for line in bench.format_extras(r):
                 print(line)

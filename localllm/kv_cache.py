@@ -37,7 +37,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kernels.cpu import attention as _kernels
+from localllm.kernels.cpu import attention as _kernels
 
 BLOCK = _kernels.BLOCK  # tokens per block: sharing and trimming waste little, the kernels' loops stay long
 KV_TYPES = ("f32", "q8_0")

@@ -23,7 +23,7 @@ def _build_key() -> str:
     import llvmlite.binding as llvm
     import numba
 
-    import kernels
+    import localllm.kernels as kernels
 
     digest = hashlib.sha256()
     for src in sorted(Path(kernels.__file__).parent.rglob("*.py")):
@@ -55,7 +55,7 @@ def _marker(label: str) -> Path:
 def warm_up(weights, quiet: bool = False, extra=()) -> int:
     """Run the warm-up calls (the kernels `weights` use, then `extra` (label, thunk) pairs); returns how many
     kernels had to be compiled (0 on a warm start)."""
-    from kernels import ops
+    from localllm.kernels import ops
 
     calls = ops.warm_up_calls(weights) + list(extra)
     cold = [(label, thunk) for label, thunk in calls if not _marker(label).exists()]

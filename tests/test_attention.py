@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import ops, reference
+from localllm.kernels import ops, reference
 from localllm.kv_cache import BLOCK, KVPool
 
 N_KV, GROUP, D = 2, 3, 64
@@ -84,7 +84,7 @@ def test_unknown_kv_type_is_a_clear_error():
 
 
 def test_softmax_exponential_is_within_a_few_ulp_of_libm():
-    from kernels.cpu.attention import _softmax_weights
+    from localllm.kernels.cpu.attention import _softmax_weights
 
     x = np.concatenate([-np.geomspace(1e-8, 86, 4000), [0.0]]).astype(np.float32)
     scores = x.copy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import ops, reference
+from localllm.kernels import ops, reference
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 640), (3, 4, 256)])
@@ -42,7 +42,7 @@ def test_rope_preserves_norms_of_rotated_pairs():
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
 def test_gated_activation_matches_numpy(kind):
-    from kernels import reference
+    from localllm.kernels import reference
 
     rng = np.random.default_rng(5)
     gate = (rng.standard_normal((3, 300)) * 4).astype(np.float32)

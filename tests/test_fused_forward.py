@@ -12,8 +12,8 @@ import pytest
 from numba import njit, prange
 
 from conftest import CATALOG_MODELS, english_tokens, model_file
-from kernels import ops
-from kernels.cpu.team import next_task, task_bounds, task_done, wait_phase
+from localllm.kernels import ops
+from localllm.kernels.cpu.team import next_task, task_bounds, task_done, wait_phase
 from localllm.engine import Engine
 
 STEPS = (1, 3, 1, 8, 16, 37, 2)  # decode steps, verify-sized ones, a chunk of several 16-row passes

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from kernels import ops, reference
-from kernels.formats import FORMATS, format_of
+from localllm.kernels import ops, reference
+from localllm.kernels.formats import FORMATS, format_of
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
 from conftest import model_file
@@ -232,6 +232,6 @@ def test_weight_group_gives_bitwise_what_separate_matmuls_give(qtype):
 
 
 def quant_dot_has_avx2() -> bool:
-    from kernels.cpu import quant_dot
+    from localllm.kernels.cpu import quant_dot
 
     return quant_dot.USES_AVX2

@@ -20,7 +20,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels.cpu import quant_dot, simd
+from localllm.kernels.cpu import quant_dot, simd
 from localllm.gguf_file import GGUFFile
 from conftest import model_file
 
@@ -305,7 +305,7 @@ def test_kernels_compile_to_vpmaddubsw_and_vpmaddwd():
 GENERIC_CPU_SCRIPT = """
 import sys
 import numpy as np
-from kernels.cpu import quant_dot, simd
+from localllm.kernels.cpu import quant_dot, simd
 assert not simd.HAVE_AVX2 and not quant_dot.USES_AVX2, "NUMBA_CPU_NAME=generic must select the portable kernels"
 inputs = np.load(sys.argv[1])
 results = {}
@@ -344,7 +344,7 @@ def test_cpu_without_avx2_selects_portable_kernels_with_identical_results(tmp_pa
 
 CACHE_CHECK_SCRIPT = """
 import numpy as np
-from kernels.cpu import quant_dot
+from localllm.kernels.cpu import quant_dot
 raw = np.zeros((8, 34), np.uint8)
 x = np.ones((1, 32), np.float32)
 out = np.empty((1, 8), np.float32)

@@ -113,7 +113,8 @@ def test_a_request_that_cannot_run_fails_alone(engine):
 def test_cors_is_off_unless_configured(engine):
     from starlette.testclient import TestClient
 
-    from localllm.server.app import ServerState, create_app
+    from localllm.server.app import ServerState
+    from localllm.server.asgi import create_app
 
     def client(origins):
         state = ServerState(engine=engine, scheduler=Scheduler(engine), model_name=MODEL, model_path="x",

@@ -17,11 +17,11 @@ from textual import events
 
 from localllm import catalog, paths
 from conftest import model_file
-from tui import conversations
-from tui.app import ChatApp, ChatInput, ChatMessage
-from tui.chat_session import load_engine
-from tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen
-from tui.settings import ChatSettings
+from localllm.tui import conversations
+from localllm.tui.app import ChatApp, ChatInput, ChatMessage
+from localllm.tui.chat_session import load_engine
+from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen
+from localllm.tui.settings import ChatSettings
 
 SMOLLM = "smollm2-135m-instruct"
 GEMMA = "gemma3-270m"

@@ -18,11 +18,11 @@ from textual.widgets import Footer, Label, Markdown, ProgressBar, Static, TextAr
 
 from localllm import catalog, store
 from localllm.errors import LocalLLMError
-from tui import conversations, settings as settings_store
-from tui.chat_session import ChatSession, TurnStats, load_engine
-from tui.conversations import Conversation
-from tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen, human_size
-from tui.settings import ChatSettings
+from localllm.tui import conversations, settings as settings_store
+from localllm.tui.chat_session import ChatSession, TurnStats, load_engine
+from localllm.tui.conversations import Conversation
+from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen, human_size
+from localllm.tui.settings import ChatSettings
 
 CSS = """
 #topbar { height: 1; background: $primary-background; color: $text; padding: 0 1; }

@@ -15,8 +15,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressBar, Select, Static, TextArea
 
 from localllm import catalog, store
-from tui import conversations
-from tui.settings import ChatSettings
+from localllm.tui import conversations
+from localllm.tui.settings import ChatSettings
 
 HELP = """\
 # localllm chat

@@ -1,9 +1,51 @@
-"""CPU kernels (Numba). See kernels/ops.py for the interface the engine calls."""
+"""CPU kernels (Numba). See kernels/ops.py for the interface the engine calls.
+
+Numba caches compiled kernels on disk. Ours go to the user's cache directory (`paths.kernel_cache_dir()`), so
+that an installed, read-only package still starts fast on the second run; a user's NUMBA_CACHE_DIR wins. The
+locator below answers for this package's own source files only: other Numba code in the process keeps Numba's
+defaults, and no environment variable is set.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
+
+from numba.core import caching as _caching
+from numba.core import config as _numba_config
+
+from localllm.paths import kernel_cache_dir
+
+_KERNELS_DIR = Path(__file__).resolve().parent.parent
+
+
+class _KernelCacheLocator(_caching.UserProvidedCacheLocator):
+    """Numba's user-provided-directory locator, pointed at our cache directory, for files of this package."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = os.path.join(str(kernel_cache_dir()), self.get_suitable_cache_subpath(py_file))
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if _numba_config.CACHE_DIR:  # NUMBA_CACHE_DIR: Numba's own locator takes it
+            return None
+        try:
+            Path(py_file).resolve().relative_to(_KERNELS_DIR)
+        except (ValueError, OSError):
+            return None
+        self = cls(py_func, py_file)
+        try:
+            self.ensure_cache_path()
+        except OSError:
+            return None  # unwritable: Numba's next locator (or none) decides
+        return self
+
+
+if _KernelCacheLocator not in _caching.CacheImpl._locator_classes:
+    _caching.CacheImpl._locator_classes.insert(0, _KernelCacheLocator)
 
 
 def forget_stale_cache(module_file: str, cache_path: str, dependencies: list[str]) -> None:

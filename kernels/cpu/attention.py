@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu import forget_stale_cache, simd
-from kernels.cpu.simd import (HAVE_AVX2, address_of, bits_to_float, fmadd_ps, hsum_float_8, loadu_ps, set1_ps,
+from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu.simd import (HAVE_AVX2, address_of, bits_to_float, fmadd_ps, hsum_float_8, loadu_ps, set1_ps,
                               setzero_ps, storeu_ps)
 
 BLOCK = 16  # tokens per KV block (localllm.kv_cache.BLOCK, which imports this)

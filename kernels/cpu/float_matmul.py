@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.dequant import (
+from localllm.kernels.cpu.dequant import (
     QK,
     QK_K,
     decode_bf16,

@@ -30,11 +30,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu import attention, blocks, forget_stale_cache, quant_dot, simd, team
-from kernels.cpu.attention import BLOCK, _attend_items, write_rows
-from kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
-from kernels.cpu.quant_dot import quantize_activations, rows_avx2
-from kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
+from localllm.kernels.cpu import attention, blocks, forget_stale_cache, quant_dot, simd, team
+from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
+from localllm.kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
+from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2
+from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
 
 MATS_PER_LAYER = 7
 VECS_PER_LAYER = 9

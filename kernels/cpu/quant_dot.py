@@ -36,8 +36,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_num_threads, literally, njit, prange
 
-from kernels.cpu import forget_stale_cache, simd
-from kernels.cpu.simd import (
+from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu.simd import (
     HAVE_AVX2,
     add_epi8,
     add_epi32,

@@ -27,8 +27,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu import forget_stale_cache, simd
-from kernels.cpu.simd import address_of
+from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu.simd import address_of
 
 _I64 = ir.IntType(64)
 _MACHINE = platform.machine().lower()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels import ops
+from localllm.kernels import ops
 from localllm.architectures.base import ModelConfig
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile

@@ -59,7 +59,8 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
 
     from localllm import store
     from localllm.engine import Engine
-    from localllm.server.app import MAX_BODY, ServerState, create_app
+    from localllm.server.app import MAX_BODY, ServerState
+    from localllm.server.asgi import create_app
     from localllm.server.scheduler import Scheduler
 
     if parallel < 1:

@@ -33,7 +33,7 @@ def _now() -> str:
 
 @functools.cache
 def _model_facts(path: str) -> dict:
-    from localllm.cli import model_info
+    from localllm.model_info import model_info
 
     info = model_info(path)
     st = __import__("os").stat(path)
