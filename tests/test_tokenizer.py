@@ -484,3 +484,36 @@ def test_gemma3_vocabulary_loads_quickly():
     print(f"gemma3 tokenizer from metadata: {elapsed:.3f}s for {tok.vocab_size} tokens")
     assert tok.vocab_size == 262144
     assert elapsed < 1.5  # measured ~0.25 s
+
+
+# --- the early length check ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CATALOG_MODELS + ["ggml-vocab-gpt-2.gguf", "ggml-vocab-llama-spm.gguf",
+                                                   "ggml-vocab-phi-3.gguf", "ggml-vocab-deepseek-coder.gguf"])
+def test_min_tokens_never_exceeds_the_real_count(name):
+    """min_tokens is what lets the server refuse a 4 MB prompt in milliseconds instead of tokenizing it: it
+    must be a true lower bound on any text, and still useful on ordinary text where a bound holds."""
+    tok = model_tokenizer(name) if name in CATALOG_MODELS else vocab_tokenizer(name)
+    rng = random.Random(7)
+    longest = max(range(tok.vocab_size), key=lambda i: len(tok.piece_bytes(i)))
+    specials = [tok.token_text(i) for i in tok.vocab.special_tokens[:50]]
+    texts = [text for text, _ in read_vocab_cases("ggml-vocab-llama-bpe.gguf")] + [
+        tok.piece_bytes(longest).decode("utf-8", "replace") * 50,  # the longest token, back to back
+        " " * 5000, "\n" * 3000, "\t \r\n" * 500, "".join(specials) * 20, "a\ud800b\udc80c" * 300,
+        # Characters that give no token at all (smollm2 has none for \x04, \x06, ...): they must not count.
+        "".join(c for c in map(chr, range(128)) if not tok.encode(c, add_special=False)) * 2000,
+        "".join(chr(rng.randrange(0, 0x800)) for _ in range(3000)),  # controls and 2-byte characters
+        "".join(chr(rng.choice([rng.randrange(0x20, 0x7f), rng.randrange(0x4e00, 0x9fff),
+                                rng.randrange(0x1f300, 0x1f6ff), rng.randrange(0x40000, 0xbffff)]))
+                for _ in range(3000)),
+        _hundred_kb_of_text()[:5_000]]
+    for text in texts:
+        for parse_special in (True, False):
+            n = len(tok.encode(text, add_special=False, parse_special=parse_special))
+            assert tok.min_tokens(text) <= n, (name, text[:60], tok.min_tokens(text), n)
+    if name == "ggml-vocab-phi-3.gguf":
+        assert tok.min_tokens("x" * 10_000) == 0  # its specials strip the spaces beside them: no bound
+    else:
+        english = _hundred_kb_of_text()
+        assert tok.min_tokens(english) >= len(english) // 300  # e.g. a 4 MB prompt: >= 13,000 tokens

@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from .bpe import BPETokenizer
+from .bpe import BYTE_TO_CHAR, BPETokenizer
 from .detokenize import PieceTable, StreamDecoder, detokenize
 from .special import SpecialTokenSplitter
 from .spm import SPACE_MARK, SPMTokenizer
-from .vocab import ATTR_CONTROL, ATTR_UNUSED, Vocab, load_vocab
+from .vocab import ATTR_CONTROL, ATTR_LSTRIP, ATTR_RSTRIP, ATTR_UNUSED, Vocab, load_vocab
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# The bytes valid UTF-8 can hold (never 0xC0, 0xC1, 0xF5-0xFF): the only ones encode() ever meets.
+_UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]
+_NOT_ESCAPE = re.compile("[\ud800-\udc7f\udd00-\udfff]")  # surrogates that surrogateescape cannot encode
 
 
 class Tokenizer:
@@ -37,6 +40,7 @@ class Tokenizer:
         self._splitter = SpecialTokenSplitter(vocab)
         self._model = SPMTokenizer(vocab) if vocab.kind == "spm" else BPETokenizer(vocab)
         self._pieces = PieceTable(vocab)
+        self._bound: tuple[int, str, bool] | None = None  # min_tokens()'s facts, found on first use
 
     @classmethod
     def from_metadata(cls, meta: dict) -> "Tokenizer":
@@ -55,7 +59,9 @@ class Tokenizer:
         control tokens written in the text (e.g. "<|im_start|>") become their ids; user-defined tokens are
         always recognised, as in llama.cpp."""
         if not text.isascii() and _SURROGATE.search(text):
-            # Undecodable bytes carried as surrogates: llama.cpp sees invalid UTF-8 and reads U+FFFD.
+            # Undecodable bytes carried as surrogates: llama.cpp sees invalid UTF-8 and reads U+FFFD. A
+            # surrogate that stands for no byte (a lone "\ud800" from JSON) is not text either: U+FFFD too.
+            text = _NOT_ESCAPE.sub("\ufffd", text)
             text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         vocab = self.vocab
         out: list[int] = []
@@ -128,3 +134,41 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         """The id of the token whose stored text is exactly `text`, if any."""
         return self.vocab.token_to_id.get(text)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), in a few passes at C speed, so that a text far too long for a
+        context is refused before the slow tokenization. Sound because every byte that has a token of its
+        own ends up in some token (a merged one or its byte token), and no token stands for more bytes than
+        its stored text holds (byte-level BPE writes a byte as one character, SentencePiece a space as the
+        3-byte "▁", a byte token as "<0xXX>"). Bytes without a token of their own may vanish, so they are
+        not counted; nor is anything where a special token strips the spaces beside it."""
+        if self._bound is None:
+            self._bound = self._token_bound()
+        longest, dropped_ascii, count_non_ascii = self._bound
+        if not longest or not text:
+            return 0
+        n_ascii = len(text.encode("ascii", "ignore"))
+        n = n_ascii - sum(text.count(c) for c in dropped_ascii)
+        if count_non_ascii and n_ascii < len(text):
+            n += len(text.encode("utf-8", "replace")) - n_ascii  # a surrogate counts 1 ("?"): under, never over
+        return n // longest
+
+    def _token_bound(self) -> tuple[int, str, bool]:
+        """(the most bytes a token's text holds, or 0 for no bound; the ASCII characters without a token;
+        whether every byte of non-ASCII UTF-8 has one)."""
+        vocab = self.vocab
+        token_to_id = vocab.token_to_id
+        if any(int(vocab.attrs[t]) & (ATTR_LSTRIP | ATTR_RSTRIP) for t in vocab.special_tokens):
+            return 0, "", False
+        if vocab.kind == "spm":
+            def has(b):
+                return self.unk_id is not None or f"<0x{b:02X}>" in token_to_id or chr(b) in token_to_id
+        elif vocab.pre.byte_encode:
+            def has(b):
+                return BYTE_TO_CHAR[b] in token_to_id
+        else:
+            def has(b):
+                return f"<0x{b:02X}>" in token_to_id
+        missing = [b for b in _UTF8_BYTES if not has(b)]
+        longest = max(len(t.encode("utf-8", "surrogateescape")) for t in vocab.texts)
+        return longest, "".join(chr(b) for b in missing if b < 0x80), not any(b >= 0x80 for b in missing)
