@@ -30,5 +30,8 @@ def fit_messages(engine, messages: list[dict], room: int) -> tuple[list[dict], i
 
 
 def fits(engine, messages: list[dict], room: int) -> bool:
-    n = len(engine.tokenize_prompt(engine.render_chat(messages), chat=True))
+    prompt = engine.render_chat(messages)
+    if engine.tokenizer.min_tokens(prompt) + room > engine.ctx:
+        return False  # surely too long, known in milliseconds: tokenizing 4 MB takes 4-26 s
+    n = len(engine.tokenize_prompt(prompt, chat=True))
     return n + room <= engine.ctx
