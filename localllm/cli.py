@@ -153,7 +153,8 @@ def cmd_serve(args) -> int:
     serve(args.model or catalog.default_entry().name, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("LOCALLLM_API_KEY") or None, parallel=args.parallel,
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
-          max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args))
+          max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args),
+          allowed_hosts=args.allowed_host)
     return 0
 
 
@@ -239,7 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=None, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB); beyond that: 413")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from this origin (repeatable; '*' for any). Default: CORS off")
+                   help="allow browser requests from this origin (repeatable; '*' for any). Default: CORS off, "
+                        "and POSTs from web pages other than this machine's are refused")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="also answer requests that call this server HOST (repeatable; '*' for any name). Default: "
+                        "only IP addresses, localhost and this machine's host name, against DNS rebinding")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     cli_generate.add_speculation_options(p)
     p.set_defaults(func=cmd_serve)

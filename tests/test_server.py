@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -288,10 +289,47 @@ def test_malformed_requests_get_4xx_with_a_message(http):
         assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
         err = r.json()["error"]
         assert (err if isinstance(err, str) else err["message"]), (path, body)
-    r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
+    r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (5 << 20) + b'"}',
+                  headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert http.get("/v1/chat/completions").status_code == 405
     assert http.get("/no/such/thing").status_code == 404
+
+
+def test_a_huge_prompt_never_stalls_other_requests(server, http):
+    """The event loop serves every request, so it does no work that grows with a prompt: a 4 MB prompt that
+    cannot fit the context is refused from its length alone (before: 4-26 s of tokenizing, /health waiting
+    all along), and a 2 MB text for /tokenize is tokenized in a worker thread while /health keeps answering."""
+    text = ("the river ran past an old mill where a miller kept bread and grain for every family in town " *
+            45_000)[:4_000_000]
+    requests = [("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+                ("/completion", {"prompt": text, "n_predict": 2}),
+                ("/api/generate", {"model": MODEL, "prompt": text, "raw": True, "stream": False}),
+                ("/tokenize", {"content": text[:2_000_000]})]
+    for path, body in requests:
+        raw = json.dumps(body).encode()
+        answer = {}
+
+        def big():
+            answer["r"] = http.post(path, content=raw, headers={"Content-Type": "application/json"}, timeout=300)
+
+        worker = threading.Thread(target=big)
+        worker.start()
+        waits = []
+        with httpx.Client(base_url=http.base_url, timeout=60) as poll:
+            while worker.is_alive():
+                t = time.perf_counter()
+                assert poll.get("/health").status_code == 200
+                waits.append(time.perf_counter() - t)
+                time.sleep(0.02)
+        worker.join()
+        r = answer["r"]
+        assert max(waits, default=0) < 0.5, (path, waits)
+        if path == "/tokenize":
+            assert r.status_code == 200 and len(r.json()["tokens"]) > 300_000
+            assert len(waits) >= 5, waits  # /health was asked while the tokenizer ran
+        else:
+            assert r.status_code == 400 and "at least" in r.text and "context holds" in r.text, r.text[:300]
 
 
 # ---- the scheduler ---------------------------------------------------------------------------------------

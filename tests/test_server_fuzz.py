@@ -1,5 +1,7 @@
 """The API survives fuzzing: hypothesis throws well-typed, ill-typed and absurd JSON (and non-JSON) at every POST
-endpoint of a real server; no answer is a 5xx, every error has a message, and the server stays up."""
+endpoint of a real server; no answer is a 5xx, every error has a message, and the server stays up. Text anywhere
+may hold a lone surrogate ("\\ud800": valid JSON, not text), and any value, however deep, may turn into a null, a
+list or an object."""
 
 from __future__ import annotations
 
@@ -14,22 +16,25 @@ from test_server import start_server, stop_server
 
 MODEL = "smollm2-135m-instruct"
 
+# Text with a lone surrogate: json.dumps writes it as a "\\ud800" escape, which json.loads takes back.
+lone_surrogate = st.builds(lambda a, s, b: a + s + b, st.text(max_size=6),
+                           st.sampled_from(["\ud800", "\udbff", "\udc80", "\udfff"]), st.text(max_size=6))
 json_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12) | lone_surrogate)
 json_any = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                         | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 
 
 number = st.floats(min_value=-3, max_value=3) | st.integers(min_value=-3, max_value=50)
 small = st.integers(min_value=-2, max_value=6)
-text = st.text(max_size=30)
+text = st.text(max_size=30) | lone_surrogate
 stop = text | st.lists(text, max_size=3)
 message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]) | text,
                                  "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
                                                                                    "text": text}), max_size=2)})
 messages = st.lists(message, min_size=1, max_size=3)
 token_ids = st.lists(st.integers(min_value=-5, max_value=50000), max_size=6)
-bias = st.dictionaries(st.integers(-2, 49200).map(str), st.floats(-150, 150), max_size=3)
+bias = st.dictionaries(st.integers(-2, 49200).map(str) | text, st.floats(-150, 150) | json_any, max_size=3)
 unit = st.floats(min_value=0, max_value=1)
 penalty = st.floats(min_value=-2, max_value=2)
 sampling = {"temperature": st.floats(0, 2) | st.just(0), "top_p": unit, "top_k": small, "min_p": unit,
@@ -49,7 +54,8 @@ BODIES = {
         "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}), **sampling}),
     "/completion": ({"prompt": text | token_ids | st.lists(text | st.integers(-1, 49200), max_size=3)}, {
         "n_predict": small, "stream": st.booleans(), "n_probs": small, "ignore_eos": st.booleans(),
-        "logit_bias": st.lists(st.tuples(st.integers(-1, 49200), st.booleans() | st.floats(-5, 5)), max_size=2),
+        "logit_bias": st.lists(st.tuples(st.integers(-1, 49200) | json_any, st.booleans() | st.floats(-5, 5)
+                                         | json_any), max_size=2) | bias,
         "n_indent": small, **sampling}),
     "/infill": ({"input_prefix": text, "input_suffix": text}, {
         "input_extra": st.lists(st.fixed_dictionaries({"filename": text, "text": text}), max_size=2),
@@ -64,15 +70,40 @@ BODIES = {
 }
 
 
+hostile = (st.none() | st.lists(json_scalars, max_size=2) | st.dictionaries(text, json_scalars, max_size=2)
+           | lone_surrogate)
+
+
+def places(value, trail=()):
+    """The trail to every value inside a body (its fields, their items, theirs...)."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return
+    for key, item in items:
+        yield trail + (key,)
+        yield from places(item, trail + (key,))
+
+
 @st.composite
 def requests(draw):
-    """A plausible body for an endpoint; half the time one field (or a new one) is replaced by any JSON."""
+    """A plausible body for an endpoint; half the time one field (or a new one) is replaced by any JSON, and a
+    third of the time one value at any depth by a null, a list, an object or a lone surrogate."""
     path = draw(st.sampled_from(sorted(BODIES)))
     required, optional = BODIES[path]
     body = draw(st.fixed_dictionaries(required, optional=optional))
     if draw(st.booleans()):
         key = draw(st.sampled_from(sorted(set(required) | set(optional))) | st.text(max_size=6))
         body[key] = draw(json_any)
+    spots = list(places(body))
+    if spots and draw(st.integers(0, 2)) == 0:
+        *parent, last = draw(st.sampled_from(spots))
+        at = body
+        for key in parent:
+            at = at[key]
+        at[last] = draw(hostile)
     if draw(st.integers(0, 9)) == 0 and body:
         del body[draw(st.sampled_from(sorted(body)))]
     return path, body
@@ -99,7 +130,7 @@ def check(r: httpx.Response) -> None:
         assert '"error"' not in r.text, r.text[:300]  # no failure in the middle of a stream
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(req=requests())
 def test_json_bodies_never_get_a_5xx(fuzz_server, req):
     path, body = req

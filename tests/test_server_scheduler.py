@@ -119,7 +119,7 @@ def test_cors_is_off_unless_configured(engine):
     def client(origins):
         state = ServerState(engine=engine, scheduler=Scheduler(engine), model_name=MODEL, model_path="x",
                             max_tokens=8, parallel=1)
-        return TestClient(create_app(state, origins))
+        return TestClient(create_app(state, origins), base_url="http://127.0.0.1:8080")
 
     headers = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
     with client(None) as c:

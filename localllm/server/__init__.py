@@ -53,20 +53,24 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           parallel: int = 4, ctx: int | None = None, max_tokens: int = 2048, cors_origins: list[str] | None = None,
-          max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None) -> None:
-    """Serve `model` until Ctrl-C. `speculation` (a SpeculationParams): decode every request speculatively."""
+          max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
+          allowed_hosts: list[str] | None = None) -> None:
+    """Serve `model` until Ctrl-C. `speculation` (a SpeculationParams): decode every request speculatively.
+    `allowed_hosts`: names clients may call the server by beyond localhost, IP addresses and this machine's
+    host name (see asgi.LocalNames; '*': any)."""
     import uvicorn
 
     from localllm import store
     from localllm.engine import Engine
     from localllm.server.app import MAX_BODY, ServerState
-    from localllm.server.asgi import create_app
+    from localllm.server.asgi import LocalNames, create_app
     from localllm.server.scheduler import Scheduler
 
     if parallel < 1:
         raise LocalLLMError("--parallel must be at least 1")
     if max_tokens < 1:
         raise LocalLLMError("--max-tokens must be at least 1")
+    LocalNames(host, allowed_hosts)  # a malformed --allowed-host fails now, not after loading the model
     sock = bind(host, port)  # before loading: a taken port fails fast
     try:
         path = store.resolve(model)
@@ -80,10 +84,13 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
         state = ServerState(engine=engine, scheduler=scheduler, model_name=name, model_path=str(path),
                             max_tokens=min(max_tokens, engine.ctx), parallel=parallel, api_key=api_key,
                             max_body=max_body or MAX_BODY)
-        app = create_app(state, cors_origins)
+        app = create_app(state, cors_origins, allowed_hosts, host)
         if not is_loopback(host) and not api_key:
             print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use it",
                   file=sys.stderr)
+        if not is_loopback(host) and "*" not in (allowed_hosts or []):
+            print(f"note: requests must name this server by IP address, localhost or {socket.gethostname()} in "
+                  "their Host header; add other names with --allowed-host NAME", file=sys.stderr)
         shown = f"[{host}]" if ":" in host else host
         print(f"localllm: serving {name} on http://{shown}:{port} (context {engine.ctx}, {parallel} parallel); "
               "Ctrl-C stops", file=sys.stderr, flush=True)

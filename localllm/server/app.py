@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from localllm.server.scheduler import Request as SchedRequest
 log = logging.getLogger("localllm.server")
 
 MAX_BODY = 4 * 1024 * 1024  # bytes
+# Bodies above this are parsed in a worker thread: json.loads of 4 MiB holds the event loop for ~30 ms.
+PARSE_OFF_LOOP = 64 * 1024
 
 
 @dataclass
@@ -46,8 +49,9 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 503: "unavailable_error"}.get(status, "server_error")
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                             404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                             503: "unavailable_error"}.get(status, "server_error")
 
 
 def flavor_of(path: str) -> str:
@@ -73,8 +77,86 @@ def error_response(flavor: str, status: int, message: str, param: str | None = N
 # ---- request bodies ------------------------------------------------------------------------------------
 
 
+def is_json_type(content_type: str) -> bool:
+    """application/json, with or without parameters (charset=utf-8), or any other */json or */*+json type.
+    None of them is one a web page may send to another site without a CORS preflight (text/plain, a form, or
+    no type at all are), so a page elsewhere cannot get a body read here."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    kind, _, sub = media.partition("/")
+    return bool(re.fullmatch(r"[a-z0-9!#$&^_.+-]+", kind)) and (sub == "json" or (
+        sub.endswith("+json") and bool(re.fullmatch(r"[a-z0-9!#$&^_.+-]+", sub))))
+
+
+# A lone surrogate can only come from a \ud800-\udfff escape or the 3-byte form 0xED 0xA0-0xBF 0x..; a body
+# without either needs no walk.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(data: dict) -> tuple[str, str] | None:
+    """(where, its top-level field) of the first string, value or key, that holds a lone UTF-16 surrogate,
+    e.g. ("messages[0].content", "messages"); None if there is none. Iterative: any depth json.loads
+    accepts is walked."""
+
+    def bad(s: str) -> bool:
+        return not s.isascii() and _SURROGATE.search(s) is not None
+
+    def name(trail) -> tuple[str, str]:
+        keys = []
+        while trail is not None:
+            trail, key = trail
+            keys.append(key)
+        keys.reverse()
+        where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys).lstrip(".")
+        return where[:100], str(keys[0])[:100]
+
+    stack: list = [(item, (None, key)) for key, item in data.items()]
+    for key in data:
+        if bad(key):
+            return "a field name", None
+    while stack:
+        value, trail = stack.pop()
+        if isinstance(value, str):
+            if bad(value):
+                return name(trail)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if bad(key):
+                    where, top = name(trail)
+                    return f"a key of {where}", top
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, (trail, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (trail, i)) for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
+    return None
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body's JSON object, or a 400: not JSON, not an object, or a string that is not Unicode text."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if _MAYBE_SURROGATE.search(raw) or not json.detect_encoding(raw).startswith("utf-8"):
+        found = _lone_surrogate(data)
+        if found is not None:
+            # JSON lets "\ud800" through, but it is no character: nothing can encode it as UTF-8.
+            where, field_name = found
+            raise ApiError(400, f"{where if where.startswith('a ') else repr(where)} holds a lone UTF-16 "
+                                "surrogate (\\ud800-\\udfff), which is not text", param=field_name)
+    return data
+
+
 async def read_json(request: Request, max_body: int) -> dict:
-    """The request's JSON object, or a 4xx: too large (413), not JSON, not an object (400)."""
+    """The request's JSON object, or a 4xx: not sent as JSON (415), too large (413), not JSON, not an object,
+    not text (400)."""
+    content_type = request.headers.get("content-type", "")
+    if not is_json_type(content_type):
+        raise ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
+                            f"{json.dumps(content_type) if content_type else 'none'}); with curl, add "
+                            "-H 'Content-Type: application/json' (or use --json)")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_body:
         raise ApiError(413, f"the request body is larger than {max_body} bytes")
@@ -87,13 +169,27 @@ async def read_json(request: Request, max_body: int) -> dict:
     raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError(400, "the request needs a JSON body")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    return data
+    if len(raw) > PARSE_OFF_LOOP:
+        return await off_loop(parse_json, raw)
+    return parse_json(raw)
+
+
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a worker thread: work that grows with the request (parsing, templating,
+    tokenizing: 4-26 s for 4 MB on smollm2, by how often words repeat) must not hold the event loop, which
+    serves every other request."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def prompt_tokens(state: "ServerState", text: str, chat: bool = False) -> list[int]:
+    """engine.tokenize_prompt, after a check that takes milliseconds (40 ms for 4 MB): a text surely longer
+    than the context (Tokenizer.min_tokens) is refused without being tokenized. Call it off the loop."""
+    ctx = state.engine.ctx
+    at_least = state.engine.tokenizer.min_tokens(text)
+    if at_least + 1 > ctx:
+        raise ApiError(400, f"the prompt is at least {at_least} tokens ({len(text)} characters) but the "
+                            f"context holds {ctx}")
+    return state.engine.tokenize_prompt(text, chat=chat)
 
 
 _TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",

@@ -1,4 +1,5 @@
-"""The ASGI application: the three APIs' route tables over app.py's plumbing, with auth and CORS.
+"""The ASGI application: the three APIs' route tables over app.py's plumbing, with auth, CORS, and the guard
+against web pages (a Host allow-list against DNS rebinding, an Origin check against cross-site requests).
 
 Apart from app.py so that the API modules, which import app.py's helpers, are imported by this module alone.
 """
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import logging
+import socket
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -47,6 +50,125 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class LocalNames:
+    """Which Host and Origin headers name this server.
+
+    Host (DNS rebinding, Ollama's CVE-2024-28224): a page at http://evil.example:8080 whose name its owner
+    then points at 127.0.0.1 is same-origin with this server in the browser's eyes, but its requests still
+    say `Host: evil.example:8080`. Answered are only: an IP address (a browser sends one only when the page's
+    own address is that IP, so it cannot be a rebound name), localhost and *.localhost (RFC 6761: always
+    loopback), this machine's host name, the name given to --host, and the names given to --allowed-host
+    ('*': any). The port is not looked at.
+
+    Origin (cross-site requests): a browser names the page behind every POST. Accepted: none (not a browser),
+    a page of this machine (localhost, *.localhost, a loopback address, the --host address or name, the host
+    name, an --allowed-host name), an app's own scheme (vscode-webview://, app://, ...: no web page can
+    claim one), and the --cors-origin origins. Refused: any other web page, and "null" (sandboxed frames
+    and file:// pages)."""
+
+    def __init__(self, bound_host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
+                 cors_origins: list[str] | None = None):
+        allowed = [h.strip().lower().rstrip(".") for h in allowed_hosts or []]
+        for h in allowed:
+            if h != "*" and split_host(h)[0] is None:
+                raise LocalLLMError(f"--allowed-host {h!r} is not a host name: give one such as box.lan (no "
+                                    "scheme, no path), or '*' for any")
+        self.any_host = "*" in allowed
+        self.names = {"localhost", socket.gethostname().lower()} | {split_host(h)[0] for h in allowed if h != "*"}
+        self.bound_ip = _ip(bound_host)
+        if self.bound_ip is None:
+            self.names.add(bound_host.lower().rstrip("."))
+        self.cors_origins = {o.rstrip("/").lower() for o in cors_origins or []}
+
+    def _local_name(self, host: str) -> bool:
+        return host in self.names or host.endswith(".localhost")
+
+    def host_ok(self, header: str) -> bool:
+        if self.any_host or not header:
+            return True
+        host, _ = split_host(header)
+        return host is not None and (_ip(host) is not None or self._local_name(host))
+
+    def origin_ok(self, origin: str) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if "*" in self.cors_origins or origin in self.cors_origins:
+            return True
+        scheme, sep, rest = origin.partition("://")
+        if not sep or origin == "null":
+            return False
+        if scheme not in ("http", "https"):
+            return True
+        host, _ = split_host(rest)
+        if host is None:
+            return False
+        ip = _ip(host)
+        if ip is not None:
+            return ip.is_loopback or (ip == self.bound_ip and not ip.is_unspecified)
+        return self._local_name(host)
+
+
+def _ip(host: str):
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
+def split_host(header: str) -> tuple[str | None, str | None]:
+    """("name or address", "port" or None) of a Host header or an origin's authority, lowercased, without
+    the trailing dot of a fully qualified name; (None, None) if it is malformed."""
+    header = header.strip().lower()
+    if header.startswith("["):  # [IPv6]:port
+        end = header.find("]")
+        if end < 0 or (header[end + 1:] and not header[end + 1:].startswith(":")):
+            return None, None
+        host, port = header[1:end], header[end + 2:] or None
+    elif header.count(":") == 1:
+        host, port = header.split(":")
+    else:
+        host, port = header, None
+    if port is not None and not port.isdigit():
+        return None, None
+    host = host.rstrip(".")
+    if not host or any(c in host for c in "/@\\ ?#"):
+        return None, None
+    return host, port
+
+
+class WebPageGuard:
+    """Refuses, with 403 in the API's error format, requests whose Host does not name this server and
+    state-changing requests (anything but GET, HEAD, OPTIONS) from a foreign web page. See LocalNames."""
+
+    SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+    def __init__(self, app, names: LocalNames):
+        self.app = app
+        self.names = names
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            host = headers.get(b"host", b"").decode("latin-1")
+            origin = headers.get(b"origin")
+            message = None
+            if not self.names.host_ok(host):
+                name = split_host(host)[0] or host
+                message = (f"the Host header {host!r} does not name this server, so the request may come from a web "
+                           "page whose address was pointed at it (DNS rebinding); if it is a name you use for "
+                           f"this machine, start the server with --allowed-host {name}")
+            elif (origin is not None and scope.get("method") not in self.SAFE_METHODS
+                  and not self.names.origin_ok(origin.decode("latin-1"))):
+                shown = origin.decode("latin-1")
+                message = (f"the web page at {shown!r} may not send requests to this server (cross-site request "
+                           f"protection); to let it, start the server with --cors-origin {shown}")
+            if message is not None:
+                log.info("refused %s %s: %s", scope.get("method"), scope["path"], message)
+                response = error_response(flavor_of(scope["path"]), 403, message)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def endpoint(state: ServerState, fn):
     """Wraps a handler: ApiErrors (and user errors from the library) become the API's error response."""
 
@@ -62,7 +184,10 @@ def endpoint(state: ServerState, fn):
     return handler
 
 
-def create_app(state: ServerState, cors_origins: list[str] | None = None) -> Starlette:
+def create_app(state: ServerState, cors_origins: list[str] | None = None, allowed_hosts: list[str] | None = None,
+               host: str = "127.0.0.1") -> Starlette:
+    """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
+    call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
     routes = []
     for module in (openai_api, llamacpp_api, ollama_api):
         for path, methods, fn in module.ROUTES:
@@ -78,7 +203,7 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None) -> Sta
         log.exception("unhandled error on %s", request.url.path)
         return error_response(flavor_of(request.url.path), 500, "internal server error")
 
-    middleware = []
+    middleware = [Middleware(WebPageGuard, names=LocalNames(host, allowed_hosts, cors_origins))]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"],
                                      allow_headers=["*"]))

@@ -5,6 +5,7 @@ shapes follow llama.cpp's `tools/server`, including `n_indent` for code completi
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -12,8 +13,8 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from localllm import __version__
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
-                                 read_json, sampling_from, sse, stream_error, stream_events, submit,
-                                 watching_disconnect)
+                                 off_loop, prompt_tokens, read_json, sampling_from, sse, stream_error,
+                                 stream_events, submit, watching_disconnect)
 from localllm.server.infill import IndentCut, infill_tokens
 
 LLAMACPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -26,8 +27,12 @@ def _prompt_tokens(state: ServerState, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return engine.tokenize_prompt(prompt)
+        return prompt_tokens(state, prompt)
     if isinstance(prompt, list) and prompt:
+        at_least = sum(engine.tokenizer.min_tokens(p) for p in prompt if isinstance(p, str))
+        if at_least + 1 > engine.ctx:
+            raise ApiError(400, f"the prompt is at least {at_least} tokens but the context holds {engine.ctx}",
+                           param="prompt")
         out: list[int] = []
         for i, part in enumerate(prompt):
             if isinstance(part, str):
@@ -55,11 +60,12 @@ def _logit_bias(f: Fields, vocab: int) -> dict[int, float]:
             raise ApiError(400, "'logit_bias' entries must be [token, bias]", param="logit_bias")
         tok, bias = pair
         try:
-            tok = int(tok) if not isinstance(tok, (bool, float)) else -1
+            tok = int(tok) if isinstance(tok, (int, str)) and not isinstance(tok, bool) else -1
         except ValueError:
             tok = -1
         if not 0 <= tok < vocab:
-            raise ApiError(400, f"logit_bias: {pair[0]!r} is not a token id of this model", param="logit_bias")
+            raise ApiError(400, f"logit_bias: {json.dumps(pair[0])[:40]} is not a token id of this model "
+                                f"(0..{vocab - 1})", param="logit_bias")
         if bias is False:
             out[tok] = float("-inf")
         elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -1e6 <= bias <= 1e6:
@@ -189,7 +195,7 @@ async def completion(state: ServerState, request: Request):
     if "prompt" not in f.data:
         raise ApiError(400, "'prompt' is required", param="prompt")
     params = generation_params(state, f)
-    return await _run(state, request, f, _prompt_tokens(state, f.data["prompt"]), params)
+    return await _run(state, request, f, await off_loop(_prompt_tokens, state, f.data["prompt"]), params)
 
 
 async def infill(state: ServerState, request: Request):
@@ -206,28 +212,38 @@ async def infill(state: ServerState, request: Request):
         c.get("text", str)
     params = generation_params(state, f)
     extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""} for c in extra]
-    tokens = infill_tokens(state.engine, prefix, suffix, prompt, extra, params.max_tokens or 0)
+    tokens = await off_loop(infill_tokens, state.engine, prefix, suffix, prompt, extra, params.max_tokens or 0)
     return await _run(state, request, f, tokens, params)
 
 
 async def tokenize(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     content = f.get("content", str, "")
-    ids = state.engine.tokenizer.encode(content, add_special=f.get("add_special", bool, False),
-                                        parse_special=f.get("parse_special", bool, True))
-    if f.get("with_pieces", bool, False):
+    add_special = f.get("add_special", bool, False)
+    parse_special = f.get("parse_special", bool, True)
+    with_pieces = f.get("with_pieces", bool, False)
+
+    def run():  # off the loop: tokenizing 4 MB takes seconds, and so does writing a million pieces
         tok = state.engine.tokenizer
-        return json_response({"tokens": [{"id": i, "piece": tok.piece(i)} for i in ids]})
-    return json_response({"tokens": ids})
+        ids = tok.encode(content, add_special=add_special, parse_special=parse_special)
+        if with_pieces:
+            return json_response({"tokens": [{"id": i, "piece": tok.piece(i)} for i in ids]})
+        return json_response({"tokens": ids})
+
+    return await off_loop(run)
 
 
 async def detokenize(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     ids = f.get("tokens", list, [])
     vocab = state.engine.tokenizer.vocab_size
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-        raise ApiError(400, f"'tokens' must be token ids of this model (0..{vocab - 1})", param="tokens")
-    return json_response({"content": state.engine.tokenizer.decode(ids)})
+
+    def run():  # off the loop: a 4 MB body holds two million ids
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"'tokens' must be token ids of this model (0..{vocab - 1})", param="tokens")
+        return json_response({"content": state.engine.tokenizer.decode(ids)})
+
+    return await off_loop(run)
 
 
 async def health(state: ServerState, request: Request):
@@ -241,7 +257,7 @@ async def props(state: ServerState, request: Request):
     template = state.engine.template
     return json_response({
         "default_generation_settings": {"n_ctx": state.engine.ctx, "params": _settings(state, params)},
-        "total_slots": state.parallel, "model_path": state.model_path, "model_alias": state.model_name,
+        "total_slots": state.parallel, "model_path": state.model_name, "model_alias": state.model_name,
         "chat_template": template.source or "", "n_ctx": state.engine.ctx,
         "fim": sorted(state.engine.tokenizer.fim), "build_info": f"localllm {__version__}"})
 

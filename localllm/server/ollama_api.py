@@ -21,7 +21,8 @@ from localllm import __version__
 from localllm.chat_history import fit_messages
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, first_item, fix_seed,
-                                 json_response, read_json, sampling_from, stream_error, stream_events, submit)
+                                 json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_error,
+                                 stream_events, submit)
 from localllm.server.infill import infill_tokens
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
@@ -88,7 +89,7 @@ async def show(state: ServerState, request: Request):
     capabilities = ["completion"] + (["insert"] if {"pre", "suf", "mid"} <= set(state.engine.tokenizer.fim)
                                      else [])
     return json_response({
-        "modelfile": f"FROM {state.model_path}\n", "parameters": "", "license": "",
+        "modelfile": f"FROM {state.model_name}\n", "parameters": "", "license": "",
         "template": state.engine.template.source or "", "details": _details(state),
         "model_info": {"general.architecture": arch, "general.parameter_count": info["parameters"],
                        f"{arch}.context_length": info["context_length"],
@@ -173,6 +174,8 @@ async def generate(state: ServerState, request: Request):
     f.get("model", str)
     context = f.get("context", list, [])
     vocab = state.engine.tokenizer.vocab_size
+    if len(context) >= state.engine.ctx:  # before looking at each id: a 4 MB body holds two million
+        raise ApiError(400, f"'context' is {len(context)} tokens but the context holds {state.engine.ctx}")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in context):
         raise ApiError(400, "'context' must be token ids of this model")
     if f.has("template"):
@@ -183,13 +186,13 @@ async def generate(state: ServerState, request: Request):
         return json_response({"model": f.get("model", str) or state.model_name, "created_at": _now(),
                               "response": "", "done": True, "done_reason": "load"})
     if suffix:
-        tokens = infill_tokens(state.engine, prompt, suffix, n_predict=params.max_tokens or 0)
+        tokens = await off_loop(infill_tokens, state.engine, prompt, suffix, n_predict=params.max_tokens or 0)
     elif raw:
-        tokens = state.engine.tokenize_prompt(prompt)
+        tokens = await off_loop(prompt_tokens, state, prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                   "content": prompt}]
-        tokens = state.engine.tokenize_prompt(state.engine.render_chat(messages), chat=True)
+        tokens = await off_loop(prompt_tokens, state, state.engine.render_chat(messages), chat=True)
     if context:
         tokens = context + (tokens[1:] if tokens and tokens[0] == state.engine.tokenizer.bos_id else tokens)
     return await _respond(state, request, f, tokens, params, lambda text: {"response": text})
@@ -215,8 +218,8 @@ async def chat(state: ServerState, request: Request):
     # As Ollama does: a conversation longer than the context loses its oldest turns (the system prompt and the
     # last message stay) rather than failing.
     room = max(1, min(params.max_tokens or state.engine.ctx // 4, state.engine.ctx // 4))
-    kept, _ = fit_messages(state.engine, clean, room)
-    tokens = state.engine.tokenize_prompt(state.engine.render_chat(kept), chat=True)
+    kept, _ = await off_loop(fit_messages, state.engine, clean, room)
+    tokens = await off_loop(prompt_tokens, state, state.engine.render_chat(kept), chat=True)
     return await _respond(state, request, f, tokens, params,
                           lambda text: {"message": {"role": "assistant", "content": text}})
 

@@ -15,16 +15,15 @@ from starlette.responses import StreamingResponse
 
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, first_item,
-                                 fix_seed, json_response, read_json, sampling_from, sse, stream_error,
-                                 stream_events, submit)
+                                 fix_seed, json_response, off_loop, prompt_tokens, read_json, sampling_from, sse,
+                                 stream_error, stream_events, submit)
 
 MAX_TOP_LOGPROBS = 20
 
 
 def model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "localllm",
-            "meta": {"n_ctx": state.engine.ctx, "n_vocab": state.engine.config.vocab_size,
-                     "path": state.model_path}}
+            "meta": {"n_ctx": state.engine.ctx, "n_vocab": state.engine.config.vocab_size}}
 
 
 async def list_models(state: ServerState, request: Request):
@@ -103,7 +102,7 @@ def _prompt_tokens(state: ServerState, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return state.engine.tokenize_prompt(prompt)
+        return prompt_tokens(state, prompt)
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tok.vocab_size for t in prompt)):
         return list(prompt)
@@ -140,7 +139,7 @@ async def completions(state: ServerState, request: Request):
         raise ApiError(400, "'suffix' is not supported here; use POST /infill for fill-in-the-middle",
                        param="suffix")
     params.sampling.n_probs = n_logprobs or 0
-    tokens = _prompt_tokens(state, f.data["prompt"])
+    tokens = await off_loop(_prompt_tokens, state, f.data["prompt"])
     handle = submit(state, tokens, params)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
@@ -203,7 +202,7 @@ def chat_prompt(state: ServerState, messages) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
     prompt = state.engine.render_chat(messages)  # validates roles and contents (LocalLLMError -> 400)
-    return state.engine.tokenize_prompt(prompt, chat=True)
+    return prompt_tokens(state, prompt, chat=True)
 
 
 async def chat_completions(state: ServerState, request: Request):
@@ -221,7 +220,7 @@ async def chat_completions(state: ServerState, request: Request):
     fmt = f.get("response_format", dict, {"type": "text"})
     if fmt.get("type", "text") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-    tokens = chat_prompt(state, f.data["messages"])
+    tokens = await off_loop(chat_prompt, state, f.data["messages"])
     handle = submit(state, tokens, params)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
