@@ -89,8 +89,9 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
             print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use it",
                   file=sys.stderr)
         if not is_loopback(host) and "*" not in (allowed_hosts or []):
-            print(f"note: requests must name this server by IP address, localhost or {socket.gethostname()} in "
-                  "their Host header; add other names with --allowed-host NAME", file=sys.stderr)
+            names = ", ".join(["localhost", socket.gethostname(), *(allowed_hosts or [])])
+            print(f"note: requests must call this server by an IP address or {names} (the Host header); add "
+                  "other names with --allowed-host NAME", file=sys.stderr)
         shown = f"[{host}]" if ":" in host else host
         print(f"localllm: serving {name} on http://{shown}:{port} (context {engine.ctx}, {parallel} parallel); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
