@@ -226,9 +226,11 @@ def pull(entry: CatalogEntry, quiet: bool = False) -> PullResult:
 def _remove_stale_partials(dest: Path) -> None:
     """Partial files of this model left by a pull that was killed outright (SIGKILL, power loss): holding the
     model's lock, no live pull is writing one."""
-    for stale in dest.parent.glob(f".{dest.name}.*partial"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
+    prefix = f".{dest.name}."  # (not a glob: a name may hold glob characters such as '[')
+    for stale in dest.parent.iterdir():
+        if stale.name.startswith(prefix) and stale.name.endswith("partial") and stale.is_file():
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
 
 def _pull_locked(entry: CatalogEntry, dest: Path, quiet: bool) -> PullResult:
