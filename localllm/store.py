@@ -113,6 +113,8 @@ def local_models() -> list[LocalModel]:
     found = []
     for path in sorted(folder.glob("*.gguf")):
         name = path.name[: -len(".gguf")]
+        if name_problem(name):
+            continue  # hidden files, and names rm and run could not take
         found.append(LocalModel(name, path, path.stat().st_size, known.get(name)))
     return found
 

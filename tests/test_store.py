@@ -170,6 +170,7 @@ def test_rm_refuses_a_name_that_is_a_path(home, tmp_path):
         with pytest.raises(UnknownModelError, match="is not one.*Nothing was removed"):
             store.remove(name)
     assert victim.read_bytes() == b"not yours to delete" and inside.exists()
+    assert store.local_models() == []  # nor does `list` show a name that rm would refuse
     out = run_cli("rm", "../../victim", env_home=home)
     assert out.returncode == 1 and out.stderr.startswith("error: rm takes the name of a model") \
         and "Traceback" not in out.stderr
