@@ -189,8 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("rm", help="delete downloaded models", description="Delete downloaded models.")
-    p.add_argument("models", nargs="+", metavar="MODEL")
+    p = sub.add_parser("rm", help="delete downloaded models",
+                       description="Delete downloaded models from the store, by the names `localllm list` shows. "
+                                   "A name is never a path: nothing outside the store is deleted.")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="a model name from `localllm list`")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_rm)
 
@@ -215,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tokenize)
 
     from localllm import cli_generate
+    from localllm.cli_generate import positive_seconds, whole_number
 
     cli_generate.add_commands(sub)
 
@@ -225,19 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "rest wait in a queue, first come first served.")
     p.add_argument("model", nargs="?", metavar="MODEL", help=DEFAULT_MODEL_HELP + " (default: the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=whole_number(0, 65535), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every endpoint but "
                    "/health (default: $LOCALLLM_API_KEY if set, else no key)")
-    p.add_argument("--parallel", type=int, default=4, metavar="N",
+    p.add_argument("--parallel", type=whole_number(1), default=4, metavar="N",
                    help="requests decoded together at most (default 4); more wait in the queue")
-    p.add_argument("--ctx", type=int, default=None, help="context size per request (default: the model's, at "
-                   "most 4096)")
-    p.add_argument("--max-tokens", type=int, default=2048, metavar="N",
+    p.add_argument("--ctx", type=whole_number(0), default=None,
+                   help="context size per request (default: the model's, at most 4096)")
+    p.add_argument("--max-tokens", type=whole_number(1), default=2048, metavar="N",
                    help="tokens one request may generate at most, and the default when it names none (default "
                         "2048, at most the context)")
-    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+    p.add_argument("--max-queue", type=whole_number(0), default=256, metavar="N",
                    help="requests that may wait for a slot (default 256); beyond that: 503")
-    p.add_argument("--max-body", type=int, default=None, metavar="BYTES",
+    p.add_argument("--max-body", type=whole_number(1), default=None, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB); beyond that: 413")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; '*' for any). Default: CORS off, "
@@ -255,18 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "TPOT and inter-token latency percentiles, throughput, and goodput: the "
                                    "requests per second that met the SLO.")
     p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080")
-    p.add_argument("--clients", type=int, default=8, metavar="N", help="concurrent streaming clients (default 8)")
-    p.add_argument("--requests", type=int, default=32, metavar="M", help="requests in all (default 32)")
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens per answer (default 64)")
-    p.add_argument("--prompt-words", type=int, default=48, metavar="N",
+    p.add_argument("--clients", type=whole_number(1), default=8, metavar="N",
+                   help="concurrent streaming clients (default 8)")
+    p.add_argument("--requests", type=whole_number(1), default=32, metavar="M", help="requests in all (default 32)")
+    p.add_argument("--max-tokens", type=whole_number(1), default=64, metavar="N", help="tokens per answer (default 64)")
+    p.add_argument("--prompt-words", type=whole_number(1), default=48, metavar="N",
                    help="words in each prompt (default 48; each prompt differs)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default /v1/completions)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask for exactly --max-tokens tokens (llama.cpp's ignore_eos extension)")
-    p.add_argument("--slo-ttft", type=float, default=2.0, metavar="S", help="goodput SLO: TTFT at most S seconds "
-                   "(default 2)")
-    p.add_argument("--slo-tpot", type=float, default=0.2, metavar="S", help="goodput SLO: TPOT at most S seconds "
-                   "(default 0.2)")
+    p.add_argument("--slo-ttft", type=positive_seconds, default=2.0, metavar="S",
+                   help="goodput SLO: TTFT at most S seconds (default 2)")
+    p.add_argument("--slo-tpot", type=positive_seconds, default=0.2, metavar="S",
+                   help="goodput SLO: TPOT at most S seconds (default 0.2)")
     p.add_argument("--api-key", metavar="KEY", help="bearer token, if the server wants one")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -5,6 +5,7 @@ All of them consume `Engine.generate()` (or its scoring sibling); none touches t
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -14,12 +15,41 @@ from localllm.files import read_text_file
 from localllm.errors import LocalLLMError
 
 MODEL_HELP = "catalog name or path to a .gguf file"
+MIN_PERPLEXITY_CHUNK = 3  # a chunk scores tokens first+1 .. c-1 with first = c // 2: none below 3
+
+
+def whole_number(minimum: int, maximum: int | None = None, why: str = ""):
+    """An argparse type: an integer in [minimum, maximum], else argparse's one-line usage error (exit 2) saying
+    what is allowed, never a traceback further on (a count of 0 repetitions, a negative thread count)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            allowed = f"at least {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"must be {allowed}{why}, not {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
 
 
 def add_sampling_options(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp's defaults)")
-    g.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate at most (default 256; "
-                   "-1: until the model stops or the context is full)")
+    g.add_argument("-n", "--max-tokens", type=whole_number(-1), default=256,
+                   help="tokens to generate at most (default 256; -1: until the model stops or the context is full)")
     g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off (default 0.95)")
@@ -27,11 +57,11 @@ def add_sampling_options(p) -> None:
                    "(default 0.05)")
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise repeats of the last 64 tokens "
                    "(default 1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed: same seed and settings, same text")
+    g.add_argument("--seed", type=whole_number(0), default=None, help="random seed: same seed and settings, same text")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable; never printed)")
-    g.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the model's, at most "
-                   "4096)")
+    g.add_argument("--ctx", type=whole_number(0), default=None,
+                   help="context size in tokens (default: the model's, at most 4096)")
     add_kv_type_option(g)
 
 
@@ -61,8 +91,8 @@ def add_speculation_options(p) -> None:
                         "in one forward, and the draft length adapts to what pays (off where nothing does)")
     g.add_argument("--draft-model", metavar="M", default=None,
                    help="the draft model for --spec draft (e.g. qwen2.5-coder-0.5b-instruct for the -1.5b)")
-    g.add_argument("--draft-max", type=int, default=8, metavar="K", help="tokens drafted per check at most "
-                   "(default 8)")
+    g.add_argument("--draft-max", type=whole_number(1, 32), default=8, metavar="K",
+                   help="tokens drafted per check at most (default 8)")
 
 
 def speculation_params(args):
@@ -80,7 +110,7 @@ def add_overflow_options(p, default: str, why: str) -> None:
     p.add_argument("--context-overflow", choices=["stop", "shift"], default=default,
                    help="at the context limit: stop (finish reason 'length') or shift (drop the older half of "
                         f"the tokens after --keep, as llama.cpp's context shift) (default {default}: {why})")
-    p.add_argument("--keep", type=int, default=0, metavar="N",
+    p.add_argument("--keep", type=whole_number(-1), default=0, metavar="N",
                    help="tokens a context shift always keeps at the start, e.g. the system prompt; -1: the whole "
                         "prompt (default 0; the BOS is always kept)")
 
@@ -103,6 +133,8 @@ def cmd_run(args) -> int:
         raise LocalLLMError("give a prompt, or --prompt-file FILE")
     if (args.prompt_cache_all or args.prompt_cache_ro) and not args.prompt_cache:
         raise LocalLLMError("--prompt-cache-all and --prompt-cache-ro need --prompt-cache FILE")
+    if args.prompt_cache:
+        check_prompt_cache_file(args.prompt_cache)
     params = generation_params(args)
     engine = load_engine(args)
     if args.chat:
@@ -138,17 +170,33 @@ def cmd_run(args) -> int:
     return 0
 
 
-def open_prompt_cache(engine, path):
-    """A sequence holding the saved session in `path` when it is usable; else a fresh one (with a warning
-    when the file exists but is corrupt or from another model: a cache must never stop a run)."""
+def check_prompt_cache_file(path) -> None:
+    """Refuse, before anything runs, a --prompt-cache FILE that exists and is not a session file: the run would
+    replace it (llama.cpp refuses such a file too). Missing and empty files are fine: a new session goes there."""
     import os
 
     from localllm import session_file
 
-    if not os.path.exists(path):
+    if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
+        return
+    if not session_file.is_session_file(path):
+        raise LocalLLMError(f"--prompt-cache {path}: the file exists and is not a localllm session file; refusing to "
+                            "overwrite it (name a new file, or remove this one)")
+
+
+def open_prompt_cache(engine, path):
+    """A sequence holding the saved session in `path` when it is usable; else a fresh one (with a warning when the
+    file is a session from another model, or damaged, which this run then replaces: it is only a cache)."""
+    import os
+
+    from localllm import session_file
+
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
         return engine.new_sequence()
     try:
         return session_file.load(engine, path)
+    except session_file.NotASessionFile as e:  # replaced since check_prompt_cache_file looked
+        raise LocalLLMError(f"--prompt-cache {path}: {e}; refusing to overwrite it") from None
     except LocalLLMError as e:
         print(f"warning: ignoring the prompt cache: {e}", file=sys.stderr)
         return engine.new_sequence()
@@ -170,9 +218,10 @@ def cmd_chat(args) -> int:
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return chat_plain(args)
     from localllm.tui.app import run
-    from localllm.tui.settings import load
+    from localllm.tui.settings import load_reporting
 
-    return run(args.model, chat_settings_overrides(args, load()))
+    saved, notices = load_reporting()
+    return run(args.model, chat_settings_overrides(args, saved), notices)
 
 
 def chat_settings_overrides(args, saved):
@@ -266,6 +315,9 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress=None) -> dict:
     the model adds one), scoring the second half of each chunk."""
     import numpy as np
 
+    if n_ctx < MIN_PERPLEXITY_CHUNK:
+        raise LocalLLMError(f"-c must be at least {MIN_PERPLEXITY_CHUNK}: a chunk scores its tokens after the first "
+                            f"half, and {n_ctx} leaves none")
     tokens = engine.tokenizer.encode(text, add_special=True, parse_special=False)
     n_chunks = len(tokens) // n_ctx
     if n_chunks == 0:
@@ -378,7 +430,8 @@ def add_commands(sub) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print speed and finish reason to stderr")
     p.add_argument("--prompt-cache", metavar="FILE",
                    help="reuse the saved state of a previous prompt from FILE (its longest common prefix with "
-                        "this prompt is not evaluated again), then save this prompt's state to FILE, as llama.cpp")
+                        "this prompt is not evaluated again), then save this prompt's state to FILE, as llama.cpp "
+                        "(an existing FILE that is not a session file is refused, never overwritten)")
     p.add_argument("--prompt-cache-all", action="store_true",
                    help="with --prompt-cache: also save the generated tokens")
     p.add_argument("--prompt-cache-ro", action="store_true",
@@ -411,8 +464,10 @@ def add_commands(sub) -> None:
                                    "chunks of -c tokens from an empty cache, scoring the second half of each.")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("file", help="a UTF-8 text file")
-    p.add_argument("-c", type=int, default=512, help="tokens per chunk (default 512)")
-    p.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 4096)")
+    p.add_argument("-c", type=whole_number(MIN_PERPLEXITY_CHUNK, why=" (each chunk scores its second half)"),
+                   default=512, help="tokens per chunk (default 512)")
+    p.add_argument("--ctx", type=whole_number(0), default=None,
+                   help="context size (default: the model's, at most 4096)")
     add_kv_type_option(p)
     p.add_argument("--json", action="store_true", help='print {"ppl", "chunks", ...}')
     p.set_defaults(func=cmd_perplexity)
@@ -422,13 +477,13 @@ def add_commands(sub) -> None:
                                    "repetitions, measured as llama-bench measures them.")
     p.add_argument("models", nargs="*", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--present", action="store_true", help="every downloaded catalog model")
-    p.add_argument("-p", type=int, default=512, help="prompt tokens (default 512; 0 skips)")
-    p.add_argument("-n", type=int, default=128, help="generated tokens (default 128; 0 skips)")
-    p.add_argument("-r", type=int, default=3, help="repetitions (default 3)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=None, help="context size (default: enough for the test)")
+    p.add_argument("-p", type=whole_number(0), default=512, help="prompt tokens (default 512; 0 skips)")
+    p.add_argument("-n", type=whole_number(0), default=128, help="generated tokens (default 128; 0 skips)")
+    p.add_argument("-r", type=whole_number(1), default=3, help="repetitions (default 3)")
+    p.add_argument("-t", "--threads", type=whole_number(1), default=None, help="threads (default: all cores)")
+    p.add_argument("--ctx", type=whole_number(0), default=None, help="context size (default: enough for the test)")
     add_kv_type_option(p)
-    p.add_argument("--chat-turn", type=int, default=512, metavar="N",
+    p.add_argument("--chat-turn", type=whole_number(0), default=512, metavar="N",
                    help="time a chat's next turn after N tokens of history (TTFT with the cache and cold, TPOT) "
                         "(default 512; 0 skips)")
     p.add_argument("--no-k-ratio", dest="k_ratio", action="store_false",

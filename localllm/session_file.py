@@ -1,11 +1,14 @@
 """Saved sessions (llama.cpp's `--prompt-cache`): a sequence's tokens and the K/V of every layer in a file.
 
-The file is an uncompressed `.npz` (a zip of `.npy` arrays, read with allow_pickle=False, so an untrusted file
-cannot run code): `header` (UTF-8 JSON: format, version, the model's fingerprint, its KV dimensions, the token
-count), `tokens` (int32) and `k{layer}` / `v{layer}` (float32, (n_kv_heads, n, dim)) holding what the cache holds:
-all tokens, or for gemma3's sliding-window layers only their window. Loading checks all of it against the
-engine and raises a LocalLLMError naming the mismatch. Files are written to a temporary name and renamed, so a
-crash or a full disk never leaves a half-written session under the real name.
+The file is an uncompressed `.npz` (a zip of `.npy` arrays): `header` (UTF-8 JSON: format, version, the model's
+fingerprint, its KV dimensions, the token count), `tokens` (int32) and `k{layer}` / `v{layer}` (float32,
+(n_kv_heads, n, dim)) holding what the cache holds: all tokens, or for gemma3's sliding-window layers only their
+window. A session file is untrusted input: loading reads the zip members itself, checks each array's .npy header
+(dtype, order, shape) against the model and the header's token count (at most the context) before reading its
+data, so no file can make it allocate more than the context's KV, run code (no pickles) or recurse without
+bound; any mismatch is a LocalLLMError naming it, and a file that is not a localllm session at all is a
+NotASessionFile. Files are written to a temporary name and renamed, so a crash or a full disk never leaves a
+half-written session under the real name.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import contextlib
 import hashlib
 import json
 import os
+import struct
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +30,12 @@ from localllm.errors import LocalLLMError
 FORMAT = "localllm-session"
 VERSION = 1
 _SAMPLE = 1 << 20  # bytes hashed at each end of the model file
+MAX_HEADER_BYTES = 1 << 16  # the JSON header is some 400 bytes
+_NPY_HEADER_MAX = 10_000  # numpy's own default bound on a .npy header's text
+
+
+class NotASessionFile(LocalLLMError):
+    """The file is not a localllm session file at all (as opposed to one from another model, or damaged)."""
 
 
 def model_fingerprint(engine) -> dict:
@@ -82,38 +93,109 @@ def save(engine, seq, path: str | os.PathLike, n_tokens: int | None = None) -> N
         raise
 
 
+# What reading a damaged zip member can raise: truncated or bit-flipped data, an unsupported compression method,
+# an encrypted member, a broken deflate stream.
+_DAMAGED = (OSError, EOFError, ValueError, zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, NotImplementedError,
+            RuntimeError, struct.error, OverflowError)
+
+
 def load(engine, path: str | os.PathLike):
     """A new Sequence of `engine` holding the session saved in `path`."""
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            header = json.loads(bytes(npz["header"]).decode())
-            _check_header(engine, header, path)
-            n = header["n_tokens"]
-            tokens = npz["tokens"]
-            kv = {layer: (npz[f"k{layer}"], npz[f"v{layer}"]) for layer in range(engine.config.n_layers)}
-    except FileNotFoundError:
-        raise LocalLLMError(f"session file {path} does not exist") from None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, TypeError) as e:
-        # Truncated or not a session file at all (json's errors are ValueErrors).
-        raise LocalLLMError(f"{path} is not a valid session file (corrupt or truncated: {e})") from None
-
     c = engine.config
-    if tokens.dtype != np.int32 or tokens.shape != (n,) or (n and not 0 <= tokens.min() <= tokens.max() < c.vocab_size):
+    with _open(path) as zf:
+        header = _read_header(zf, path)
+        _check_header(engine, header, path)
+        n = header["n_tokens"]
+        try:
+            tokens = _read_array(zf, "tokens", np.dtype("<i4"), lambda s: s == (n,), path)
+            kv = {}
+            for layer in range(c.n_layers):
+                # What the cache holds for a layer: at most the n tokens (a sliding-window layer: fewer).
+                kv[layer] = tuple(
+                    _read_array(zf, f"{kind}{layer}", np.dtype("<f4"),
+                                lambda s, dim=dim: len(s) == 3 and s[0] == c.n_head_kv and s[2] == dim and s[1] <= n,
+                                path)
+                    for kind, dim in (("k", c.head_dim), ("v", c.value_dim)))
+        except _DAMAGED as e:
+            raise LocalLLMError(f"{path} is not a valid session file (corrupt or truncated: {e})") from None
+
+    if n and not 0 <= int(tokens.min()) <= int(tokens.max()) < c.vocab_size:
         raise LocalLLMError(f"{path}: corrupt session file (bad token list)")
-    for layer, (k, v) in kv.items():
-        if (k.ndim != 3 or v.ndim != 3 or k.dtype != np.float32 or v.dtype != np.float32
-                or k.shape[::2] != (c.n_head_kv, c.head_dim) or v.shape[::2] != (c.n_head_kv, c.value_dim)):
-            raise LocalLLMError(f"{path}: corrupt session file (layer {layer} keys/values have the wrong shape)")
     seq = engine.new_sequence()
     try:
         seq.cache.restore(n, kv)
     except ValueError as e:
+        seq.close()
         raise LocalLLMError(f"{path}: cannot load the session: {e}") from None
     seq.tokens = [int(t) for t in tokens]
     seq.cache.name_limit = header["name_limit"]
     seq.cache.remember(seq.tokens)  # other sequences of this engine may reuse its blocks, as if computed here
     return seq
+
+
+def is_session_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a localllm session file (of any model): what may be overwritten by a new session."""
+    try:
+        with _open(Path(path)) as zf:
+            _read_header(zf, Path(path))
+        return True
+    except LocalLLMError:
+        return False
+
+
+def _open(path: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise LocalLLMError(f"session file {path} does not exist") from None
+    except OSError as e:
+        raise NotASessionFile(f"cannot read {path} as a session file: {e.strerror or e}") from None
+    except _DAMAGED:
+        raise NotASessionFile(f"{path} is not a localllm session file (not a zip archive)") from None
+
+
+def _read_header(zf: zipfile.ZipFile, path: Path) -> dict:
+    """The JSON header, or NotASessionFile when there is none of ours."""
+    try:
+        raw = _read_array(zf, "header", np.dtype("u1"), lambda s: len(s) == 1 and s[0] <= MAX_HEADER_BYTES, path)
+        header = json.loads(raw.tobytes().decode())
+    except (LocalLLMError, RecursionError, *_DAMAGED) as e:  # json's and UTF-8's errors are ValueErrors
+        raise NotASessionFile(f"{path} is not a localllm session file ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise NotASessionFile(f"{path} is not a localllm session file")
+    return header
+
+
+def _read_array(zf: zipfile.ZipFile, name: str, dtype: np.dtype, shape_ok, path: Path) -> np.ndarray:
+    """One .npy member, its header checked before any of its data is read: `dtype` exactly, C order, and a shape
+    `shape_ok` accepts (the callers bound it by the context), so a member cannot declare gigabytes."""
+    member = f"{name}.npy"
+    if member not in zf.NameToInfo:
+        raise LocalLLMError(f"{path}: corrupt session file (no {name} array)")
+    with zf.open(member) as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, got = np.lib.format.read_array_header_1_0(f, max_header_size=_NPY_HEADER_MAX)
+            elif version == (2, 0):
+                shape, fortran, got = np.lib.format.read_array_header_2_0(f, max_header_size=_NPY_HEADER_MAX)
+            else:
+                raise ValueError(f".npy format version {version}")
+        except Exception as e:
+            # numpy parses the header text with Python's tokenizer and literal_eval: on hostile text they raise
+            # ValueError, SyntaxError, RecursionError, and (found by fuzzing 3000 damaged files) tokenize's
+            # TokenError. Whatever it is, it is bad input, and nothing beyond the header has been read.
+            raise LocalLLMError(f"{path}: corrupt session file ({name} has a bad array header: {e})") from None
+        if (got != dtype or fortran or not isinstance(shape, tuple)
+                or not all(isinstance(d, int) and d >= 0 for d in shape) or not shape_ok(shape)):
+            raise LocalLLMError(f"{path}: corrupt session file ({name} is {got} {shape}, not what "
+                                f"this model's session holds)")
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise LocalLLMError(f"{path}: corrupt session file ({name} is truncated)")
+    return np.frombuffer(data, dtype).reshape(shape)
 
 
 def _check_header(engine, header: dict, path: Path) -> None:
@@ -131,7 +213,11 @@ def _check_header(engine, header: dict, path: Path) -> None:
     if any(header.get(k) != v for k, v in _dims(engine).items()):
         raise LocalLLMError(f"{path}: the session's KV dimensions differ from {engine.name}'s")
     n, limit = header.get("n_tokens"), header.get("name_limit")
-    if not isinstance(n, int) or n < 0 or not (limit is None or isinstance(limit, int)):
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not count(n) or not (limit is None or count(limit)):
         raise LocalLLMError(f"{path}: corrupt session file header")
     if n > engine.ctx:
         raise LocalLLMError(f"{path} holds {n} tokens, more than the context ({engine.ctx}); raise --ctx")

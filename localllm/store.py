@@ -1,15 +1,19 @@
 """The local model store: pull, list, remove, and resolve a model name or path to a GGUF file.
 
-Pulled models live in `paths.models_dir()` as `NAME.gguf`. A pull writes to a hidden partial file beside the
-destination, checks size and sha256, and only then renames it into place, so a model file that exists is
-always whole. Whatever stops a pull (Ctrl-C, a full disk, a failing source) removes what it wrote.
-A small `.NAME.verified.json` remembers the hash of a verified file by size and mtime, so pulling a present,
-intact model returns at once instead of re-hashing a gigabyte.
+Pulled models live in `paths.models_dir()` as `NAME.gguf`; a model name is a plain file name, never a path, so
+nothing the store does (pull, rm) reaches outside that folder. A pull holds a lock on `.NAME.gguf.lock` (a second
+pull of the same model waits for the first, then finds the model present), writes to a partial file of its own
+beside the destination, checks size and sha256 on that file, and only then renames it into place, so a model
+file that exists is always whole. Whatever stops a pull (Ctrl-C, a full disk, a failing source) removes what it
+wrote. A small `.NAME.verified.json` remembers the hash of a verified file by size and mtime, so pulling a
+present, intact model returns at once instead of re-hashing a gigabyte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -19,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -51,22 +57,50 @@ class PullResult:
 # ---- resolving names -------------------------------------------------------------------------------------
 
 
+MAX_NAME_CHARS = 200
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be a model name in the store, or None when it can: a name is a plain file name (no
+    folder separator, not `.` or `..`, not hidden, no control characters), so `NAME.gguf` stays in the store."""
+    if not isinstance(name, str) or not name:
+        return "a model name cannot be empty"
+    if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):
+        return "a model name cannot contain a folder separator"
+    if name.startswith("."):
+        return "a model name cannot start with '.'"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "a model name cannot contain control characters"
+    if len(name) > MAX_NAME_CHARS:
+        return f"a model name has at most {MAX_NAME_CHARS} characters"
+    return None
+
+
 def model_path(name: str) -> Path:
+    """The store's file for a model name; a name that is not a plain store name is refused."""
+    if problem := name_problem(name):
+        raise UnknownModelError(f"{name!r} is not a model name: {problem} (`localllm list` shows the names)")
     return paths.models_dir() / f"{name}.gguf"
+
+
+def has_model(name: str) -> bool:
+    """Whether the store holds a model of this name (False for anything that is not a plain store name)."""
+    return name_problem(name) is None and model_path(name).exists()
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:
     """A GGUF path as given, or the file of a pulled model. Errors say what to do next."""
     text = str(name_or_path)
     candidate = Path(text).expanduser()
-    looks_like_path = os.sep in text or text.endswith(".gguf") or candidate.exists()
-    if looks_like_path:
+    if "/" in text or os.sep in text or text.endswith(".gguf") or name_problem(text):
         if not candidate.exists():
             raise UnknownModelError(f"no such file: {candidate}")
         return candidate
     local = model_path(text)
     if local.exists():
         return local
+    if candidate.is_file():  # a model file without the .gguf suffix, in the current folder
+        return candidate
     entry = catalog.find(text)  # raises UnknownModelError with suggestions
     raise UnknownModelError(f"model {entry.name} is not downloaded yet: run `localllm pull {entry.name}`")
 
@@ -79,19 +113,68 @@ def local_models() -> list[LocalModel]:
     found = []
     for path in sorted(folder.glob("*.gguf")):
         name = path.name[: -len(".gguf")]
+        if name_problem(name):
+            continue  # hidden files, and names rm and run could not take
         found.append(LocalModel(name, path, path.stat().st_size, known.get(name)))
     return found
 
 
 def remove(name: str) -> Path:
+    """Delete a pulled model by name. Only ever files in the store: a name that is a path is refused."""
+    if problem := name_problem(name):
+        raise UnknownModelError(f"rm takes the name of a model in the store, as `localllm list` shows it; "
+                                f"{name!r} is not one ({problem}). Nothing was removed.")
     path = model_path(name)
     if not path.exists():
         if name in catalog.entries():
             raise UnknownModelError(f"model {name} is not downloaded; nothing to remove")
         raise UnknownModelError(f"no model named {name!r} in {paths.models_dir()}")
-    path.unlink()
-    _marker(path).unlink(missing_ok=True)
+    with _model_lock(path, quiet=True, wait=False):
+        path.unlink(missing_ok=True)
+        _marker(path).unlink(missing_ok=True)
     return path
+
+
+# ---- one pull (or rm) of a model at a time ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _model_lock(dest: Path, quiet: bool, wait: bool = True) -> Iterator[None]:
+    """Hold an advisory lock (flock) on `.NAME.gguf.lock` beside `dest`. With `wait`, a second holder waits (saying
+    so) until the first is done; without it, a LocalLLMError. The holder removes the lock file before it lets go,
+    so nothing is left behind; a waiter that then finds its file gone retries on the file now at that path."""
+    lock = dest.with_name(f".{dest.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    told = False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise LocalLLMError(f"{dest.stem} is being pulled by another process right now; "
+                                        "try again when that pull ends") from None
+                if not told:
+                    note(f"waiting for another pull of {dest.stem} to finish", quiet)
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.path.samestat(os.fstat(fd), os.stat(lock))
+            except FileNotFoundError:
+                current = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if current:
+            break
+        os.close(fd)  # the previous holder removed this file as it finished: lock the one there now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # while still holding the lock (see above)
+        os.close(fd)
 
 
 # ---- verification ----------------------------------------------------------------------------------------
@@ -134,6 +217,25 @@ def sha256_of(path: Path, quiet: bool = False, label: str | None = None) -> str:
 
 def pull(entry: CatalogEntry, quiet: bool = False) -> PullResult:
     dest = model_path(entry.name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Two pulls of one model at once (two terminals, the chat app and a shell): the second waits for the first,
+    # then finds the model present and verified instead of racing it for the same file.
+    with _model_lock(dest, quiet):
+        _remove_stale_partials(dest)
+        return _pull_locked(entry, dest, quiet)
+
+
+def _remove_stale_partials(dest: Path) -> None:
+    """Partial files of this model left by a pull that was killed outright (SIGKILL, power loss): holding the
+    model's lock, no live pull is writing one."""
+    prefix = f".{dest.name}."  # (not a glob: a name may hold glob characters such as '[')
+    for stale in dest.parent.iterdir():
+        if stale.name.startswith(prefix) and stale.name.endswith("partial") and stale.is_file():
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+
+def _pull_locked(entry: CatalogEntry, dest: Path, quiet: bool) -> PullResult:
     if dest.exists():
         if _known_intact(dest, entry.sha256):
             return PullResult(dest, "present", downloaded=False)
@@ -145,11 +247,11 @@ def pull(entry: CatalogEntry, quiet: bool = False) -> PullResult:
         dest.unlink()
         _marker(dest).unlink(missing_ok=True)
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
     failures = []
     for source in entry.sources:
         _check_free_space(dest.parent, entry, source)
-        partial = dest.with_name(f".{dest.name}.partial")
+        # A name of this process's own: what is verified below is exactly the file renamed into place.
+        partial = dest.with_name(f".{dest.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
         try:
             if isinstance(source, HubSource):
                 _fetch_from_hub(source, partial, quiet)

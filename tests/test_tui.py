@@ -21,6 +21,7 @@ from localllm.tui import conversations
 from localllm.tui.app import ChatApp, ChatInput, ChatMessage
 from localllm.tui.chat_session import load_engine
 from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen
+from localllm.tui import settings as settings_store
 from localllm.tui.settings import ChatSettings
 
 SMOLLM = "smollm2-135m-instruct"
@@ -411,3 +412,121 @@ def test_snapshot_after_a_key(home, snap_compare, screen, key):
             assert isinstance(pilot.app.screen, HelpScreen)
 
     assert snap_compare(snapshot_app(), terminal_size=(80, 24), run_before=press)
+
+
+# ---- hostile saved state (the stand-in engine: these are about files, not the model) -------------------------
+
+
+class Noting(ChatApp):
+    """The chat app, keeping every notice it shows the user."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.told: list[str] = []
+
+    def notify(self, message, **kwargs):
+        self.told.append(message)
+        super().notify(message, **kwargs)
+
+
+def write_conversation(home, file_id: str, content) -> bytes:
+    folder = home / "conversations"
+    folder.mkdir(exist_ok=True)
+    data = content if isinstance(content, bytes) else json.dumps(content).encode()
+    (folder / f"{file_id}.json").write_bytes(data)
+    return data
+
+
+@pytest.mark.anyio
+async def test_a_conversation_id_that_is_a_path_is_never_deleted_or_written(home):
+    victim = home / "victim.json"
+    victim.write_text("precious")
+    (home / "victim.kv.npz").write_text("precious too")
+    write_conversation(home, "evil", {"id": "../victim", "title": "Evil", "model": SMOLLM,
+                                      "messages": [{"role": "user", "content": "hi"}], "created": 1.0, "updated": 2.0})
+    [conv] = conversations.list_all()
+    assert conv.id == "evil"  # the id is the file's name, never what the file says
+    app = Noting(SMOLLM, loader=stand_in, chat_settings=ChatSettings())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        await pilot.press("f4")
+        await pilot.press("r")
+        app.screen.query_one("#rename").value = "Renamed"
+        await pilot.press("enter")
+        assert json.loads((home / "conversations" / "evil.json").read_text())["title"] == "Renamed"
+        await pilot.press("d")
+        assert not (home / "conversations" / "evil.json").exists()
+    assert victim.read_text() == "precious" and (home / "victim.kv.npz").read_text() == "precious too"
+    for bad in ("../victim", "/tmp/victim", ".hidden", ""):
+        with pytest.raises(conversations.ConversationError):
+            conversations.delete(bad)
+        with pytest.raises(conversations.ConversationError):
+            conversations.export_markdown(conversations.Conversation(id=bad, messages=[]))
+
+
+@pytest.mark.anyio
+async def test_saved_conversations_that_cannot_be_read_are_skipped_with_a_notice(home):
+    message = [{"role": "user", "content": "hello"}]
+    bad = {"wrong-messages": {"messages": "hello"},
+           "wrong-message": {"messages": [{"role": "user", "content": ["not", "text"]}]},
+           "nested": ("[" * 100_000 + "]" * 100_000).encode(),
+           "not-json": b"{not json",
+           "not-utf8": b"\xff\xfe\x00garbage",
+           "a-list": [message]}
+    on_disk = {name: write_conversation(home, name, content) for name, content in bad.items()}
+    # Wrong-typed details of an otherwise good conversation are repaired, not skipped.
+    write_conversation(home, "repaired", {"title": 5, "model": ["x"], "updated": "yesterday", "messages": message})
+    (home / "conversations" / "overflow.json").write_text('{"created": 1e400, "messages": []}')
+    app = Noting(SMOLLM, loader=stand_in, chat_settings=ChatSettings())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        await pilot.press("f4")
+        table = app.screen.query_one("DataTable")
+        assert table.row_count == 2
+        [notice] = [t for t in app.told if t.startswith("Skipped")]
+        assert notice.startswith(f"Skipped {len(bad)} saved conversation file(s)") and "… and 1 more" in notice
+        assert "nested.json is nested too deeply" in notice and "not-utf8.json is not UTF-8 text" in notice
+        table.move_cursor(row=table.get_row_index("repaired"))
+        await pilot.press("enter")
+        assert app.conversation.id == "repaired" and app.conversation.messages == message
+        assert app.conversation.title == "" and app.conversation.model == ""
+        assert app.is_running
+    for name, data in on_disk.items():  # left exactly as they were
+        assert (home / "conversations" / f"{name}.json").read_bytes() == data
+    problems = []
+    conversations.list_all(problems)
+    assert "wrong-messages.json: 'messages' is not a list" in problems
+
+
+@pytest.mark.anyio
+async def test_a_corrupt_settings_json_falls_back_to_defaults_with_a_notice(home):
+    settings_file = home / "settings.json"
+    settings_file.write_text("{" + '"a": {' * 50_000 + "}" * 50_001)
+    app = Noting(SMOLLM, loader=stand_in)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        assert app.settings == ChatSettings()
+        assert any("using the default settings (it is nested too deeply)" in t for t in app.told)
+    # Bad values fall back one by one, and the notice names them.
+    settings_file.write_text(json.dumps({"temperature": "hot", "top_k": 5, "seed": -1, "ctx": 10**30, "stop": [[1]],
+                                         "speculation": "draft", "draft_model": "qwen2.5-coder-0.5b-instruct"}))
+    loaded_settings, notices = settings_store.load_reporting()
+    assert loaded_settings == ChatSettings(top_k=5, speculation="draft", draft_model="qwen2.5-coder-0.5b-instruct")
+    assert notices == [f"{settings_file}: ignored the bad values of ctx, seed, stop, temperature; using their "
+                       "defaults"]
+
+
+@pytest.mark.anyio
+async def test_saved_titles_and_names_that_look_like_markup_are_shown_as_text(home):
+    title = "[/] [bold]not bold[/bold] [link=x]"
+    write_conversation(home, "markup", {"title": title, "model": "[/x]", "messages": [
+        {"role": "user", "content": "[/]" + ">" * 500 + "- " * 500},
+        {"role": "assistant", "content": "[" * 2_000 + "(" * 2_000}]})
+    app = Noting(SMOLLM, loader=stand_in, chat_settings=ChatSettings())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        await pilot.press("f4")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.conversation.title == title and app.is_running
+        assert title in str(app.query_one("#topbar").render())

@@ -13,6 +13,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.markup import escape
 from textual.message import Message
 from textual.widgets import Footer, Label, Markdown, ProgressBar, Static, TextArea
 
@@ -20,7 +21,7 @@ from localllm import catalog, store
 from localllm.errors import LocalLLMError
 from localllm.tui import conversations, settings as settings_store
 from localllm.tui.chat_session import ChatSession, TurnStats, load_engine
-from localllm.tui.conversations import Conversation
+from localllm.tui.conversations import Conversation, ConversationError
 from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen, human_size
 from localllm.tui.settings import ChatSettings
 
@@ -138,11 +139,15 @@ class ChatApp(App):
     ]
 
     def __init__(self, model: str | None = None, loader: EngineLoader = load_engine,
-                 chat_settings: ChatSettings | None = None):
+                 chat_settings: ChatSettings | None = None, notices: list[str] | None = None):
         super().__init__()
         self.model_name = model
         self.loader = loader
-        self.settings = chat_settings if chat_settings is not None else settings_store.load()
+        self.notices = list(notices or [])  # told once the screen is up (e.g. a settings file that was ignored)
+        if chat_settings is None:
+            chat_settings, problems = settings_store.load_reporting()
+            self.notices += problems
+        self.settings = chat_settings
         self.session: ChatSession | None = None
         self.conversation = Conversation()
         self.busy: str | None = None  # "loading" or "generating": the engine job running now
@@ -168,6 +173,8 @@ class ChatApp(App):
     def on_mount(self) -> None:
         self.query_one(ChatInput).focus()
         self.update_topbar()
+        for notice in self.notices:
+            self.notify(notice, severity="warning", timeout=15, markup=False)
         self.start()
 
     def start(self) -> None:
@@ -185,7 +192,7 @@ class ChatApp(App):
             if self.model_name in catalog.entries():
                 self.offer_pull(self.model_name, f"{self.model_name} is not downloaded yet.")
             else:
-                self.show_status(f"[red]{e}[/] — F3 picks a model.")
+                self.show_status(f"[red]{escape(str(e))}[/] — F3 picks a model.")
             return
         self.load_model(self.model_name)
 
@@ -202,7 +209,9 @@ class ChatApp(App):
 
     def update_topbar(self) -> None:
         model = self.session.engine.name if self.session else (self.model_name or "no model")
-        self.query_one("#topbar", Static).update(f"[b]localllm[/] · {model} · {self.conversation.display_title}")
+        # Names and titles come from files and from what the user typed: text, never markup.
+        self.query_one("#topbar", Static).update(
+            f"[b]localllm[/] · {escape(model)} · {escape(self.conversation.display_title)}")
 
     def show_status(self, text: str) -> None:
         self.query_one("#stats", Static).update(text)
@@ -213,7 +222,7 @@ class ChatApp(App):
         self.busy = "loading"
         self.model_name = name
         self.update_topbar()
-        self.show_loading(f"Loading {name}…")
+        self.show_loading(f"Loading {escape(name)}…")
         self.load_worker(name, self.settings.ctx, self.restore_kv_of)
 
     @work(thread=True, group="engine")
@@ -244,7 +253,7 @@ class ChatApp(App):
         self.restore_kv_of = None
         self.query_one("#loading").remove_class("shown")
         if message.error:
-            self.show_status(f"[red]{message.error}[/]")
+            self.show_status(f"[red]{escape(message.error)}[/]")
             return
         if self.session is not None:
             self.session.close()
@@ -252,7 +261,7 @@ class ChatApp(App):
         self.conversation.model = self.session.engine.name
         self.update_topbar()
         restored = f" · {message.restored} tokens restored from the saved cache" if message.restored else ""
-        self.show_status(f"{self.session.engine.name} ready · ctx {self.session.engine.ctx}{restored} · F1 help")
+        self.show_status(f"{escape(self.session.engine.name)} ready · ctx {self.session.engine.ctx}{restored} · F1 help")
 
     # ---- chatting -----------------------------------------------------------------------------------------
 
@@ -334,14 +343,14 @@ class ChatApp(App):
                 # Nothing was generated (e.g. the conversation no longer fits): give the message back to edit.
                 await self.answer_view.remove()
                 await self.restore_last_user_message()
-            self.show_status(f"[red]{message.error}[/]")
-            self.notify(message.error, severity="error", timeout=8)
+            self.show_status(f"[red]{escape(message.error)}[/]")
+            self.notify(message.error, severity="error", timeout=8, markup=False)
             return
         self.update_topbar()
         outcome = stats.outcome()
         self.show_status(stats.summary() + (f" · {outcome}" if outcome and len(outcome) < 20 else ""))
         if outcome and (stats.context_full or stats.finish_reason == "length"):
-            self.notify(outcome, severity="warning", timeout=10)
+            self.notify(outcome, severity="warning", timeout=10, markup=False)
 
     async def remove_last_view(self, role: str) -> None:
         views = self.query(ChatMessage)
@@ -388,14 +397,14 @@ class ChatApp(App):
             return
         self.copy_to_clipboard(text)
         path = conversations.save_copied_text(text)
-        self.notify(f"Copied to the clipboard (if the terminal allows OSC 52) and to {path}", timeout=8)
+        self.notify(f"Copied to the clipboard (if the terminal allows OSC 52) and to {path}", timeout=8, markup=False)
 
     def action_export(self) -> None:
         if not self.conversation.messages:
             self.notify("Nothing to export yet")
             return
         path = conversations.export_markdown(self.conversation)
-        self.notify(f"Exported to {path}", timeout=8)
+        self.notify(f"Exported to {path}", timeout=8, markup=False)
 
     # ---- conversations ------------------------------------------------------------------------------------
 
@@ -424,7 +433,11 @@ class ChatApp(App):
         self.push_screen(ConversationsScreen(), chosen)
 
     def open_conversation(self, conv_id: str) -> None:
-        conv = conversations.load(conv_id)
+        try:
+            conv = conversations.load(conv_id)
+        except ConversationError as e:  # changed on disk since the list was shown
+            self.notify(f"Cannot open the conversation: {e}", severity="error", timeout=10, markup=False)
+            return
         self.conversation = conv
         box = self.query_one("#messages", VerticalScroll)
         box.remove_children()
@@ -434,7 +447,7 @@ class ChatApp(App):
         # Reload the conversation's model when it is here (its saved KV cache then applies); else go on with this
         # one (the messages are rendered with its template).
         same_model = self.session is not None and conv.model == self.session.engine.name
-        if not same_model and conv.model and store.model_path(conv.model).exists():
+        if not same_model and conv.model and store.has_model(conv.model):
             self.restore_kv_of = conv.id
             self.load_model(conv.model)
             return
@@ -490,6 +503,6 @@ class ChatApp(App):
         self.exit()
 
 
-def run(model: str | None, chat_settings: ChatSettings | None = None) -> int:
-    ChatApp(model, chat_settings=chat_settings).run()
+def run(model: str | None, chat_settings: ChatSettings | None = None, notices: list[str] | None = None) -> int:
+    ChatApp(model, chat_settings=chat_settings, notices=notices).run()
     return 0

@@ -1,6 +1,11 @@
 """Conversations saved by the TUI: `paths.conversations_dir()/ID.json` (title, model, messages, times) and,
 beside it, `ID.kv.npz`, the conversation's KV cache (a `session_file`), so reopening a long chat does not
 evaluate it again. The cache is only an optimisation: a missing, stale or foreign one is ignored.
+
+These files are read as untrusted: a conversation's id is its file name (never what the file says), every path
+is made from an id that is a plain file name, so no file outside the folder is ever written or deleted, and a
+file with a field of the wrong type, deep nesting or no JSON at all is skipped with the reason (ConversationError)
+instead of taking the chat app down.
 """
 
 from __future__ import annotations
@@ -16,6 +21,13 @@ from pathlib import Path
 from localllm import paths
 
 TITLE_CHARS = 48
+MAX_ID_CHARS = 200
+MAX_FILE_BYTES = 64 << 20  # a saved chat is read whole; 64 MiB is some 16 million tokens of text
+ROLES = ("user", "assistant")
+
+
+class ConversationError(ValueError):
+    """A saved conversation that cannot be used; the message says which file and why."""
 
 
 @dataclass
@@ -42,12 +54,31 @@ class Conversation:
         return "\n".join(out)
 
 
+def id_problem(conversation_id) -> str | None:
+    """Why this cannot be a conversation id, or None: an id is a plain file name in the conversations folder."""
+    if not isinstance(conversation_id, str) or not conversation_id:
+        return "an empty id"
+    if "/" in conversation_id or "\\" in conversation_id or os.sep in conversation_id:
+        return "a folder separator in the id"
+    if conversation_id.startswith("."):
+        return "an id starting with '.'"
+    if any(ord(c) < 32 or ord(c) == 127 for c in conversation_id) or len(conversation_id) > MAX_ID_CHARS:
+        return "control characters or too long an id"
+    return None
+
+
+def _checked(conversation_id: str) -> str:
+    if problem := id_problem(conversation_id):
+        raise ConversationError(f"{conversation_id!r} is not a conversation id ({problem})")
+    return conversation_id
+
+
 def json_path(conversation_id: str) -> Path:
-    return paths.conversations_dir() / f"{conversation_id}.json"
+    return paths.conversations_dir() / f"{_checked(conversation_id)}.json"
 
 
 def kv_path(conversation_id: str) -> Path:
-    return paths.conversations_dir() / f"{conversation_id}.kv.npz"
+    return paths.conversations_dir() / f"{_checked(conversation_id)}.kv.npz"
 
 
 def save(conv: Conversation) -> None:
@@ -59,20 +90,69 @@ def save(conv: Conversation) -> None:
 
 
 def load(conversation_id: str) -> Conversation:
-    raw = json.loads(json_path(conversation_id).read_text(encoding="utf-8"))
-    known = {k: raw[k] for k in ("id", "title", "model", "messages", "created", "updated") if k in raw}
-    return Conversation(**known)
+    """The saved conversation `conversation_id`, or a ConversationError saying why it cannot be used."""
+    path = json_path(conversation_id)
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConversationError(f"{path.name} is larger than {MAX_FILE_BYTES >> 20} MiB")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConversationError(f"{path.name} no longer exists") from None
+    except OSError as e:
+        raise ConversationError(f"cannot read {path.name}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConversationError(f"{path.name} is not UTF-8 text") from None
+    except RecursionError:
+        raise ConversationError(f"{path.name} is nested too deeply to be a conversation") from None
+    except ValueError as e:
+        raise ConversationError(f"{path.name} is not valid JSON ({e})") from None
+    return _from_json(conversation_id, raw, path)
 
 
-def list_all() -> list[Conversation]:
-    """Every readable saved conversation, most recently updated first (unreadable files are skipped)."""
+def _from_json(conversation_id: str, raw, path: Path) -> Conversation:
+    """Field by field: messages must be right (they are the conversation), the rest falls back to a default."""
+    if not isinstance(raw, dict):
+        raise ConversationError(f"{path.name} does not hold a conversation (a JSON object)")
+    messages = raw.get("messages", [])
+    if not isinstance(messages, list):
+        raise ConversationError(f"{path.name}: 'messages' is not a list")
+    for i, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ConversationError(f"{path.name}: message {i} is not a user or assistant message with text")
+
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        mtime = time.time()
+
+    def number(key: str) -> float:
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e11:
+            return float(value)  # a Unix time a date can show (1e11 s: the year 5138; inf and NaN fail too)
+        return mtime
+
+    def text(key: str) -> str:
+        return raw[key] if isinstance(raw.get(key), str) else ""
+
+    # The id is the file name, never the file's own "id": deleting or saving it must stay on this file.
+    return Conversation(id=conversation_id, title=text("title"), model=text("model"),
+                        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                        created=number("created"), updated=number("updated"))
+
+
+def list_all(problems: list[str] | None = None) -> list[Conversation]:
+    """Every usable saved conversation, most recently updated first. The others are skipped (left as they are on
+    disk); when `problems` is given, each one's reason is appended to it."""
     folder = paths.conversations_dir()
     found = []
-    for path in folder.glob("*.json") if folder.is_dir() else []:
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if id_problem(path.stem):
+            continue  # hidden files (our temporary ones) and names no id can have
         try:
             found.append(load(path.stem))
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
+        except ConversationError as e:
+            if problems is not None:
+                problems.append(str(e))
     return sorted(found, key=lambda c: c.updated, reverse=True)
 
 
@@ -88,7 +168,7 @@ def delete(conversation_id: str) -> None:
 
 def export_markdown(conv: Conversation) -> Path:
     """Write the conversation as Markdown under the data dir; returns the file."""
-    path = paths.data_dir() / "exports" / f"{conv.id}.md"
+    path = paths.data_dir() / "exports" / f"{_checked(conv.id)}.md"
     _write_atomic(path, conv.to_markdown())
     return path
 

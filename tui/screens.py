@@ -7,10 +7,12 @@ import subprocess
 import sys
 from dataclasses import fields, replace
 
+from rich.markup import escape as as_text  # DataTable reads a str cell as Rich markup
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressBar, Select, Static, TextArea
 
@@ -192,7 +194,8 @@ class ModelPicker(ModalScreen[str | None]):
             size = local[name].size if name in local else entry.size
             status = "in use" if name == self.current else "downloaded" if name in local else "not downloaded"
             about = entry.description if entry else str(local[name].path)
-            table.add_row(name, human_size(size), status, about, key=name)
+            # Text, not markup: a local model's name and path are whatever its file is called.
+            table.add_row(as_text(name), human_size(size), status, as_text(about), key=name)
         if self.current in names:
             table.move_cursor(row=names.index(self.current))
 
@@ -201,7 +204,7 @@ class ModelPicker(ModalScreen[str | None]):
         name = event.row_key.value
         if self.pull_proc is not None:
             self.notify("A pull is running: Esc cancels it", severity="warning")
-        elif store.model_path(name).exists():
+        elif store.has_model(name):
             self.dismiss(name)
         else:
             self.start_pull(name)
@@ -240,7 +243,7 @@ class ModelPicker(ModalScreen[str | None]):
             label.update(f"{name} is downloaded: Enter uses it.")
         else:
             lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-            label.update(f"[red]Pull of {name} failed: {lines[-1] if lines else f'exit {returncode}'}[/]")
+            label.update(f"[red]Pull of {name} failed: {escape(lines[-1]) if lines else f'exit {returncode}'}[/]")
         self.refresh_rows()
 
     def action_close(self) -> None:
@@ -271,17 +274,23 @@ class ConversationsScreen(ModalScreen[str | None]):
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns("Title", "Model", "Messages", "Updated")
         self.query_one("#rename").display = False
-        self.refresh_rows()
+        self.refresh_rows(report=True)
 
-    def refresh_rows(self) -> None:
+    def refresh_rows(self, report: bool = False) -> None:
         import time
 
         table = self.query_one(DataTable)
         table.clear()
-        for conv in conversations.list_all():
+        problems: list[str] = []
+        for conv in conversations.list_all(problems):
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(conv.updated))
-            table.add_row(conv.display_title, conv.model, str(len(conv.messages)), when, key=conv.id)
+            # Text, not markup: titles are what the user typed, or what a file says.
+            table.add_row(as_text(conv.display_title), as_text(conv.model), str(len(conv.messages)), when, key=conv.id)
         table.focus()
+        if report and problems:
+            shown = "\n".join(problems[:5]) + (f"\n… and {len(problems) - 5} more" if len(problems) > 5 else "")
+            self.notify(f"Skipped {len(problems)} saved conversation file(s) that cannot be read (left as they "
+                        f"are):\n{shown}", severity="warning", timeout=15, markup=False)
 
     def selected_id(self) -> str | None:
         table = self.query_one(DataTable)
@@ -308,22 +317,34 @@ class ConversationsScreen(ModalScreen[str | None]):
         if (conv_id := self.selected_id()) is None:
             return
         rename = self.query_one("#rename", Input)
-        rename.value = conversations.load(conv_id).display_title
+        try:
+            rename.value = conversations.load(conv_id).display_title
+        except conversations.ConversationError as e:
+            self.notify(str(e), severity="error", markup=False)
+            self.refresh_rows()
+            return
         rename.display = True
         rename.focus()
 
     @on(Input.Submitted, "#rename")
     def apply_rename(self, event: Input.Submitted) -> None:
         if (conv_id := self.selected_id()) is not None and event.value.strip():
-            conversations.rename(conversations.load(conv_id), event.value)
+            try:
+                conversations.rename(conversations.load(conv_id), event.value)
+            except (conversations.ConversationError, OSError) as e:
+                self.notify(f"Cannot rename it: {e}", severity="error", markup=False)
         event.input.display = False
         self.refresh_rows()
 
     def action_delete(self) -> None:
         if (conv_id := self.selected_id()) is None:
             return
-        conversations.delete(conv_id)
-        self.notify("Conversation deleted")
+        try:
+            conversations.delete(conv_id)
+        except (conversations.ConversationError, OSError) as e:
+            self.notify(f"Cannot delete it: {e}", severity="error", markup=False)
+        else:
+            self.notify("Conversation deleted")
         self.refresh_rows()
 
 

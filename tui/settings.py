@@ -2,12 +2,13 @@
 
 Defaults are the `localllm chat` command line's (llama.cpp's sampling defaults, 1024 tokens per answer, a context
 shift at the limit). A settings file that is missing, unreadable or holds a bad value falls back to the default
-for that value: a settings file must never stop the chat from starting.
+for that value, and the app says so: a settings file must never stop the chat from starting.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -16,6 +17,10 @@ from localllm import paths
 from localllm.engine import GenerationParams
 from localllm.sampling import SamplingParams
 from localllm.speculative import SpeculationParams
+
+
+MAX_CTX = 1 << 20  # a bound on what a saved file may ask for (the catalog's models train on at most 32768)
+MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -48,14 +53,18 @@ class ChatSettings:
 
     def validated(self) -> "ChatSettings":
         """These settings, or a ValueError naming the first value out of range."""
+        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty)
         checks = [
+            (all(math.isfinite(v) for v in floats), "sampling values must be finite numbers"),
             (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
             (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
             (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
             (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
             (self.repeat_penalty > 0, "repeat penalty must be > 0 (1 = off)"),
             (self.max_tokens == -1 or self.max_tokens > 0, "max tokens must be > 0, or -1 for no limit"),
-            (self.ctx == 0 or self.ctx >= 64, "context size must be >= 64 (0 = the model's default)"),
+            (self.ctx == 0 or 64 <= self.ctx <= MAX_CTX,
+             f"context size must be in 64..{MAX_CTX} (0 = the model's default)"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in 0..2^64-1 (empty = random)"),
             (self.context_overflow in ("shift", "stop"), "context overflow must be shift or stop"),
             (self.keep >= -1, "keep must be >= 0, or -1 for the whole prompt"),
             (all(isinstance(t, str) and t for t in self.stop), "stop strings must be non-empty text"),
@@ -70,22 +79,44 @@ class ChatSettings:
 
 
 def load() -> ChatSettings:
+    return load_reporting()[0]
+
+
+def load_reporting() -> tuple[ChatSettings, list[str]]:
+    """The saved settings, and a notice for the user when some or all of the file could not be used (those
+    values are the defaults). Never raises: not for a missing, unreadable, malformed or deeply nested file."""
+    path = paths.settings_file()
+    defaults = f"{path}: using the default settings"
     try:
-        raw = json.loads(paths.settings_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ChatSettings()
+        if path.stat().st_size > MAX_FILE_BYTES:
+            return ChatSettings(), [f"{defaults} (the file is over {MAX_FILE_BYTES >> 20} MiB)"]
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return ChatSettings(), []
+    except OSError as e:
+        return ChatSettings(), [f"{defaults} (cannot read it: {e.strerror or e})"]
+    except UnicodeDecodeError:
+        return ChatSettings(), [f"{defaults} (it is not UTF-8 text)"]
+    except RecursionError:
+        return ChatSettings(), [f"{defaults} (it is nested too deeply)"]
+    except ValueError as e:
+        return ChatSettings(), [f"{defaults} (it is not valid JSON: {e})"]
     if not isinstance(raw, dict):
-        return ChatSettings()
+        return ChatSettings(), [f"{defaults} (it does not hold a JSON object)"]
     settings = ChatSettings()
-    for f in fields(ChatSettings):
+    bad = []
+    # The draft model before speculation: "draft" is only valid once the draft model is set.
+    order = sorted(fields(ChatSettings), key=lambda f: f.name != "draft_model")
+    for f in order:
         if f.name not in raw:
             continue
         candidate = replace(settings, **{f.name: raw[f.name]})
         try:
             settings = _typed(candidate).validated()
-        except (TypeError, ValueError):
-            pass  # keep the default for a bad value
-    return settings
+        except (TypeError, ValueError, OverflowError):
+            bad.append(f.name)  # keep the default for a bad value
+    notices = [f"{path}: ignored the bad values of {', '.join(sorted(bad))}; using their defaults"] if bad else []
+    return settings, notices
 
 
 def _typed(s: ChatSettings) -> ChatSettings:
