@@ -7,6 +7,7 @@ runs one model, as llama.cpp's server does); responses name the model that ran.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -221,7 +222,8 @@ async def chat_completions(state: ServerState, request: Request):
     fmt = f.get("response_format", dict, {"type": "text"})
     if fmt.get("type", "text") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-    tokens = chat_prompt(state, f.data["messages"])
+    # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
+    tokens = await asyncio.to_thread(chat_prompt, state, f.data["messages"])
     handle = submit(state, tokens, params)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
