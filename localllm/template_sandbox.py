@@ -59,6 +59,7 @@ BUILT_FACTOR = 8
 MAX_INT_BITS = 1 << 16  # about 20 000 decimal digits: templates count, they do not do number theory
 MAX_DEPTH = 256  # nesting of the containers a template builds or is given
 _FIELD_SLACK = 320  # characters a formatted number may take beyond its width and precision (1e308 with %f)
+SLOW_FILTER_CHARS = 100_000  # the input of wordwrap and urlize (0.2-0.3 s of pure Python)
 _OPAQUE_WEIGHT = 64  # the repr of a function, macro, loop, generator or undefined value is short
 _DICT_KEYS, _DICT_VALUES, _DICT_ITEMS = type({}.keys()), type({}.values()), type({}.items())
 _CONTAINERS = (list, tuple, dict, set, frozenset)
@@ -441,11 +442,21 @@ def _pre_join(b: Budget, a: dict) -> None:
     b.check(sum(b.weight(item) for item in items) + len(sep) * len(items))
 
 
+def _pre_slow(b: Budget, text: Any, name: str) -> None:
+    # wordwrap and urlize loop over words in Python, out of the budget's reach: 1.5 MB takes them 3-5 s.
+    if isinstance(text, str) and len(text) > SLOW_FILTER_CHARS:
+        raise TemplateTooLarge(f"{name}() takes at most {SLOW_FILTER_CHARS:,} characters, not {len(text):,}")
+
+
 def _pre_wordwrap(b: Budget, a: dict) -> None:
     s, wrap = a["s"], a["wrapstring"]
-    if isinstance(s, str):
-        # textwrap is pure Python: at worst one line per character, each followed by the wrap string.
+    _pre_slow(b, s, "wordwrap")
+    if isinstance(s, str):  # at worst one line per character, each followed by the wrap string
         b.check(len(s) * (1 + (len(wrap) if isinstance(wrap, str) else 1)))
+
+
+def _pre_urlize(b: Budget, a: dict) -> None:
+    _pre_slow(b, a["value"], "urlize")
 
 
 def _pre_format(b: Budget, a: dict) -> None:
@@ -483,7 +494,7 @@ def _pre_pprint(b: Budget, a: dict) -> None:
 _FILTER_CHECKS = {
     "center": _pre_center, "indent": _pre_indent, "replace": _pre_replace, "join": _pre_join,
     "wordwrap": _pre_wordwrap, "format": _pre_format, "batch": _pre_batch, "slice": _pre_slice,
-    "tojson": _pre_tojson, "pprint": _pre_pprint,
+    "tojson": _pre_tojson, "pprint": _pre_pprint, "urlize": _pre_urlize,
 }
 
 

@@ -368,7 +368,8 @@ def test_shared_structures_cannot_grow_exponentially(src):
 
 @pytest.mark.parametrize("expr", [
     "('x' * 1000000) | join('y' * 1000000)", "('y' * 1000000).join('x' * 100000)",
-    "('x' * 1000000) | wordwrap(1, wrapstring='y' * 1000)", "[1] | batch(1000000000, 'x') | list",
+    "('x' * 1000000) | wordwrap(1, wrapstring='y' * 1000)", "('ab ' * 500000) | wordwrap(5, wrapstring='')",
+    "('ab.cd http://x.y ' * 90000) | urlize", "[1] | batch(1000000000, 'x') | list",
     "[1] | slice(1000000000) | list", "lipsum(1000000)", "strftime_now('%c' * 1000000)",
 ])
 def test_filters_and_helpers_that_build_from_their_arguments_are_bounded(expr):
