@@ -16,7 +16,8 @@ expressions while it compiles, so that `{{ 'x'|center(2500000000) }}` cost 7.4 G
   `expandtabs`, `translate`, `join`, `indent`, `wordwrap`, `tojson`/`pprint` indentation, `batch`/`slice`
   fill-ins, `sum` of lists, `int.to_bytes`, `lipsum`; what grows by a bounded factor at most (escaping,
   `upper`, `repr`) is checked right after. Everything built in one render together may not exceed
-  `BUILT_FACTOR` x `limit` characters (or container slots), which bounds memory and work both.
+  `BUILT_FACTOR` x `limit` characters (or container slots), which bounds memory and work both. `wordwrap` and
+  `urlize`, whose pure-Python loops no deadline check reaches, take at most `SLOW_FILTER_CHARS`.
 - structure: a list, tuple or dict the template builds may not "weigh" more than `limit`, the weight being the
   length of its repr with shared items counted each time they occur. Otherwise `[a,a,a,a]` nested ten times is
   a 10^10-item structure, cheap to build, that one `==` or `{{ }}` walks in C for hours.
