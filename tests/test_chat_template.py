@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
+import tracemalloc
 
 import pytest
 
 from conftest import CATALOG_MODELS, model_file, reference_cases
-from localllm.chat_template import ChatTemplate, ChatTemplateError, validate_messages
+from localllm.chat_template import MAX_SOURCE_CHARS, ChatTemplate, ChatTemplateError, validate_messages
+from localllm.engine import Engine
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import load_metadata
 
@@ -256,3 +259,183 @@ def test_assistant_tool_call_may_have_no_content():
     msgs = validate_messages([{"role": "assistant", "content": None,
                                "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}])
     assert msgs[0]["content"] is None
+
+
+# ---------------------------------------------------------------- bounded in time and memory
+# Each hostile template below, rendered by stock Jinja, runs for hours or builds gigabytes. Here each must fail
+# with a ChatTemplateError, quickly and without memory to speak of (tracemalloc counts every Python allocation).
+
+FAST = 0.5  # a render's deadline in the tests of endless work (the default is RENDER_SECONDS)
+SLOW = 10.0  # in the tests of size checks: these must fire before any deadline, on however busy a machine
+
+
+def _refused(src: str, seconds: float = FAST) -> tuple[str, float]:
+    """Render `src`: it must fail within its deadline plus slack, its allocations peaking under 32 MB."""
+    template = _tmpl(src, seconds=seconds)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ChatTemplateError) as info:
+            template.render(USER)
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "test-model" in str(info.value)
+    assert elapsed < seconds + 1.5, (elapsed, src)
+    assert peak < 32e6, (peak, src)
+    return str(info.value), elapsed
+
+
+def _too_large(src: str) -> None:
+    message, _ = _refused(src, seconds=SLOW)
+    assert "characters" in message or "bits" in message or "at most" in message, message  # not the deadline
+
+
+@pytest.mark.parametrize("src", [
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+    "{% for a in range(100000) %}{% for b in range(100000) if b < 0 %}{% endfor %}{% endfor %}",
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "{% for a in range(100000) %}{{ range(100000) | map('string') | list | length }}{% endfor %}",
+], ids=["nested-loops", "loop-filter", "macro-recursion", "filter-generators"])
+def test_endless_work_stops_at_the_deadline(src):
+    message, elapsed = _refused(src)
+    assert f"longer than {FAST:g} s" in message
+    assert elapsed >= FAST
+
+
+@pytest.mark.parametrize("step", [
+    "ns.s ~ ns.s", "ns.s + ns.s", "ns.s.replace('x', 'xx')", "ns.s | replace('x', 'xx')",
+    "[ns.s, ns.s] | join", "'{0}{0}'.format(ns.s)", "'%s%s' % (ns.s, ns.s)",
+])
+def test_doubling_a_string_in_a_loop_is_refused_before_it_is_built(step):
+    _too_large(f"{{% set ns = namespace(s='x&') %}}{{% for i in range(64) %}}{{% set ns.s = {step} %}}{{% endfor %}}"
+               "{{ ns.s | length }}")
+
+
+def test_escaping_in_a_loop_is_refused():
+    _too_large("{% set ns = namespace(s='&' * 100000) %}{% for i in range(64) %}{% set ns.s = ns.s | forceescape %}"
+               "{% endfor %}{{ ns.s | length }}")
+
+
+def test_doubling_by_captured_output_is_refused():
+    _too_large("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set t %}{{ ns.s }}{{ ns.s }}{% endset %}"
+               "{% set ns.s = t %}{% endfor %}{{ ns.s | length }}")
+
+
+@pytest.mark.parametrize("expr", [
+    "'x' | center(2500000000)", "'x'.center(2500000000)", "'x'.ljust(2500000000)", "'x'.rjust(2500000000)",
+    "'x'.zfill(2500000000)", "'{:>2500000000}'.format('x')", "'{:.2500000000f}'.format(1.0)",
+    "'{0:{1}}'.format('x', 2500000000)", "'%2500000000s' | format('x')", "'%2500000000s' % 'x'",
+    "'%*s' % (2500000000, 'x')", "'%(a)2500000000s' % {'a': 'x'}", "('{0:1000000}' * 100).format('x')",
+    "'x' | indent(2500000000)", "('x\\n' * 100000) | indent(100000)", "('x\\n' * 100000) | indent('y' * 100000)",
+    "('\\t' * 100000).expandtabs(100000)", "('x' * 100000).replace('', 'y' * 100000)",
+    "('a' * 100000).translate({97: 'b' * 100000})", "(1).to_bytes(2500000000, 'big')",
+])
+def test_widths_and_repeat_counts_are_refused_before_the_string_is_built(expr):
+    _too_large("{{ " + expr + " }}")
+
+
+@pytest.mark.parametrize("expr", [
+    "'x' * 2500000000", "[1, 2, 3] * 1000000000", "([1] * 100000) * 100000", "10 ** 100000000",
+    "10 ** 4096 ** 4096", "(10 ** 4096) ** 4096", "(10 ** 4096) * (10 ** 4096) * (10 ** 4096) * (10 ** 4096) * (10 ** 4096) * (10 ** 4096)",
+])
+def test_multiplying_operators_are_bounded(expr):
+    _too_large("{{ " + expr + " }}")
+
+
+@pytest.mark.parametrize("expr", [
+    "([[[[[[[[[[1]]]]]]]]]] * 1000) | tojson(indent=100000)", "[[[1]]] | tojson(indent='x' * 1000000)",
+    "([1] * 100000) | tojson(separators=('x' * 1000, ':'))", "([[[[[[[[[[1]]]]]]]]]] * 100000) | pprint",
+])
+def test_json_and_pprint_indentation_is_bounded(expr):
+    _too_large("{{ " + expr + " }}")
+
+
+@pytest.mark.parametrize("src", [
+    # each level holds the previous one 10 times: 10^8 strings, built from a few hundred characters of source
+    "{% set a = ['xxxxxxxxxx'] * 10 %}" + "".join(f"{{% set {n} = [{p},{p},{p},{p},{p},{p},{p},{p},{p},{p}] %}}"
+                                                 for p, n in zip("abcdefg", "bcdefgh")) + "{{ h == h | list }}",
+    "{% set ns = namespace(l=['x' * 1000]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+    "{% set a = ['x' * 1000000] %}{% set b = [a, a, a, a, a, a, a, a, a, a] %}{{ b ~ b }}",
+    "{% set s = 'x' * 1000000 %}{% set ns = namespace() %}{% set ns.a = s %}{% set ns.b = s %}{% set ns.c = s %}"
+    "{{ [ns, ns, ns, ns, ns, ns, ns, ns] }}",
+    "{% set d = {'k': 'x' * 1000000} %}{{ {'a': d, 'b': d, 'c': d} | string }}",
+], ids=["nested-literals", "list-doubling", "concatenated-repr", "namespace-repr", "dict-repr"])
+def test_shared_structures_cannot_grow_exponentially(src):
+    _too_large(src)
+
+
+@pytest.mark.parametrize("expr", [
+    "('x' * 1000000) | join('y' * 1000000)", "('y' * 1000000).join('x' * 100000)",
+    "('x' * 1000000) | wordwrap(1, wrapstring='y' * 1000)", "('ab ' * 500000) | wordwrap(5, wrapstring='')",
+    "('ab.cd http://x.y ' * 90000) | urlize", "[1] | batch(1000000000, 'x') | list",
+    "[1] | slice(1000000000) | list", "lipsum(1000000)", "strftime_now('%c' * 1000000)",
+])
+def test_filters_and_helpers_that_build_from_their_arguments_are_bounded(expr):
+    message, _ = _refused("{{ " + expr + " }}", seconds=SLOW)
+    assert "longer than" not in message
+
+
+def test_sum_of_lists_takes_linear_time():
+    # Python's sum() copies the running list at every item: 30 000 lists would take 1.35 billion copies.
+    start = time.perf_counter()
+    assert _tmpl("{{ ([[1, 2, 3]] * 30000) | sum(start=[]) | length }}").render(USER) == "90000"
+    assert time.perf_counter() - start < 1.0
+
+
+def test_output_is_capped():
+    message, _ = _refused("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}")
+    assert "wrote more than" in message
+
+
+def test_long_conversations_still_render():
+    # The caps grow with what the template is given: 3 MB of messages is legitimate input.
+    big = "word " * 600_000
+    template = ChatTemplate.from_metadata(_meta("qwen2.5-coder-0.5b-instruct"))
+    out = template.render([{"role": "user", "content": big}, {"role": "assistant", "content": big},
+                           {"role": "user", "content": big}])
+    assert out.count(big) == 3
+
+
+@pytest.mark.parametrize("src", ["{{ 'x' | center(2500000000) }}", "{{ 'x' * 2500000000 }}",
+                                 "{% autoescape 'x' | center(2500000000) != '' %}x{% endautoescape %}"])
+def test_a_constant_folding_bomb_costs_nothing_at_load_and_fails_cleanly_at_render(src):
+    meta = {"tokenizer.chat_template": src, "general.name": "Bomb"}
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        template = ChatTemplate.from_metadata(meta)
+        assert template.compile_error is None  # compiles (at first use), evaluating nothing
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 1.0 and peak < 32e6, (elapsed, peak)
+    with pytest.raises(ChatTemplateError, match="Bomb.*2,500,000,000 characters"):
+        template.render(USER)
+
+
+def test_engine_load_does_not_compile_the_template(tmp_path):
+    from test_model_load import write_tiny_model
+
+    engine = Engine(write_tiny_model(tmp_path / "bomb.gguf", chat_template="{{ 'x' | center(2500000000) }}"),
+                    ctx=64, quiet=True)
+    assert not engine.template._compiled
+    with pytest.raises(ChatTemplateError, match="2,500,000,000 characters"):
+        engine.render_chat(USER)
+
+
+def test_template_source_size_is_capped():
+    template = _tmpl("x" * (MAX_SOURCE_CHARS + 1))
+    assert "at most" in template.compile_error
+    with pytest.raises(ChatTemplateError, match="characters long"):
+        template.render(USER)
+
+
+def test_deeply_nested_source_is_a_compile_error():
+    for src in ["{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "{% for a in range(2) %}" * 30 + "{% endfor %}" * 30]:
+        template = _tmpl(src)
+        assert template.compile_error
+        with pytest.raises(ChatTemplateError, match="cannot be compiled"):
+            template.render(USER)

@@ -26,7 +26,7 @@ def byte_vocab() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def write_tiny_model(path, arch="llama", drop=(), replace_type=None):
+def write_tiny_model(path, arch="llama", drop=(), replace_type=None, chat_template=None):
     """A 2-layer model with random F32 weights and a byte-level BPE vocabulary."""
     rng = np.random.default_rng(0)
     tokens = byte_vocab() + ["<|endoftext|>"]
@@ -46,6 +46,8 @@ def write_tiny_model(path, arch="llama", drop=(), replace_type=None):
     w.add_eos_token_id(256)
     w.add_bos_token_id(256)
     w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def tensor(name, *shape):
         if name in drop:

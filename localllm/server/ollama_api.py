@@ -192,7 +192,8 @@ async def generate(state: ServerState, request: Request):
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                   "content": prompt}]
-        tokens = await off_loop(prompt_tokens, state, state.engine.render_chat(messages), chat=True)
+        # Off the event loop: a model's template may take its whole render budget (2 s).
+        tokens = await off_loop(lambda: prompt_tokens(state, state.engine.render_chat(messages), chat=True))
     if context:
         tokens = context + (tokens[1:] if tokens and tokens[0] == state.engine.tokenizer.bos_id else tokens)
     return await _respond(state, request, f, tokens, params, lambda text: {"response": text})
@@ -218,10 +219,15 @@ async def chat(state: ServerState, request: Request):
     # As Ollama does: a conversation longer than the context loses its oldest turns (the system prompt and the
     # last message stay) rather than failing.
     room = max(1, min(params.max_tokens or state.engine.ctx // 4, state.engine.ctx // 4))
-    kept, _ = await off_loop(fit_messages, state.engine, clean, room)
-    tokens = await off_loop(prompt_tokens, state, state.engine.render_chat(kept), chat=True)
+    # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
+    tokens = await off_loop(_chat_tokens, state, clean, room)
     return await _respond(state, request, f, tokens, params,
                           lambda text: {"message": {"role": "assistant", "content": text}})
+
+
+def _chat_tokens(state: ServerState, messages: list[dict], room: int) -> list[int]:
+    kept, _ = fit_messages(state.engine, messages, room)
+    return prompt_tokens(state, state.engine.render_chat(kept), chat=True)
 
 
 ROUTES = [

@@ -220,6 +220,7 @@ async def chat_completions(state: ServerState, request: Request):
     fmt = f.get("response_format", dict, {"type": "text"})
     if fmt.get("type", "text") != "text":
         raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
     tokens = await off_loop(chat_prompt, state, f.data["messages"])
     handle = submit(state, tokens, params)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
