@@ -10,6 +10,8 @@ time; see `kernels/cpu/dequant.py` for why it is not a constant):
 * `matmul(raw, x, out, n16)`: out (n, rows) = x (n, cols) @ W.T, W decoded block by block, never copied
 * `quantize(x, out)`: out[r] = the blocks of float32 row x[r], byte for byte what llama-quantize writes
   (`kernels/cpu/quantize.py`, ported from ggml's reference quantizers)
+* `quantize_imatrix(x, qw, out)`: the same with an importance per column (qw float32 (cols,)), as llama-quantize
+  --imatrix; None where ggml ignores the importance (floats, Q8_0)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class QuantFormat:
     matmul: Callable  # Numba fused dequantize-and-multiply kernel (the portable path)
     f16_offsets: tuple[int, ...]  # byte offsets of the fp16 scale fields inside a block (layout fact; tests use it)
     quantize: Callable  # Numba kernel, float32 rows -> blocks, byte-exact with llama-quantize (no imatrix)
+    quantize_imatrix: Callable | None  # the same weighted by an importance matrix (ggml's quantize_row_*_impl)
     opencl_source: str | None = None  # OpenCL C source of the GPU kernels (later backend)
 
     def row_bytes(self, cols: int) -> int:
@@ -50,6 +53,7 @@ def _entry(qtype: GGMLQuantizationType, kernel_suffix: str, f16_offsets: tuple[i
         matmul=getattr(float_matmul, f"matmul_{kernel_suffix}"),
         f16_offsets=f16_offsets,
         quantize=getattr(quantize, f"quantize_rows_{kernel_suffix}"),
+        quantize_imatrix=getattr(quantize, f"quantize_rows_{kernel_suffix}_imatrix", None),
     )
 
 

@@ -818,3 +818,444 @@ def quantize_rows_q5_k(x, out):
 def quantize_rows_q6_k(x, out):
     for r in prange(x.shape[0]):
         _q6_k_row(x[r], out[r])
+
+
+# ---- with an importance matrix (ggml's quantize_row_*_impl, used when llama-quantize gets --imatrix) ---------
+#
+# qw is the row's importance: one float32 per column (llama.cpp's imatrix entry of the tensor, sums / counts).
+
+
+@njit(cache=True)
+def make_qkx3_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
+    """ggml make_qkx3_quants with weights given; returns (scale, the_min) with the_min = -min >= 0."""
+    mn = x[0]
+    mx = x[0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        w = weights[i]
+        sum_w += w
+        sum_x += w * x[i]
+    if mn > 0:
+        mn = F32(0.0)
+    if mx <= mn:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0), -mn
+    fnmax = F32(nmax)
+    iscale = fnmax / (mx - mn)
+    scale = F32(1.0) / iscale
+    best_mad = F32(0.0)
+    for i in range(n):
+        li = nearest_int(iscale * (x[i] - mn))
+        L[i] = max(0, min(nmax, li))
+        diff = scale * F32(L[i]) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_mad += weights[i] * diff
+    if nstep < 1:
+        return scale, -mn
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * F32(step) + fnmax) / (mx - mn)
+        sum_l = F32(0.0)
+        sum_l2 = F32(0.0)
+        sum_xl = F32(0.0)
+        for i in range(n):
+            li = nearest_int(iscale * (x[i] - mn))
+            li = max(0, min(nmax, li))
+            Laux[i] = li
+            w = weights[i]
+            fl = F32(li)
+            sum_l += w * fl
+            sum_l2 += w * fl * fl
+            sum_xl += w * fl * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = F32(0.0)
+                this_scale = sum_xl / sum_l2
+            mad = F32(0.0)
+            for i in range(n):
+                diff = this_scale * F32(Laux[i]) + this_min - x[i]
+                diff = abs(diff) if use_mad else diff * diff
+                mad += weights[i] * diff
+            if mad < best_mad:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_mad = mad
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@njit(cache=True)
+def make_qp_quants(n, nmax, x, L, quant_weights):
+    """ggml make_qp_quants. L is uint8 in C: stores wrap (& 0xFF), the running sums use the unwrapped ints."""
+    mx = F32(0.0)
+    for i in range(n):
+        mx = max(mx, x[i])
+    if mx < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0)
+    fnmax = F32(nmax)
+    iscale = fnmax / mx
+    for i in range(n):
+        L[i] = nearest_int(iscale * x[i]) & 0xFF
+    scale = F32(1.0) / iscale
+    best_mse = F32(0.0)
+    for i in range(n):
+        diff = x[i] - scale * F32(L[i])
+        best_mse += quant_weights[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+        scale_is = F32(1.0) / iscale_is
+        mse = F32(0.0)
+        for i in range(n):
+            li = min(nmax, nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * F32(li)
+            mse += quant_weights[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        li = min(nmax, nearest_int(iscale * x[i]))
+        L[i] = li & 0xFF
+        w = quant_weights[i]
+        sumlx += w * x[i] * F32(li)
+        suml2 += w * F32(li) * F32(li)
+    for _itry in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = quant_weights[i]
+            fli = F32(L[i])
+            slx = sumlx - w * x[i] * fli
+            sl2 = suml2 - w * fli * fli
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, nearest_int(x[i] * sl2 / slx))
+                if new_l != L[i]:
+                    fnl = F32(new_l)
+                    slx += w * x[i] * fnl
+                    sl2 += w * fnl * fnl
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else F32(0.0)
+
+
+@njit(cache=True)
+def _q2_k_row_imatrix(x, qw, y):
+    L = np.zeros(QK_K, np.int64)
+    Laux = np.zeros(16, np.int64)
+    weight = np.zeros(16, np.float32)
+    mins = np.zeros(16, np.float32)
+    scales = np.zeros(16, np.float32)
+    sw = np.zeros(16, np.float32)
+    Ls = np.zeros(16, np.int64)
+    Lm = np.zeros(16, np.int64)
+    for i in range(x.shape[0] // QK_K):
+        xb = x[i * QK_K : (i + 1) * QK_K]
+        yb = y[i * 84 : (i + 1) * 84]
+        for j in range(16):
+            sw[j] = 0
+        sumx2 = F32(0.0)
+        for j in range(QK_K):
+            sumx2 += xb[j] * xb[j]
+        sigma2 = sumx2 / F32(QK_K)
+        for j in range(16):
+            for l in range(16):
+                weight[l] = qw[QK_K * i + 16 * j + l] * _sqrtf(sigma2 + xb[16 * j + l] * xb[16 * j + l])
+            for l in range(16):
+                sw[j] += weight[l]
+            s, m = make_qkx3_quants(16, 3, xb[16 * j : 16 * j + 16], weight, L[16 * j : 16 * j + 16], Laux,
+                                    F32(-0.9), F32(0.05), 36, False)
+            scales[j] = s
+            mins[j] = m
+        dm = make_qp_quants(16, 15, scales, Ls, sw)
+        mm = make_qp_quants(16, 15, mins, Lm, sw)
+        dm = _put_f16(yb, 80, dm)
+        mm = _put_f16(yb, 82, mm)
+        for j in range(16):
+            yb[j] = np.uint8((Ls[j] | (Lm[j] << 4)) & 0xFF)
+        for j in range(16):
+            sc = np.int64(yb[j])
+            d = dm * F32(sc & 0xF)
+            if d == 0:
+                continue
+            m = mm * F32(sc >> 4)
+            for ii in range(16):
+                li = nearest_int((xb[16 * j + ii] + m) / d)
+                L[16 * j + ii] = max(0, min(3, li))
+        for j in range(0, QK_K, 128):
+            for l in range(32):
+                yb[16 + j // 4 + l] = np.uint8(
+                    (L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)) & 0xFF)
+
+
+@njit(cache=True)
+def _q3_k_row_imatrix(x, qw, y):
+    L = np.zeros(QK_K, np.int64)
+    scales = np.zeros(16, np.float32)
+    weight = np.zeros(16, np.float32)
+    sw = np.zeros(16, np.float32)
+    Ls = np.zeros(16, np.int64)
+    for i in range(x.shape[0] // QK_K):
+        xb = x[i * QK_K : (i + 1) * QK_K]
+        yb = y[i * 110 : (i + 1) * 110]
+        sumx2 = F32(0.0)
+        for j in range(QK_K):
+            sumx2 += xb[j] * xb[j]
+        sigma2 = F32(2.0) * sumx2 / F32(QK_K)
+        for j in range(16):
+            for l in range(16):
+                weight[l] = qw[QK_K * i + 16 * j + l] * _sqrtf(sigma2 + xb[16 * j + l] * xb[16 * j + l])
+            sumw = F32(0.0)
+            for l in range(16):
+                sumw += weight[l]
+            sw[j] = sumw
+            scales[j] = make_qx_quants(16, 4, xb[16 * j : 16 * j + 16], L[16 * j : 16 * j + 16], 1, weight, True)
+        for k in range(12):
+            yb[96 + k] = 0
+        d_block = make_qx_quants(16, 32, scales, Ls, 1, sw, True)
+        for j in range(16):
+            li = Ls[j]
+            if j < 8:
+                yb[96 + j] = np.uint8(li & 0xF)
+            else:
+                yb[96 + j - 8] = np.uint8(np.int64(yb[96 + j - 8]) | ((li & 0xF) << 4))
+            li >>= 4
+            yb[96 + 8 + j % 4] = np.uint8((np.int64(yb[96 + 8 + j % 4]) | (li << (2 * (j // 4)))) & 0xFF)
+        d_all = _put_f16(yb, 108, d_block)
+        for j in range(16):
+            d = d_all * F32(_q3_k_scale(yb, j))
+            if d == 0:
+                continue
+            for ii in range(16):
+                li = nearest_int(xb[16 * j + ii] / d)
+                L[16 * j + ii] = max(-4, min(3, li)) + 4
+        for k in range(32):
+            yb[k] = 0
+        m = 0
+        hm = 1
+        for j in range(QK_K):
+            if L[j] > 3:
+                yb[m] = np.uint8(np.int64(yb[m]) | hm)
+                L[j] -= 4
+            m += 1
+            if m == QK_K // 8:
+                m = 0
+                hm <<= 1
+        for j in range(0, QK_K, 128):
+            for l in range(32):
+                yb[32 + j // 4 + l] = np.uint8(
+                    (L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6)) & 0xFF)
+
+
+@njit(cache=True)
+def _qk_k_row_imatrix(x, qw, y, nmax, bs, clamp63):
+    """quantize_row_q4_K_impl (nmax 15, 144-byte blocks) and q5_K_impl (nmax 31, 176-byte blocks)."""
+    L = np.zeros(QK_K, np.int64)
+    Laux = np.zeros(32, np.int64)
+    Ls = np.zeros(8, np.int64)
+    Lm = np.zeros(8, np.int64)
+    weights = np.zeros(32, np.float32)
+    sw = np.zeros(8, np.float32)
+    mins = np.zeros(8, np.float32)
+    scales = np.zeros(8, np.float32)
+    for i in range(x.shape[0] // QK_K):
+        xb = x[i * QK_K : (i + 1) * QK_K]
+        yb = y[i * bs : (i + 1) * bs]
+        sum_x2 = F32(0.0)
+        for l in range(QK_K):
+            sum_x2 += xb[l] * xb[l]
+        sigma2 = F32(2.0) * sum_x2 / F32(QK_K)
+        for j in range(8):
+            for l in range(32):
+                weights[l] = qw[QK_K * i + 32 * j + l] * _sqrtf(sigma2 + xb[32 * j + l] * xb[32 * j + l])
+            sumw = F32(0.0)
+            for l in range(32):
+                sumw += weights[l]
+            sw[j] = sumw
+            s, m = make_qkx3_quants(32, nmax, xb[32 * j : 32 * j + 32], weights, L[32 * j : 32 * j + 32], Laux,
+                                    F32(-0.9), F32(0.05), 36, False)
+            scales[j] = s
+            mins[j] = m
+        d_block = make_qp_quants(8, 63, scales, Ls, sw)
+        m_block = make_qp_quants(8, 63, mins, Lm, sw)
+        for k in range(12):
+            yb[4 + k] = 0
+        for j in range(8):
+            ls = Ls[j]
+            lm = Lm[j]
+            if clamp63:
+                ls = min(63, ls)
+                lm = min(63, lm)
+            _pack_scale_min_k4(yb, 4, j, ls, lm)
+        d_all = _put_f16(yb, 0, d_block)
+        dmin_all = _put_f16(yb, 2, m_block)
+        for j in range(8):
+            sc, m = _get_scale_min_k4(yb, 4, j)
+            d = d_all * F32(sc)
+            if d == 0:
+                continue
+            dm = dmin_all * F32(m)
+            for ii in range(32):
+                li = nearest_int((xb[32 * j + ii] + dm) / d)
+                L[32 * j + ii] = max(0, min(nmax, li))
+        if nmax == 15:
+            for j in range(0, QK_K, 64):
+                for l in range(32):
+                    yb[16 + j // 2 + l] = np.uint8(L[j + l] | (L[j + l + 32] << 4))
+        else:
+            _q5_k_pack(yb, L)
+
+
+@njit(cache=True)
+def _q6_k_row_imatrix(x, qw, y):
+    L = np.zeros(QK_K, np.int64)
+    scales = np.zeros(16, np.float32)
+    for i in range(x.shape[0] // QK_K):
+        xb = x[i * QK_K : (i + 1) * QK_K]
+        yb = y[i * 210 : (i + 1) * 210]
+        max_scale = F32(0.0)
+        max_abs_scale = F32(0.0)
+        for ib in range(16):
+            o = QK_K * i + 16 * ib
+            s = make_qx_quants(16, 32, xb[16 * ib : 16 * ib + 16], L[16 * ib : 16 * ib + 16], 1, qw[o : o + 16],
+                               True)
+            scales[ib] = s
+            if abs(s) > max_abs_scale:
+                max_abs_scale = abs(s)
+                max_scale = s
+        if max_abs_scale < GROUP_MAX_EPS:
+            for k in range(210):
+                yb[k] = 0
+            continue
+        iscale = F32(-128.0) / max_scale
+        d_all = _put_f16(yb, 208, F32(1.0) / iscale)
+        for ib in range(16):
+            yb[192 + ib] = np.uint8(min(127, nearest_int(iscale * scales[ib])) & 0xFF)
+        for j in range(16):
+            d = d_all * F32(np.int8(yb[192 + j]))
+            if d == 0:
+                continue
+            for ii in range(16):
+                li = nearest_int(xb[16 * j + ii] / d)
+                L[16 * j + ii] = max(-32, min(31, li)) + 32
+        _q6_k_pack(yb, L)
+
+
+@njit(cache=True)
+def _row_sigma2(x):
+    sum_x2 = F32(0.0)
+    for j in range(x.shape[0]):
+        sum_x2 += x[j] * x[j]
+    return sum_x2 / F32(x.shape[0])
+
+
+@njit(cache=True)
+def _legacy_row_imatrix(x, qw, y, kind):
+    """quantize_row_q4_0_impl (kind 0), q4_1 (1), q5_0 (2), q5_1 (3): one importance-weighted fit per block."""
+    weight = np.zeros(QK, np.float32)
+    L = np.zeros(QK, np.int64)
+    Laux = np.zeros(QK, np.int64)
+    sigma2 = _row_sigma2(x)
+    bs = (18, 20, 22, 24)[kind]
+    for ib in range(x.shape[0] // QK):
+        xb = x[QK * ib : QK * (ib + 1)]
+        b = ib * bs
+        for j in range(QK):
+            weight[j] = qw[QK * ib + j] * _sqrtf(sigma2 + xb[j] * xb[j])
+        if kind == 0 or kind == 2:
+            d = make_qx_quants(QK, 8 if kind == 0 else 16, xb, L, 1, weight, True)
+            _put_f16(y, b, d)
+            q = b + 2
+        else:
+            d, mn = make_qkx3_quants(QK, 15 if kind == 1 else 31, xb, weight, L, Laux, F32(-0.9), F32(0.05), 36,
+                                     False)
+            _put_f16(y, b, d)
+            _put_f16(y, b + 2, -mn)
+            q = b + 4
+        if kind <= 1:
+            for j in range(16):
+                y[q + j] = np.uint8((L[j] | (L[j + 16] << 4)) & 0xFF)
+        else:
+            qh = 0
+            for j in range(16):
+                xi0 = L[j] & 0xFF
+                xi1 = L[j + 16] & 0xFF
+                y[q + 4 + j] = np.uint8((xi0 & 0x0F) | ((xi1 & 0x0F) << 4))
+                qh |= ((xi0 & 0x10) >> 4) << j
+                qh |= ((xi1 & 0x10) >> 4) << (j + 16)
+            for k in range(4):
+                y[q + k] = np.uint8((qh >> (8 * k)) & 0xFF)
+
+
+# Entry points: quantize_rows_<fmt>_imatrix(x, qw, out), qw float32 (cols,) shared by all rows.
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q2_k_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q2_k_row_imatrix(x[r], qw, out[r])
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q3_k_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q3_k_row_imatrix(x[r], qw, out[r])
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q4_k_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _qk_k_row_imatrix(x[r], qw, out[r], 15, 144, False)
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q5_k_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _qk_k_row_imatrix(x[r], qw, out[r], 31, 176, True)
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q6_k_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q6_k_row_imatrix(x[r], qw, out[r])
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q4_0_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _legacy_row_imatrix(x[r], qw, out[r], 0)
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q4_1_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _legacy_row_imatrix(x[r], qw, out[r], 1)
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q5_0_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _legacy_row_imatrix(x[r], qw, out[r], 2)
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q5_1_imatrix(x, qw, out):
+    for r in prange(x.shape[0]):
+        _legacy_row_imatrix(x[r], qw, out[r], 3)
