@@ -31,7 +31,8 @@ def cmd_quantize(args) -> int:
     from localllm import quantize
 
     common = dict(pure=args.pure, output_tensor_type=args.output_tensor_type,
-                  token_embedding_type=args.token_embedding_type, allow_requantize=args.allow_requantize)
+                  token_embedding_type=args.token_embedding_type, allow_requantize=args.allow_requantize,
+                  imatrix=args.imatrix)
     if args.dry_run:
         plan = quantize.quantize_file(args.input, args.output, args.type, dry_run=True, **common)
         if args.json:
@@ -71,6 +72,9 @@ def add_commands(sub) -> None:
     p.add_argument("--token-embedding-type", metavar="T", help="type of token_embd.weight")
     p.add_argument("--allow-requantize", action="store_true",
                    help="allow quantizing tensors that are already quantized (loses quality: both roundings add)")
+    p.add_argument("--imatrix", metavar="FILE",
+                   help="importance matrix from llama-imatrix (its GGUF format or the legacy .dat): weights each "
+                        "column's rounding error by how much it matters (required for Q2_K_S)")
     p.add_argument("--dry-run", action="store_true", help="print each tensor's type and the output size; write nothing")
     p.add_argument("--json", action="store_true", help="print the plan (and the result) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

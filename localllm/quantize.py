@@ -61,6 +61,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_0", 8, T.Q5_0),
         FileType("Q5_1", 9, T.Q5_1),
         FileType("Q2_K", 10, T.Q2_K),
+        FileType("Q2_K_S", 21, T.Q2_K),  # needs --imatrix
         FileType("Q3_K_S", 11, T.Q3_K),
         FileType("Q3_K_M", 12, T.Q3_K),
         FileType("Q3_K_L", 13, T.Q3_K),
@@ -192,6 +193,7 @@ class _State:
     i_ffn_gate: int = 0
     i_ffn_up: int = 0
     has_tied_embeddings: bool = True
+    has_imatrix: bool = False
 
 
 def _use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -232,6 +234,8 @@ def _type_impl(qs: _State, new_type: T, name: str, ncols: int, ft: FileType, cat
     if _is_attn_v(cat):
         if f == "Q2_K":
             new_type = T.Q4_K if facts.n_gqa >= 4 else T.Q3_K
+        elif f == "Q2_K_S" and facts.n_gqa >= 4:
+            new_type = T.Q4_K
         elif f == "Q3_K_M":
             new_type = T.Q5_K if qs.i_attention_wv < 2 else T.Q4_K
         elif f == "Q3_K_L":
@@ -252,6 +256,9 @@ def _type_impl(qs: _State, new_type: T, name: str, ncols: int, ft: FileType, cat
         i_layer, n_layer = _layer_info(qs, qs.i_ffn_down, name)
         if f == "Q2_K":
             new_type = T.Q3_K
+        elif f == "Q2_K_S":
+            if i_layer < n_layer // 8:
+                new_type = T.Q4_K
         elif f == "Q3_K_M":
             if i_layer < n_layer // 16:
                 new_type = T.Q5_K
@@ -271,6 +278,10 @@ def _type_impl(qs: _State, new_type: T, name: str, ncols: int, ft: FileType, cat
             new_type = T.Q6_K
         elif f == "Q4_K_S" and arch != "falcon" and i_layer < n_layer // 8:
             new_type = T.Q5_K
+        elif f in ("Q4_0", "Q5_0") and qs.has_imatrix and i_layer < n_layer // 8:
+            # llama.cpp: guards the first ffn_down layers, only with an imatrix (so that files made without
+            # one stay as they always were)
+            new_type = T.Q4_1 if f == "Q4_0" else T.Q5_1
         qs.i_ffn_down += 1
     elif cat == CAT_ATTN_OUTPUT:
         if arch != "falcon":
@@ -316,6 +327,99 @@ def _fallback(ncols: int, target: T) -> tuple[T, str | None]:
     return chosen, f"{ncols} columns are not a multiple of {block} ({target.name}): {chosen.name} instead"
 
 
+# ---- importance matrices (llama.cpp's common/imatrix-loader.cpp and tools/quantize's load_imatrix) --------------
+
+
+@dataclass
+class Imatrix:
+    path: str  # as given (written to quantize.imatrix.file)
+    entries: dict[str, np.ndarray]  # tensor name -> float32 importance per column (per expert, concatenated)
+    datasets: list[str]
+    chunk_count: int
+
+
+def _lround(v: np.ndarray) -> np.ndarray:
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)  # C lround: halves away from zero
+
+
+def load_imatrix(path: str) -> Imatrix:
+    """An importance matrix in llama.cpp's GGUF format (llama-imatrix's default) or its legacy .dat format,
+    normalized as llama-quantize does (sums / counts)."""
+    p = Path(path)
+    try:
+        magic = p.open("rb").read(4)
+    except OSError as e:
+        raise QuantizeError(f"{path}: cannot read the importance matrix ({e.strerror})") from None
+    entries: dict[str, np.ndarray] = {}
+    if magic == b"GGUF":
+        with GGUFFile(p) as g:
+            sums = {n[: -len(".in_sum2")]: n for n in g.tensors if n.endswith(".in_sum2")}
+            counts = {n[: -len(".counts")]: n for n in g.tensors if n.endswith(".counts")}
+            if not sums and not counts:
+                raise QuantizeError(f"{path}: no importance data in this GGUF file (no *.in_sum2 tensors)")
+            if not all(k in g.metadata for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")):
+                raise QuantizeError(f"{path}: not an importance matrix (imatrix.datasets, imatrix.chunk_count or "
+                                    "imatrix.chunk_size missing)")
+            for name in sorted(set(sums) | set(counts)):
+                if name not in sums or name not in counts:
+                    raise QuantizeError(f"{path}: {name} has sums without counts or counts without sums")
+                s_info, c_info = g.tensors[sums[name]], g.tensors[counts[name]]
+                if s_info.qtype != T.F32 or c_info.qtype != T.F32:
+                    raise QuantizeError(f"{path}: the sums and counts of {name} must be F32")
+                sm = g.raw(sums[name]).view(np.float32).reshape(-1)
+                cnt = _lround(g.raw(counts[name]).view(np.float32).reshape(-1).astype(np.float64))
+                per = sm.size // max(1, cnt.size)
+                e = np.ones(sm.size, np.float32)
+                for j, c in enumerate(cnt):
+                    if c > 0:
+                        e[j * per : (j + 1) * per] = sm[j * per : (j + 1) * per] / np.float32(c)
+                entries[name] = e
+            ds = g.metadata.get("imatrix.datasets", [])
+            datasets = [str(d) for d in ds] if isinstance(ds, list) else []
+            chunk_count = int(g.metadata.get("imatrix.chunk_count", 0))
+    else:
+        entries, datasets, chunk_count = _load_legacy_imatrix(p)
+    for name, e in entries.items():
+        if not np.isfinite(e).all():
+            raise QuantizeError(f"{path}: the importance of {name} contains non-finite values")
+    return Imatrix(str(path), entries, datasets, chunk_count)
+
+
+def _load_legacy_imatrix(p: Path) -> tuple[dict[str, np.ndarray], list[str], int]:
+    data = p.read_bytes()
+    bad = QuantizeError(f"{p}: neither a GGUF importance matrix nor a legacy .dat one (or truncated)")
+    try:
+        (n_entries,) = struct.unpack_from("<i", data, 0)
+        if n_entries < 1:
+            raise bad
+        pos = 4
+        entries = {}
+        for _ in range(n_entries):
+            (n,) = struct.unpack_from("<i", data, pos)
+            if n < 0 or pos + 4 + n > len(data):
+                raise bad
+            name = data[pos + 4 : pos + 4 + n].split(b"\0")[0].decode("utf-8", "replace")
+            pos += 4 + n
+            ncall, nval = struct.unpack_from("<ii", data, pos)
+            pos += 8
+            if nval < 1 or pos + 4 * nval > len(data):
+                raise bad
+            sm = np.frombuffer(data, np.float32, nval, pos)
+            pos += 4 * nval
+            entries[name] = (sm / np.float32(ncall)).astype(np.float32) if ncall > 0 else sm.copy()
+        datasets, chunk_count = [], 0
+        if pos + 4 <= len(data):
+            (chunk_count,) = struct.unpack_from("<i", data, pos)
+            pos += 4
+            if pos + 4 <= len(data):
+                (n,) = struct.unpack_from("<i", data, pos)
+                if n > 0 and pos + 4 + n <= len(data):
+                    datasets = [data[pos + 4 : pos + 4 + n].split(b"\0")[0].decode("utf-8", "replace")]
+    except struct.error:
+        raise bad from None
+    return entries, datasets, chunk_count
+
+
 # ---- the plan ------------------------------------------------------------------------------------------------
 
 
@@ -328,6 +432,7 @@ class TensorPlan:
     src_bytes: int
     dst_bytes: int
     note: str | None = None  # why the type differs from the mix's (a fallback)
+    importance: np.ndarray | None = None  # the imatrix entry used (None: quantized without)
 
     @property
     def quantize(self) -> bool:
@@ -340,6 +445,7 @@ class Plan:
     tensors: list[TensorPlan] = field(default_factory=list)
     n_fallback: int = 0
     seconds: float = 0.0  # time spent writing
+    imatrix: Imatrix | None = None
 
     @property
     def src_bytes(self) -> int:
@@ -359,7 +465,8 @@ class Plan:
             "bits_per_weight": round(self.dst_bytes * 8 / max(1, n_elements), 4),
             "fallbacks": self.n_fallback,
             "tensors": [{"name": t.name, "shape": list(t.shape), "from": t.src_type.name, "to": t.dst_type.name,
-                         "bytes": t.dst_bytes, **({"note": t.note} if t.note else {})} for t in self.tensors],
+                         "bytes": t.dst_bytes, **({"note": t.note} if t.note else {}),
+                         **({"imatrix": True} if t.importance is not None else {})} for t in self.tensors],
         }
 
 
@@ -375,10 +482,11 @@ def _row_bytes(qtype: T, shape: tuple[int, ...]) -> int:
 
 
 def make_plan(gguf: GGUFFile, ft: FileType, *, pure: bool = False, output_type: T | None = None,
-              token_embedding_type: T | None = None, allow_requantize: bool = False) -> Plan:
+              token_embedding_type: T | None = None, allow_requantize: bool = False,
+              imatrix: Imatrix | None = None) -> Plan:
     """Every tensor's output type, as llama_model_quantize_impl decides it; refuses what it would refuse."""
     facts = ModelFacts.of(gguf.metadata)
-    qs = _State(facts)
+    qs = _State(facts, has_imatrix=imatrix is not None)
     names = sorted(gguf.tensors, key=_loader_order)
     for name in names:
         cat = tensor_category(name)
@@ -386,7 +494,7 @@ def make_plan(gguf: GGUFFile, ft: FileType, *, pure: bool = False, output_type: 
             qs.n_attention_wv += 1
         if cat == CAT_OUTPUT:
             qs.has_tied_embeddings = False
-    plan = Plan(ft)
+    plan = Plan(ft, imatrix=imatrix)
     for name in names:
         info = gguf.tensors[name]
         cat = tensor_category(name)
@@ -417,8 +525,30 @@ def make_plan(gguf: GGUFFile, ft: FileType, *, pure: bool = False, output_type: 
                 f"{gguf.path.name} is already quantized (tensor {name} is {info.qtype.name}): quantizing it again "
                 "compounds the rounding errors of both quantizations. Quantize from the original F32, F16 or BF16 "
                 "file, or pass --allow-requantize to do it anyway")
+        if tp.quantize:
+            tp.importance = _importance(imatrix, name, info.shape, cat)
+            # tensor_requires_imatrix: Q2_K tensors of a Q2_K_S file (not token_embd / output)
+            if (imatrix is not None and tp.importance is None and ft.name == "Q2_K_S" and dst == T.Q2_K
+                    and cat not in (CAT_TOKEN_EMBD, CAT_OUTPUT)):
+                raise QuantizeError(f"Q2_K_S needs an importance matrix for tensor {name} (--imatrix FILE, made "
+                                    "by llama-imatrix); without one its 2-bit weights are garbage")
         plan.tensors.append(tp)
     return plan
+
+
+def _importance(imatrix: Imatrix | None, name: str, shape: tuple[int, ...], cat: int) -> np.ndarray | None:
+    if imatrix is None or name not in imatrix.entries:
+        return None
+    e = imatrix.entries[name]
+    experts = shape[0] if len(shape) == 3 else 1
+    if e.size != shape[-1] * experts:
+        if cat == CAT_TOKEN_EMBD:
+            return None  # llama.cpp ignores a token_embd entry of the wrong size
+        raise QuantizeError(f"{imatrix.path}: the importance of {name} has {e.size} values, the tensor "
+                            f"{shape[-1] * experts} columns: the importance matrix is of another model")
+    if experts > 1:
+        raise QuantizeError(f"{name}: quantizing expert tensors with an importance matrix is not supported")
+    return np.ascontiguousarray(e, dtype=np.float32)
 
 
 # ---- writing -------------------------------------------------------------------------------------------------
@@ -449,15 +579,32 @@ def _u32_kv(key: str, value: int) -> bytes:
     return _gguf_string(key) + struct.pack("<II", 4, value)  # GGUF_TYPE_UINT32 = 4
 
 
+def _str_kv(key: str, value: str) -> bytes:
+    b = value.encode("utf-8", "surrogateescape")[:127]
+    return _gguf_string(key) + struct.pack("<IQ", 8, len(b)) + b  # GGUF_TYPE_STRING = 8
+
+
 _DROPPED_KEYS = {"general.quantization_version", "general.file_type", "split.no", "split.count",
                  "split.tensors.count"}
 
 
 def header_bytes(gguf: GGUFFile, plan: Plan) -> bytes:
     """The output's header (gguf_get_meta_data): metadata, tensor directory, padding to the data section."""
-    kv = [raw for key, raw in _raw_kv(gguf) if key not in _DROPPED_KEYS]
+    extra = []
+    if plan.imatrix is not None:
+        # llama-quantize's --imatrix overrides, in its order (strings cut to 127 bytes as its strncpy does)
+        im = plan.imatrix
+        extra.append(("quantize.imatrix.file", _str_kv("quantize.imatrix.file", im.path)))
+        if im.datasets:
+            extra.append(("quantize.imatrix.dataset", _str_kv("quantize.imatrix.dataset", im.datasets[0])))
+        extra.append(("quantize.imatrix.entries_count", _u32_kv("quantize.imatrix.entries_count", len(im.entries))))
+        if im.chunk_count > 0:
+            extra.append(("quantize.imatrix.chunks_count", _u32_kv("quantize.imatrix.chunks_count", im.chunk_count)))
+    dropped = _DROPPED_KEYS | {key for key, _ in extra}
+    kv = [raw for key, raw in _raw_kv(gguf) if key not in dropped]
     kv.append(_u32_kv("general.quantization_version", GGML_QNT_VERSION))
     kv.append(_u32_kv("general.file_type", plan.ftype.ftype))
+    kv.extend(raw for _, raw in extra)
     parts = [b"GGUF", struct.pack("<IQQ", 3, len(plan.tensors), len(kv)), *kv]
     offset = 0
     for t in plan.tensors:
@@ -476,7 +623,7 @@ def _pad(n: int) -> int:
 SLAB_BYTES = 64 << 20  # float32 rows decoded at a time: memory stays ~3 slabs whatever the tensor's size
 
 
-def convert_rows(src: np.ndarray, src_type: T, dst_type: T) -> np.ndarray:
+def convert_rows(src: np.ndarray, src_type: T, dst_type: T, importance: np.ndarray | None = None) -> np.ndarray:
     """Raw rows of one type -> raw rows of another: decode to float32 (exact), quantize with the table's kernel."""
     from localllm.kernels.formats import format_of
 
@@ -489,7 +636,10 @@ def convert_rows(src: np.ndarray, src_type: T, dst_type: T) -> np.ndarray:
         format_of(src_type).dequantize_rows(src, np.arange(rows, dtype=np.int64), x, 16)
     dst = format_of(dst_type)
     out = np.empty((rows, dst.row_bytes(ncols)), np.uint8)
-    dst.quantize(x, out)
+    if importance is not None and dst.quantize_imatrix is not None:
+        dst.quantize_imatrix(x, importance, out)
+    else:
+        dst.quantize(x, out)  # ggml ignores the importance for the float formats and Q8_0
     return out
 
 
@@ -513,7 +663,7 @@ def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None) -> None:
                     rows = raw.shape[0]
                     step = max(1, SLAB_BYTES // max(1, t.shape[-1] * 4))
                     for r0 in range(0, rows, step):
-                        f.write(convert_rows(raw[r0 : r0 + step], t.src_type, t.dst_type).tobytes())
+                        f.write(convert_rows(raw[r0 : r0 + step], t.src_type, t.dst_type, t.importance).tobytes())
                         if progress is not None:
                             progress(done + min(rows, r0 + step) * raw.shape[1])
                 written = t.dst_bytes
@@ -531,15 +681,19 @@ def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None) -> None:
 
 def quantize_file(in_path: str | os.PathLike, out_path: str | os.PathLike, type_name: str, *, pure: bool = False,
                   output_tensor_type: str | None = None, token_embedding_type: str | None = None,
-                  allow_requantize: bool = False, dry_run: bool = False, progress=None) -> Plan:
+                  allow_requantize: bool = False, imatrix: str | None = None, dry_run: bool = False,
+                  progress=None) -> Plan:
     """The whole command as a library call: plan, refuse what llama-quantize refuses, and (unless dry_run) write."""
     ft = file_type(type_name)
     out_t = tensor_type(output_tensor_type, "--output-tensor-type") if output_tensor_type else None
     emb_t = tensor_type(token_embedding_type, "--token-embedding-type") if token_embedding_type else None
+    im = load_imatrix(imatrix) if imatrix else None
+    if ft.name == "Q2_K_S" and im is None and not dry_run:
+        raise QuantizeError("Q2_K_S needs an importance matrix (--imatrix FILE, made by llama-imatrix)")
     in_path, out_path = Path(in_path), Path(out_path)
     with GGUFFile(in_path) as gguf:
         plan = make_plan(gguf, ft, pure=pure, output_type=out_t, token_embedding_type=emb_t,
-                         allow_requantize=allow_requantize)
+                         allow_requantize=allow_requantize, imatrix=im)
         if dry_run:
             return plan
         if out_path.exists() and out_path.resolve() == in_path.resolve():

@@ -21,14 +21,15 @@ from localllm.gguf_file import GGUFFile
 from localllm.kernels import reference
 from localllm.kernels.formats import FORMATS
 from conftest import DATA
-from tiny_models import write_tiny_model
+from tiny_models import write_imatrix_dat, write_imatrix_gguf, write_tiny_model
 
 GOLDEN = json.loads((DATA / "quantize_golden.json").read_text())
 
 
 def _options(opts: list[str]) -> dict:
     kw = {"pure": "--pure" in opts}
-    for flag, key in (("--output-tensor-type", "output_tensor_type"), ("--token-embedding-type", "token_embedding_type")):
+    for flag, key in (("--output-tensor-type", "output_tensor_type"), ("--token-embedding-type", "token_embedding_type"),
+                      ("--imatrix", "imatrix")):
         if flag in opts:
             kw[key] = opts[opts.index(flag) + 1]
     return kw
@@ -37,7 +38,11 @@ def _options(opts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    paths = {spec: write_tiny_model(d / f"{spec}.gguf", spec) for spec in GOLDEN["inputs"]}
+    paths = {spec: write_tiny_model(d / f"{spec}.gguf", spec) for spec in ("A", "B")}
+    paths["imatrix-A.gguf"] = write_imatrix_gguf(d / "imatrix-A.gguf", "A")
+    paths["imatrix-B.gguf"] = write_imatrix_gguf(d / "imatrix-B.gguf", "B")
+    paths["imatrix-A.dat"] = write_imatrix_dat(d / "imatrix-A.dat", "A")
+    assert set(paths) == set(GOLDEN["inputs"])
     for spec, path in paths.items():
         # the same input llama-quantize was given (else a mismatch below would blame the quantizers wrongly)
         assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN["inputs"][spec], f"tiny model {spec} changed"
@@ -49,8 +54,9 @@ def _case_id(case: dict) -> str:
 
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=_case_id)
-def test_quantize_writes_the_same_file_as_llama_quantize(case, tiny, tmp_path):
+def test_quantize_writes_the_same_file_as_llama_quantize(case, tiny, tmp_path, monkeypatch):
     out = tmp_path / "out.gguf"
+    monkeypatch.chdir(tiny["A"].parent)  # the imatrix path is written into the metadata as given: relative
     Q.quantize_file(tiny[case["model"]], out, case["type"], **_options(case["options"]))
     if hashlib.sha256(out.read_bytes()).hexdigest() == case["sha256"]:
         return
@@ -113,6 +119,21 @@ def test_quantized_input_is_refused_with_the_reason_unless_allowed(tiny, tmp_pat
     assert cli_main(["quantize", "--quiet", "--allow-requantize", str(q8), str(out), "Q4_K_M"]) == 0
     with GGUFFile(out) as g:
         assert g.tensors["blk.0.attn_q.weight"].qtype == T.Q4_K
+
+
+def test_q2_k_s_without_an_importance_matrix_is_refused(tiny, tmp_path):
+    with pytest.raises(Q.QuantizeError, match="importance matrix"):
+        Q.quantize_file(tiny["A"], tmp_path / "o.gguf", "Q2_K_S")
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_an_importance_matrix_of_another_model_is_refused(tiny, tmp_path):
+    # B's matrices have 320 and 720 columns, A's 256 and 512
+    with pytest.raises(Q.QuantizeError, match="another model"):
+        Q.quantize_file(tiny["A"], tmp_path / "o.gguf", "Q4_K_M", imatrix=str(tiny["imatrix-B.gguf"]))
+    with pytest.raises(Q.QuantizeError, match="neither a GGUF importance matrix"):
+        Q.quantize_file(tiny["A"], tmp_path / "o.gguf", "Q4_K_M", imatrix=str(DATA / "README.md"))
+    assert not (tmp_path / "o.gguf").exists()
 
 
 def test_unknown_type_lists_the_valid_ones(tiny, tmp_path, capsys):

@@ -79,3 +79,57 @@ def write_tiny_model(path: str | Path, spec_name: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _importance_entries(spec_name: str, seed: int) -> dict[str, np.ndarray]:
+    """A made-up importance (mean squared activation) per column for every matrix llama-imatrix would cover."""
+    s = SPECS[spec_name]
+    rng = np.random.default_rng(seed)
+    e, f, kv = s["n_embd"], s["n_ff"], s["n_head_kv"] * s["n_embd"] // s["n_head"]
+    cols = {"attn_q": e, "attn_k": e, "attn_v": e, "attn_output": e, "ffn_gate": e, "ffn_up": e, "ffn_down": f}
+    out = {}
+    for i in range(s["n_layer"]):
+        for t, n in cols.items():
+            v = rng.gamma(0.7, 1.0, n) * 10 ** rng.uniform(-2, 2)
+            v[rng.integers(0, n, n // 16)] = 0  # columns never active
+            out[f"blk.{i}.{t}.weight"] = v.astype(np.float32)
+    if not s["tied"]:
+        out["output.weight"] = (rng.gamma(0.7, 1.0, e)).astype(np.float32)
+    del kv
+    return out
+
+
+IMATRIX_CALLS = 10  # the sums are importance * calls, as llama-imatrix stores them
+
+
+def write_imatrix_gguf(path: str | Path, spec_name: str, seed: int = 5) -> Path:
+    """llama-imatrix's GGUF format: <name>.in_sum2 and <name>.counts tensors, imatrix.* metadata."""
+    w = GGUFWriter(str(path), "")
+    w.add_string("general.type", "imatrix")
+    w.add_array("imatrix.datasets", [f"tiny-{spec_name}.txt"])
+    w.add_uint32("imatrix.chunk_count", IMATRIX_CALLS)
+    w.add_uint32("imatrix.chunk_size", 512)
+    for name, v in _importance_entries(spec_name, seed).items():
+        w.add_tensor(f"{name}.in_sum2", (v * IMATRIX_CALLS).astype(np.float32))
+        w.add_tensor(f"{name}.counts", np.array([IMATRIX_CALLS], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def write_imatrix_dat(path: str | Path, spec_name: str, seed: int = 6) -> Path:
+    """llama-imatrix's legacy .dat: int32 n; per entry int32 len, name, int32 ncall, int32 nval, float sums[nval]
+    (importance * ncall); then int32 chunk count and int32 len + the dataset name."""
+    parts = []
+    entries = _importance_entries(spec_name, seed)
+    parts.append(np.int32(len(entries)).tobytes())
+    for name, v in entries.items():
+        b = name.encode()
+        parts += [np.int32(len(b)).tobytes(), b, np.int32(IMATRIX_CALLS).tobytes(), np.int32(v.size).tobytes(),
+                  (v * IMATRIX_CALLS).astype(np.float32).tobytes()]
+    ds = f"tiny-{spec_name}.txt".encode()
+    parts += [np.int32(IMATRIX_CALLS).tobytes(), np.int32(len(ds)).tobytes(), ds]
+    Path(path).write_bytes(b"".join(parts))
+    return Path(path)
