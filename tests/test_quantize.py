@@ -162,3 +162,12 @@ def test_a_failure_while_writing_leaves_no_partial_file_and_keeps_the_old_output
         Q.quantize_file(tiny["A"], out, "Q4_0", progress=boom)
     assert out.read_bytes() == b"previous"
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_progress_lines_off_a_terminal_show_the_time_left(capsys):
+    from localllm.progress import progress_bar
+
+    with progress_bar("quantizing to Q4_K_M", 1000, quiet=False) as bar:
+        bar.update(250)
+    line = capsys.readouterr().err
+    assert "25%" in line and "s left" in line
