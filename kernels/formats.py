@@ -1,6 +1,6 @@
 """The table of weight formats: one entry per GGML tensor type, like ggml's `type_traits` and gguf-py's
 `gguf/quants.py`. Everything that depends on the format (block geometry, the dequantize kernel, the fused
-matmul kernel, later a quantizer and an OpenCL kernel) hangs off its entry; nothing else in the code base
+matmul kernel, the quantizer, later an OpenCL kernel) hangs off its entry; nothing else in the code base
 switches on the format. Adding Q5_K was adding its decoder and kernels in `kernels/cpu/` and one entry here.
 
 Kernel calling conventions (all Numba, all parallel over rows, all taking `n16`, the integer 16 passed at run
@@ -8,6 +8,10 @@ time; see `kernels/cpu/dequant.py` for why it is not a constant):
 
 * `dequantize_rows(raw, row_ids, out, n16)`: out[k] = float32 values of raw row row_ids[k]
 * `matmul(raw, x, out, n16)`: out (n, rows) = x (n, cols) @ W.T, W decoded block by block, never copied
+* `quantize(x, out)`: out[r] = the blocks of float32 row x[r], byte for byte what llama-quantize writes
+  (`kernels/cpu/quantize.py`, ported from ggml's reference quantizers)
+* `quantize_imatrix(x, qw, out)`: the same with an importance per column (qw float32 (cols,)), as llama-quantize
+  --imatrix; None where ggml ignores the importance (floats, Q8_0)
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Callable
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from localllm.kernels.cpu import dequant, float_matmul
+from localllm.kernels.cpu import dequant, float_matmul, quantize
 from localllm.errors import ModelFileError
 
 
@@ -30,7 +34,8 @@ class QuantFormat:
     dequantize_rows: Callable  # Numba kernel, exact (bit-equal to gguf-py / ggml dequantize_row_*)
     matmul: Callable  # Numba fused dequantize-and-multiply kernel (the portable path)
     f16_offsets: tuple[int, ...]  # byte offsets of the fp16 scale fields inside a block (layout fact; tests use it)
-    quantize: Callable | None = None  # float32 rows -> blocks; for `localllm quantize` (not written yet)
+    quantize: Callable  # Numba kernel, float32 rows -> blocks, byte-exact with llama-quantize (no imatrix)
+    quantize_imatrix: Callable | None  # the same weighted by an importance matrix (ggml's quantize_row_*_impl)
     opencl_source: str | None = None  # OpenCL C source of the GPU kernels (later backend)
 
     def row_bytes(self, cols: int) -> int:
@@ -47,6 +52,8 @@ def _entry(qtype: GGMLQuantizationType, kernel_suffix: str, f16_offsets: tuple[i
         dequantize_rows=getattr(dequant, f"dequantize_rows_{kernel_suffix}"),
         matmul=getattr(float_matmul, f"matmul_{kernel_suffix}"),
         f16_offsets=f16_offsets,
+        quantize=getattr(quantize, f"quantize_rows_{kernel_suffix}"),
+        quantize_imatrix=getattr(quantize, f"quantize_rows_{kernel_suffix}_imatrix", None),
     )
 
 
