@@ -223,6 +223,8 @@ class Mutator:
             "attention.key_length", "attention.value_length", "attention.head_count_kv", "rope.dimension_count",
             "attention.sliding_window", "rope.scaling.factor", "vocab_size", "rope.freq_base",
             "attention.layer_norm_rms_epsilon")] + ["general.alignment"]
+        self.head_dim = self.hparam("attention.key_length") or (
+            self.hparam("embedding_length") // self.hparam("attention.head_count"))
         self.read_keys = self.hparam_keys + [k for k in self.scalar_keys if k.startswith("tokenizer.")] + [
             "general.alignment", "general.architecture"]
         # Weights: about one mutant in ten still loads (a subprocess runs those: 1-4 s each, where the loader
@@ -232,6 +234,10 @@ class Mutator:
             (self.tokenizer_array, 2), (self.tensor_dim, 4), (self.tensor_type, 3), (self.tensor_offset, 3),
             (self.tensor_name, 1), (self.header, 1), (self.truncation, 2), (self.plausible, 2),
         ]
+
+    def hparam(self, suffix: str) -> int | None:
+        entry = self.base.get(f"{self.arch}.{suffix}")
+        return None if entry is None else _decode_scalar(*entry)
 
     def mutants(self, n: int) -> list[Mutant]:
         """The file unchanged, then n - 1 distinct mutants (a mutation that changes nothing, or that an earlier
@@ -421,13 +427,24 @@ class Mutator:
         dimensions, context lengths, norms' epsilon, special ids, windows."""
         rng = self.rng
         a = self.arch
-        choice = rng.randrange(7)
+        choice = rng.randrange(8)
         if choice == 0:
             value = rng.choice([1.0, 10.0, 1e4, 1e12, 0.5])
             layout.set(f"{a}.rope.freq_base", V.FLOAT32, value)
         elif choice == 1:
-            value = rng.choice([2, 4, 16, 32, 62])
+            # some within the head size, some past it or odd (the kernels once wrote past their buffers)
+            head = self.head_dim
+            value = rng.choice([2, 16, 32, head - 2, head - 1, head + 2, 2 * head])
             layout.set(f"{a}.rope.dimension_count", V.UINT32, value)
+        elif choice == 7:
+            # the same tensors cut into other heads: 2/3 as many query and KV heads, each 1.5 times as wide
+            # (96 for smollm2: no longer a multiple of 32, so attention takes its portable path)
+            n_head, n_kv = self.hparam("attention.head_count"), self.hparam("attention.head_count_kv")
+            value = (n_head * 2 // 3, n_kv * 2 // 3, self.head_dim * 3 // 2)
+            layout.set(f"{a}.attention.head_count", V.UINT32, value[0])
+            layout.set(f"{a}.attention.head_count_kv", V.UINT32, value[1])
+            for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+                layout.set(f"{a}.{key}", V.UINT32, value[2])
         elif choice == 2:
             value = rng.choice([8, 16, 17, 100, 2**31 - 1])
             layout.set(f"{a}.context_length", V.UINT32, value)
