@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from localllm.engine import Engine, Generation, GenerationParams, TokenEvent
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, ModelFileError
 from localllm.server.metrics import Metrics
 from localllm.speculative import SpeculationParams
 
@@ -68,10 +68,11 @@ class RequestFailed(Exception):
 
 
 def _failure(e: Exception) -> RequestFailed:
-    """What a request that raised `e` tells its client: a user-facing error's message (400), or, for anything
-    else (a bug), a generic 500 with the traceback in the server's log."""
+    """What a request that raised `e` tells its client: a user-facing error's message (400, or 500 when the
+    model itself is at fault, e.g. NaN logits), or, for anything else (a bug), a generic 500 with the
+    traceback in the server's log."""
     if isinstance(e, LocalLLMError):
-        return RequestFailed(str(e), 400)
+        return RequestFailed(str(e), 500 if isinstance(e, ModelFileError) else 400)
     log.error("a request failed", exc_info=e)
     return RequestFailed("internal error while generating", 500)
 
