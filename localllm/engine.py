@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from localllm.architectures import load_config
+from localllm.architectures import load_model_config
 from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
@@ -156,7 +156,8 @@ class Engine:
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         meta = self.gguf.metadata
-        self.config = load_config(meta)
+        # Every hyperparameter, tensor shape and type and the tokenizer's arrays, before any kernel sees them.
+        self.config = load_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.from_metadata(meta, model_name=self.path.stem)
         self.model = Transformer(self.gguf, self.config)
@@ -167,6 +168,9 @@ class Engine:
         # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.
         if kv_type not in KV_TYPES:
             raise LocalLLMError(f"KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
+        if kv_type == "q8_0" and (self.config.head_dim % 32 or self.config.value_dim % 32):
+            raise LocalLLMError(f"a q8_0 KV cache needs head sizes that are multiples of 32; this model's are "
+                                f"{self.config.head_dim} and {self.config.value_dim} (use --kv-type f32)")
         self.kv_pool = KVPool.for_model(self.config, kv_type=kv_type)
         self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
         self.kv_type = kv_type
@@ -214,6 +218,14 @@ class Engine:
             )
         if n_prompt == 0:
             raise LocalLLMError("the prompt is empty")
+
+    def check_tokens(self, tokens: list[int]) -> None:
+        """Token ids from outside (an API's token array, a saved session) must be rows of the embedding: the
+        kernels index with them."""
+        n = self.config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < n), None)
+        if bad is not None:
+            raise LocalLLMError(f"token id {bad} is not a token of this model (0..{n - 1})")
 
     def evaluate(self, seq: Sequence, tokens: list[int], logit_positions=None, precise: bool = False) -> np.ndarray:
         """Append `tokens` to the sequence. Returns the logits of the last token, or, with `logit_positions`
@@ -342,6 +354,7 @@ class Generation:
 
     def __init__(self, engine: Engine, tokens: list[int], params: GenerationParams, seq: Sequence):
         engine.check_fits(len(tokens))
+        engine.check_tokens(tokens)
         if params.context_overflow not in ("stop", "shift"):
             raise LocalLLMError(f"context overflow {params.context_overflow!r}: use 'stop' or 'shift'")
         self.shift = params.context_overflow == "shift"

@@ -8,6 +8,7 @@ every tensor is a view into one read-only memory map of the file.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -22,6 +23,8 @@ from localllm.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8  # arrays of arrays nest no deeper than this (a corrupt type would otherwise recurse away)
 
 # Scalar value types: struct format and size.
 _SCALAR_FORMATS = {
@@ -112,16 +115,18 @@ class _Cursor:
         except ValueError:
             raise ModelFileError(f"{self.path}: corrupt metadata (unknown value type {raw})") from None
 
-    def value(self, vtype: GGUFValueType) -> Any:
+    def value(self, vtype: GGUFValueType, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ModelFileError(f"{self.path}: corrupt metadata (arrays nested more than {MAX_ARRAY_DEPTH} deep)")
             elem_type = self.value_type()
             count = self.u64()
             if elem_type == GGUFValueType.STRING:
                 return self._string_array(count)
             if elem_type == GGUFValueType.ARRAY:
-                return [self.value(self.value_type()) for _ in range(count)]
+                return [self.value(self.value_type(), depth + 1) for _ in range(count)]
             dtype = np.dtype(_NUMPY_DTYPES[elem_type])
             self.need(count * dtype.itemsize)
             arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
@@ -192,23 +197,30 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: corrupt header (claims {n_tensors} tensors, {n_kv} keys)")
         for _ in range(n_kv):
             key = cur.string()
+            if key in self.metadata:
+                raise ModelFileError(f"{self.path}: corrupt metadata (key {key!r} appears twice)")
             self.metadata[key] = cur.value(cur.value_type())
 
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.u32()
-            if n_dims > 8:
+            if not 1 <= n_dims <= MAX_DIMS:
                 raise ModelFileError(f"{self.path}: corrupt tensor directory ({name!r} has {n_dims} dimensions)")
             ne = [cur.u64() for _ in range(n_dims)]
             raw_type = cur.u32()
             offset = cur.u64()
             infos.append((name, ne, raw_type, offset))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+                or alignment & (alignment - 1)):
+            raise ModelFileError(f"{self.path}: general.alignment is {alignment!r}; it must be a power of two")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
         self.data_offset = data_start
         for name, ne, raw_type, offset in infos:
+            if name in self.tensors:
+                raise ModelFileError(f"{self.path}: corrupt tensor directory (tensor {name!r} appears twice)")
             try:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
@@ -216,14 +228,18 @@ class GGUFFile:
                     f"{self.path}: tensor {name!r} has tensor type {raw_type}, which this version of "
                     "localllm does not know"
                 ) from None
+            if 0 in ne:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has a dimension of 0 (its shape is {ne[::-1]})")
             block_size, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(ne, dtype=np.int64)) if ne else 1
-            if ne and ne[0] % block_size:
+            if ne[0] % block_size:
                 raise ModelFileError(
                     f"{self.path}: tensor {name!r} has {ne[0]} columns, not a multiple of the "
                     f"{qtype.name} block size {block_size}"
                 )
-            n_bytes = n_elements // block_size * type_size
+            if offset % alignment:
+                raise ModelFileError(f"{self.path}: tensor {name!r} starts at data offset {offset}, not a multiple "
+                                     f"of the file's alignment {alignment}: the file is corrupt")
+            n_bytes = math.prod(ne) // block_size * type_size  # Python integers: a corrupt shape cannot wrap
             start = data_start + offset
             if start + n_bytes > self.file_size:
                 raise ModelFileError(
@@ -231,6 +247,12 @@ class GGUFFile:
                     f" of a {self.file_size}-byte file): the file is truncated or corrupt; download it again"
                 )
             self.tensors[name] = TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start, n_bytes)
+        # Tensors never share bytes (ggml lays them out one after another): an overlap is a corrupt directory.
+        placed = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for a, b in zip(placed, placed[1:]):
+            if b.offset < a.offset + a.n_bytes:
+                raise ModelFileError(f"{self.path}: the data of tensors {a.name!r} and {b.name!r} overlap: the file "
+                                     "is corrupt")
 
     # ---- access -------------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, ModelFileError
 
 __all__ = ["SamplingParams", "SampledToken", "Sampler", "top_k_ids"]
 
@@ -264,7 +264,9 @@ class Sampler:
         """(max, log-sum-exp) of x over the whole vocabulary."""
         m = float(x.max())
         if math.isnan(m):
-            raise ValueError("logits contain NaN")
+            # Weights or hyperparameters that overflow (a corrupt or hostile file): the user's problem to
+            # hear about, not a traceback.
+            raise ModelFileError("the model computed NaN logits: its weights or hyperparameters are broken")
         if m == -math.inf:
             raise LocalLLMError("no token can be sampled: every token is masked or banned")
         e = self._ebuf

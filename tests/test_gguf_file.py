@@ -104,3 +104,59 @@ def test_missing_tensor_lookup(tmp_path):
     g = GGUFFile(_tiny_gguf(tmp_path / "t.gguf"))
     with pytest.raises(ModelFileError, match="tensor 'output.weight' is missing"):
         g.raw("output.weight")
+
+
+# ---- a corrupt tensor directory: refused as the file is parsed, before anything reads tensor data ----------
+
+
+@pytest.fixture
+def tiny_layout(tmp_path):
+    from gguf_mutate import parse
+    from test_model_load import write_tiny_model
+
+    return parse(write_tiny_model(tmp_path / "tiny.gguf"))
+
+
+def test_tensors_whose_data_overlap_are_refused(tmp_path, tiny_layout):
+    tiny_layout.tensors[3].offset = tiny_layout.tensors[2].offset
+    with pytest.raises(ModelFileError, match="the data of tensors '.*' and '.*' overlap"):
+        GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
+
+
+def test_a_tensor_offset_off_the_alignment_is_refused(tmp_path, tiny_layout):
+    tiny_layout.tensors[1].offset += 4
+    with pytest.raises(ModelFileError, match="not a multiple of the file's alignment 32"):
+        GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
+
+
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, tiny_layout):
+    tiny_layout.set("general.alignment", gguf.GGUFValueType.UINT32, 0)
+    with pytest.raises(ModelFileError, match="general.alignment is 0; it must be a power of two"):
+        GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
+
+
+def test_a_tensor_or_key_named_twice_is_refused(tmp_path, tiny_layout):
+    twice = tiny_layout.copy()
+    twice.tensors[5].name = twice.tensors[4].name
+    with pytest.raises(ModelFileError, match="appears twice"):
+        GGUFFile(twice.write(tmp_path / "t.gguf"))
+    tiny_layout.kv.append(tiny_layout.kv[0])
+    with pytest.raises(ModelFileError, match="key 'general.architecture' appears twice"):
+        GGUFFile(tiny_layout.write(tmp_path / "k.gguf"))
+
+
+def test_a_shape_whose_size_overflows_64_bits_is_refused(tmp_path, tiny_layout):
+    # 2^32 x 2^32 elements: a 64-bit product wraps to 0 and would pass a size check done in numpy
+    tiny_layout.tensors[1].ne = [2**32, 2**32]
+    with pytest.raises(ModelFileError, match="lies outside the file"):
+        GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
+
+
+def test_arrays_nested_without_end_are_refused(tmp_path, tiny_layout):
+    V = gguf.GGUFValueType
+    nested = struct.pack("<IQ", V.UINT8, 0)
+    for _ in range(5000):  # each level an array of one array: past Python's recursion limit
+        nested = struct.pack("<IQI", V.ARRAY, 1, V.ARRAY) + nested
+    tiny_layout.kv.append(("deep", V.ARRAY, nested))
+    with pytest.raises(ModelFileError, match="nested more than"):
+        GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from localllm.engine import Engine, GenerationParams
 from localllm.errors import ModelFileError
@@ -26,22 +26,39 @@ def byte_vocab() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def write_tiny_model(path, arch="llama", drop=(), replace_type=None, chat_template=None):
-    """A 2-layer model with random F32 weights and a byte-level BPE vocabulary."""
+def write_tiny_model(path, arch="llama", drop=(), replace_type=None, n_embd=N_EMBD, n_head=N_HEAD, n_kv=N_KV,
+                     head_dim=None, extra_tokens=0, meta=None, zero_dim=None, chat_template=None):
+    """A 2-layer model with random F32 weights and a byte-level BPE vocabulary. head_dim: written as
+    attention.key_length (tensors follow it); extra_tokens: tokens beyond the embedding's rows; meta: keys to
+    write as they are (key -> (value, GGUFValueType)), replacing the writer's own; zero_dim: a tensor written
+    with a first dimension of 0; chat_template: written as tokenizer.chat_template."""
     rng = np.random.default_rng(0)
     tokens = byte_vocab() + ["<|endoftext|>"]
+    meta = dict(meta or {})
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(N_LAYERS)
-    w.add_context_length(128)
-    w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_KV)
-    w.add_layer_norm_rms_eps(1e-5)
+
+    def add(key, value, vtype, write):
+        if f"{arch}.{key}" in meta:
+            return
+        write(value)
+
+    add("block_count", N_LAYERS, None, w.add_block_count)
+    add("context_length", 128, None, w.add_context_length)
+    add("embedding_length", n_embd, None, w.add_embedding_length)
+    add("feed_forward_length", N_FF, None, w.add_feed_forward_length)
+    add("attention.head_count", n_head, None, w.add_head_count)
+    add("attention.head_count_kv", n_kv, None, w.add_head_count_kv)
+    add("attention.layer_norm_rms_epsilon", 1e-5, None, w.add_layer_norm_rms_eps)
+    hd = head_dim or n_embd // max(n_head, 1)
+    if head_dim:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    for key, (value, vtype) in meta.items():
+        w.add_key_value(key, value, vtype)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3])
+    w.add_token_list(tokens + [f"<extra_{i}>" for i in range(extra_tokens)])
+    w.add_token_types([1] * 256 + [3] + [1] * extra_tokens)
     w.add_token_merges(["Ġ t", "h e"])
     w.add_eos_token_id(256)
     w.add_bos_token_id(256)
@@ -60,25 +77,28 @@ def write_tiny_model(path, arch="llama", drop=(), replace_type=None, chat_templa
             from gguf import GGML_QUANT_SIZES
 
             block, size = GGML_QUANT_SIZES[qtype]
-            raw = np.zeros((shape[0], shape[1] // block * size), np.uint8)
+            raw = np.zeros((shape[0], -(-shape[-1] // block) * size), np.uint8)  # at least one block per row
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            return
+        if name == zero_dim:
+            # gguf-py writes no empty arrays: a 1-row tensor whose directory entry then says 0 rows
+            w.add_tensor(name, data[:1], raw_shape=(0, *shape[1:]))
             return
         w.add_tensor(name, data)
 
-    tensor("token_embd.weight", len(tokens), N_EMBD)
-    tensor("output_norm.weight", N_EMBD)
-    hd = N_EMBD // N_HEAD
+    tensor("token_embd.weight", len(tokens), n_embd)
+    tensor("output_norm.weight", n_embd)
     for i in range(N_LAYERS):
         p = f"blk.{i}."
-        tensor(p + "attn_norm.weight", N_EMBD)
-        tensor(p + "attn_q.weight", N_EMBD, N_EMBD)
-        tensor(p + "attn_k.weight", N_KV * hd, N_EMBD)
-        tensor(p + "attn_v.weight", N_KV * hd, N_EMBD)
-        tensor(p + "attn_output.weight", N_EMBD, N_EMBD)
-        tensor(p + "ffn_norm.weight", N_EMBD)
-        tensor(p + "ffn_gate.weight", N_FF, N_EMBD)
-        tensor(p + "ffn_up.weight", N_FF, N_EMBD)
-        tensor(p + "ffn_down.weight", N_EMBD, N_FF)
+        tensor(p + "attn_norm.weight", n_embd)
+        tensor(p + "attn_q.weight", n_head * hd, n_embd)
+        tensor(p + "attn_k.weight", n_kv * hd, n_embd)
+        tensor(p + "attn_v.weight", n_kv * hd, n_embd)
+        tensor(p + "attn_output.weight", n_embd, n_head * hd)
+        tensor(p + "ffn_norm.weight", n_embd)
+        tensor(p + "ffn_gate.weight", N_FF, n_embd)
+        tensor(p + "ffn_up.weight", N_FF, n_embd)
+        tensor(p + "ffn_down.weight", n_embd, N_FF)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -110,3 +130,90 @@ def test_unsupported_tensor_type(tmp_path):
                             replace_type=("blk.0.ffn_down.weight", GGMLQuantizationType.IQ2_XXS))
     with pytest.raises(ModelFileError, match="IQ2_XXS"):
         Engine(path, quiet=True)
+
+
+# ---- hyperparameters that disagree with the tensors or the kernels: refused before any kernel runs ----------
+# Each of these once reached the kernels: the RoPE one wrote past its buffers (heap corruption, SIGABRT), the
+# head counts read a KV head that does not exist (exit 0, garbage), the others raised ZeroDivisionError or
+# ValueError with a traceback.
+
+U32, F32_, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
+
+
+def refused(path) -> str:
+    with pytest.raises(ModelFileError) as info:
+        Engine(path, quiet=True)
+    assert str(path) in str(info.value)  # the message names the file...
+    return str(info.value)
+
+
+def test_a_rope_dimension_above_the_head_size_is_refused_naming_the_key(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.dimension_count": (16, U32)})  # heads of 8
+    assert "llama.rope.dimension_count is 16; it must be even and between 2 and the head size 8" in refused(path)
+
+
+def test_an_odd_rope_dimension_is_refused_naming_the_key(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.dimension_count": (5, U32)})
+    assert "llama.rope.dimension_count is 5" in refused(path)
+
+
+def test_query_heads_that_do_not_share_the_kv_heads_evenly_are_refused(tmp_path):
+    # 9 query heads over 2 KV heads, every tensor of the matching shape: only the head counts are wrong
+    path = write_tiny_model(tmp_path / "m.gguf", n_embd=72, n_head=9, n_kv=2, head_dim=8)
+    assert ("llama.attention.head_count 9 is not a multiple of llama.attention.head_count_kv 2"
+            in refused(path))
+
+
+def test_a_head_count_of_zero_is_refused_naming_the_key(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.attention.head_count": (0, U32)})
+    assert "llama.attention.head_count is 0; it must lie in [1, " in refused(path)
+
+
+def test_an_embedding_length_of_one_is_refused_naming_the_key(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.embedding_length": (1, U32)})
+    assert "llama.embedding_length 1 is not a multiple of llama.attention.head_count 4" in refused(path)
+
+
+def test_a_tensor_with_a_dimension_of_zero_is_refused_naming_it(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", zero_dim="blk.1.attn_q.weight")
+    assert "tensor 'blk.1.attn_q.weight' has a dimension of 0" in refused(path)
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused(tmp_path):
+    # the vocab_size key agrees with the embedding, so only the token list says otherwise
+    path = write_tiny_model(tmp_path / "m.gguf", extra_tokens=3, meta={"llama.vocab_size": (257, U32)})
+    assert "llama.vocab_size is 257, but tokenizer.ggml.tokens holds 260 tokens" in refused(path)
+    path = write_tiny_model(tmp_path / "m2.gguf", extra_tokens=3)
+    assert "tokenizer.ggml.tokens) has 260 tokens but token_embd.weight has 257 rows" in refused(path)
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_naming_it_and_the_expected_shape(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.feed_forward_length": (96, U32)})
+    assert "tensor 'blk.0.ffn_gate.weight' has shape (64, 32), expected (96, 32)" in refused(path)
+
+
+def test_a_block_count_below_the_files_layers_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.block_count": (1, U32)})
+    assert "llama.block_count is 1, but the file has tensor 'blk.1." in refused(path)
+
+
+def test_hyperparameters_of_the_wrong_type_or_out_of_range_are_refused_naming_the_key(tmp_path):
+    cases = {
+        "llama.attention.layer_norm_rms_epsilon": ((0.0, F32_), "must be a finite number above 0"),
+        "llama.rope.freq_base": ((float("nan"), F32_), "llama.rope.freq_base is nan"),
+        "llama.context_length": (("long", STR), "llama.context_length should be a whole number, is 'long'"),
+        "llama.attention.head_count_kv": ((0, U32), "llama.attention.head_count_kv is 0"),
+    }
+    for i, (key, (value, message)) in enumerate(cases.items()):
+        path = write_tiny_model(tmp_path / f"m{i}.gguf", meta={key: value})
+        assert message in refused(path), key
+
+
+def test_a_norm_weight_that_is_not_float32_is_refused_naming_it(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", replace_type=("blk.0.ffn_norm.weight", GGMLQuantizationType.Q8_0))
+    assert "blk.0.ffn_norm.weight" in refused(path)
+
+
+def test_a_block_count_beyond_the_files_layers_is_refused_at_once(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.block_count": (2**31 - 1, U32)})
+    assert "tensor 'blk.2.attn_norm.weight' is missing from the file" in refused(path)

@@ -110,6 +110,86 @@ def test_a_request_that_cannot_run_fails_alone(engine):
     assert len(tokens) == 4 and final.finish_reason == "length"
 
 
+def run_together(engine, requests: list[Request], parallel: int = 4) -> list:
+    """Submit all requests at once; each one's (tokens, Final) or the RequestFailed it ended with."""
+    sched = Scheduler(engine, parallel=parallel)
+    sched.start()
+    try:
+        async def outcome(handle):
+            try:
+                return await drain(handle)
+            except RequestFailed as e:
+                return e
+
+        async def run():
+            handles = [sched.submit(r) for r in requests]
+            return await asyncio.gather(*(outcome(h) for h in handles))
+
+        results = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert sched.live_sequences == 0 and engine.kv_pool.blocks_held() == 0
+    return results
+
+
+def test_a_token_id_the_model_lacks_fails_its_request_alone(engine):
+    good = prompts(engine)[:2]
+    alone = [[e.token for e in engine.generate(p, greedy(6))] for p in good]
+    bad = good[0][:3] + [engine.config.vocab_size + 7]
+    results = run_together(engine, [Request(good[0], greedy(6)), Request(bad, greedy(6)),
+                                    Request(good[1], greedy(6))])
+    assert isinstance(results[1], RequestFailed) and results[1].status == 400
+    assert "not a token of this model" in str(results[1])
+    assert not any(isinstance(results[i], RequestFailed) for i in (0, 2)), results
+    assert [results[0][0], results[2][0]] == alone
+
+
+def test_a_request_whose_batched_forward_fails_fails_alone_and_its_neighbours_keep_their_answers(engine,
+                                                                                                 monkeypatch):
+    """A forward that raises for one request's inputs (here after its second token, mid-stream, while it shares
+    every step with three others): the step runs again one request at a time, only that request ends (500), the
+    others' answers are token for token what they are alone."""
+    ps = prompts(engine)
+    alone = [[e.token for e in engine.generate(p, greedy(8))] for p in ps]
+    poisoned = ps[2]
+    real = engine.evaluate_batch
+    batch_sizes = []
+
+    def failing(items):
+        batch_sizes.append(len(items))
+        for seq, _ in items:
+            if seq.tokens[: len(poisoned)] == poisoned and len(seq.tokens) >= len(poisoned) + 2:
+                raise ValueError("row ids must lie in [0, 49152)")  # what a bad row gave the kernels
+        return real(items)
+
+    monkeypatch.setattr(engine, "evaluate_batch", failing)
+    results = run_together(engine, [Request(p, greedy(8)) for p in ps])
+    assert isinstance(results[2], RequestFailed) and results[2].status == 500
+    assert not any(isinstance(results[i], RequestFailed) for i in (0, 1, 3)), results
+    assert [results[i][0] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]
+    assert all(results[i][1].completion_tokens == 8 for i in (0, 1, 3))
+    assert max(batch_sizes) == 4  # they did share steps
+
+
+def test_an_exception_while_sampling_for_one_request_fails_only_that_request(engine, monkeypatch):
+    from localllm.engine import Generation
+
+    ps = prompts(engine)[:3]
+    alone = [[e.token for e in engine.generate(p, greedy(6))] for p in ps]
+    real = Generation.step
+
+    def step(self, logits, *args, **kwargs):
+        if self.tokens == ps[1] and self.timings.predicted_n == 3:
+            raise RuntimeError("a bug in one request's sampling")
+        return real(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(Generation, "step", step)
+    results = run_together(engine, [Request(p, greedy(6)) for p in ps])
+    assert isinstance(results[1], RequestFailed) and results[1].status == 500
+    assert not any(isinstance(results[i], RequestFailed) for i in (0, 2)), results
+    assert [results[0][0], results[2][0]] == [alone[0], alone[2]]
+
+
 def test_cors_is_off_unless_configured(engine):
     from starlette.testclient import TestClient
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from localllm.architectures import gemma3, llama, qwen2
+from localllm.architectures import gemma3, llama, qwen2, validate
 from localllm.architectures.base import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
@@ -20,12 +20,30 @@ ARCHITECTURES = {
 
 
 def load_config(meta: dict[str, Any]) -> ModelConfig:
+    """The model's hyperparameters, checked (validate.py): a ModelFileError naming the key if one is wrong."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelFileError(
             f"unsupported architecture {arch!r}; localllm runs {', '.join(sorted(ARCHITECTURES))}"
         )
-    return ARCHITECTURES[arch].config(meta)
+    validate.check_metadata(meta)
+    config = ARCHITECTURES[arch].config(meta)
+    validate.check_config(config, meta)
+    return config
 
 
-__all__ = ["ARCHITECTURES", "ArchTraits", "ModelConfig", "load_config"]
+def load_model_config(g) -> ModelConfig:
+    """The config of an open GGUF file after every check of validate.py: hyperparameters, each tensor's shape
+    and type, the tokenizer's arrays. Runs before any weight is wrapped or kernel called."""
+    try:
+        config = load_config(g.metadata)
+        validate.check_vocabulary(g.metadata, config, g.tensors)
+        validate.check_tensors(g, config)
+    except ModelFileError as e:
+        if str(g.path) in str(e):
+            raise
+        raise ModelFileError(f"{g.path}: {e}") from None
+    return config
+
+
+__all__ = ["ARCHITECTURES", "ArchTraits", "ModelConfig", "load_config", "load_model_config"]

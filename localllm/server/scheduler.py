@@ -13,8 +13,11 @@ The engine is not thread-safe, so it lives in one dedicated thread. HTTP handler
      streams keep flowing while a long prompt is read in;
   4. delivers the events; finished requests leave the batch and close their sequence.
 
-A request's error (a prompt that does not fit, a sampler that has nothing left to sample) ends that request
-only; an unexpected failure of a step fails the requests in it and the scheduler goes on.
+A request's error (a prompt that does not fit, a token id the model does not have, a sampler that has nothing
+left to sample) ends that request only, and so does an unexpected exception while admitting it, sampling for it
+or running its speculative round. When the batched forward of a step fails, each of its requests is evaluated
+again alone: the ones that fail again end (400 for a clear error, 500 otherwise), the others go on with exactly
+the logits the batch would have given them (the kernels are batch invariant).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from localllm.engine import Engine, Generation, GenerationParams, TokenEvent
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, ModelFileError
 from localllm.server.metrics import Metrics
 from localllm.speculative import SpeculationParams
 
@@ -62,6 +65,16 @@ class RequestFailed(Exception):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+def _failure(e: Exception) -> RequestFailed:
+    """What a request that raised `e` tells its client: a user-facing error's message (400, or 500 when the
+    model itself is at fault, e.g. NaN logits), or, for anything else (a bug), a generic 500 with the
+    traceback in the server's log."""
+    if isinstance(e, LocalLLMError):
+        return RequestFailed(str(e), 500 if isinstance(e, ModelFileError) else 400)
+    log.error("a request failed", exc_info=e)
+    return RequestFailed("internal error while generating", 500)
 
 
 class Handle:
@@ -217,10 +230,11 @@ class Scheduler:
                     self._running.append(_Running(handle, gen, [], spec=self.engine.generate_speculative(gen)))
                     continue
                 prefill = gen.start_prefill()
-            except LocalLLMError as e:
+            except Exception as e:  # this request only: the others are admitted as usual
                 seq.close()
                 self.live_sequences -= 1
-                handle._put(RequestFailed(str(e), 400))
+                self.metrics.requests_failed += 1
+                handle._put(_failure(e))
                 continue
             self._running.append(_Running(handle, gen, prefill))
 
@@ -248,8 +262,8 @@ class Scheduler:
                 continue
             try:
                 event = r.gen.step(r.logits)
-            except LocalLLMError as e:
-                done.append((r, RequestFailed(str(e), 400)))
+            except Exception as e:
+                done.append((r, _failure(e)))
                 continue
             if event.finish_reason is None:
                 items.append((r.gen.seq, [event.token]))
@@ -264,19 +278,18 @@ class Scheduler:
                 items.append((r.gen.seq, chunk))
                 prefilling.append((r, len(chunk)))
 
-        try:
-            logits = self.engine.evaluate_batch(items) if items else []
-        except LocalLLMError as e:  # e.g. a context the cache cannot hold: fail this step's requests
-            for r, _ in decoding + prefilling:
-                done.append((r, RequestFailed(str(e), 400)))
-            decoding, prefilling, logits = [], [], []
+        logits = self._evaluate(items, [r for r, _ in decoding + prefilling], done)
 
         now = time.perf_counter()
         for (r, event), lg in zip(decoding, logits[: len(decoding)]):
+            if lg is None:  # this request failed alone (in `done`)
+                continue
             r.logits = lg
             r.gen.record(event)
             self._deliver(r, event, now)
         for (r, n), lg in zip(prefilling, logits[len(decoding):]):
+            if lg is None:
+                continue
             r.prefill = r.prefill[n:]
             self.metrics.prompt_tokens += n
             if not r.prefill:
@@ -298,15 +311,38 @@ class Scheduler:
                 self.metrics.requests_failed += 1
                 self._finish(r, outcome)
 
+    def _evaluate(self, items: list, owners: list[_Running], done: list) -> list:
+        """The step's one batched forward. If it fails, each item runs again alone (after rolling its sequence
+        back to where the step found it), so that only the requests that fail alone fail: their logits are None
+        and their failure joins `done`."""
+        if not items:
+            return []
+        lengths = [len(seq.tokens) for seq, _ in items]
+        try:
+            return self.engine.evaluate_batch(items)
+        except Exception:
+            log.warning("a batched forward of %d requests failed; running them one by one", len(items),
+                        exc_info=True)
+        out = []
+        for (seq, tokens), n, r in zip(items, lengths, owners):
+            try:
+                if len(seq.tokens) != n:
+                    seq.truncate(n)
+                out.append(self.engine.evaluate_batch([(seq, tokens)])[0])
+            except Exception as e:
+                done.append((r, _failure(e)))
+                out.append(None)
+        return out
+
     def _step_speculative(self, r: _Running) -> None:
         """One event of a speculative request: the first of a round runs its verify forward, the others are
         already computed."""
         try:
             event = next(r.spec)
-        except LocalLLMError as e:
+        except Exception as e:
             self._running.remove(r)
             self.metrics.requests_failed += 1
-            self._finish(r, RequestFailed(str(e), 400))
+            self._finish(r, _failure(e))
             return
         now = time.perf_counter()
         if r.t_first is None:

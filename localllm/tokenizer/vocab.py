@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localllm.architectures.validate import check_tokenizer
 from localllm.errors import ModelFileError
 
 from .pretokenize import PreTokenizerConfig, pre_tokenizer_config
@@ -131,6 +132,7 @@ class Vocab:
 
 
 def load_vocab(meta: dict) -> Vocab:
+    check_tokenizer(meta)  # types and lengths of every key read below
     model_name = meta.get("tokenizer.ggml.model")
     if model_name is None:
         raise ModelFileError("the model file has no tokenizer (tokenizer.ggml.model is missing)")
