@@ -1,13 +1,12 @@
 """A safetensors reader of our own: an 8-byte header length, a JSON header, then raw little-endian bytes.
 
-Each tensor is a read-only view of a memory map, so converting a model touches one tensor at a time (the
-operating system pages it in and drops it again), never the whole checkpoint. No torch, no safetensors package.
+Each tensor is read on its own into a fresh buffer, so converting a model holds one tensor at a time, never the
+whole checkpoint. No torch, no safetensors package.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,26 +81,27 @@ class SafetensorsFile:
                     raise CheckpointError(f"{self.path.name}: tensor {name!r} has {hi - lo} bytes, "
                                           f"its shape {list(shape)} of {dtype} needs {expected}")
             self.tensors[name] = TensorEntry(name, dtype, shape, self.path, base + lo, hi - lo)
-        self._map: mmap.mmap | None = None
 
     def read(self, entry: TensorEntry) -> np.ndarray:
-        """The tensor as numpy: f32/f16 as stored, BF16 widened to float32 (exact)."""
+        """The tensor as numpy: f32/f16 as stored, BF16 widened to float32 (exact). Read into a fresh buffer
+        (not a memory map, whose pages would stay in the process's resident set until the file is closed), so
+        memory holds this tensor only."""
         if entry.dtype not in DTYPES:
             raise CheckpointError(f"tensor {entry.name!r} has dtype {entry.dtype}, which cannot be converted")
-        if self._map is None:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         dt = DTYPES[entry.dtype]
-        arr = np.frombuffer(self._map, dtype=dt, count=entry.nbytes // dt.itemsize, offset=entry.start)
-        arr = arr.reshape(entry.shape)
+        raw = np.empty(entry.nbytes // dt.itemsize, dtype=dt)
+        with open(self.path, "rb") as f:
+            f.seek(entry.start)
+            got = f.readinto(memoryview(raw).cast("B"))
+        if got != entry.nbytes:
+            raise CheckpointError(f"{self.path.name} is truncated: tensor {entry.name!r} is short by "
+                                  f"{entry.nbytes - got} bytes")
+        raw = raw.reshape(entry.shape)
         if entry.dtype == "BF16":
-            return (arr.astype(np.uint32) << 16).view(np.float32)
-        return arr
+            wide = np.empty(entry.shape, dtype=np.uint32)
+            np.left_shift(raw, np.uint32(16), out=wide, dtype=np.uint32)
+            return wide.view(np.float32)
+        return raw
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive; the map closes when it is collected
-                pass
-            self._map = None
+        pass
