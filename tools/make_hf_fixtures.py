@@ -13,6 +13,12 @@ Needs the `fixtures` extra (torch, transformers, safetensors, sentencepiece, pro
 Writes DIR/NAME for each catalog model (default DIR: ~/.cache/localllm/hf-fixtures), plus
 DIR/smollm2-135m-instruct-sharded (the same checkpoint in several shards with model.safetensors.index.json).
 Weights are saved in bfloat16, as the real checkpoints are.
+
+    /tmp/fixvenv/bin/python tools/make_hf_fixtures.py --tiny --llama-cpp DIR
+
+instead records tests/data/convert/golden.json: the tiny checkpoints of tests/convert_fixtures.py (which need no
+torch) converted by llama.cpp's convert_hf_to_gguf.py --outtype f32 from the llama.cpp checkout DIR (run with that
+checkout's gguf-py), as digests of every key and tensor.
 """
 
 from __future__ import annotations
@@ -127,12 +133,44 @@ def make_checkpoint(name: str, out_root: Path, shard_size: str | None = None, ou
     return out
 
 
+def record_golden(llama_cpp: Path, work: Path) -> Path:
+    import os
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from convert_fixtures import DATA, SOURCES, gguf_digest, make_tiny_checkpoint
+
+    commit = subprocess.run(["git", "-C", str(llama_cpp), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    golden = {"llama_cpp_commit": commit, "command": "convert_hf_to_gguf.py --outtype f32", "models": {}}
+    env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        for arch in SOURCES:
+            ckpt = make_tiny_checkpoint(arch, Path(tmp) / f"tiny-{arch}")
+            out = Path(tmp) / f"tiny-{arch}.gguf"
+            subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), "--outtype", "f32",
+                            "--outfile", str(out), str(ckpt)], check=True, env=env)
+            golden["models"][arch] = gguf_digest(out)
+    path = DATA / "golden.json"
+    path.write_text(json.dumps(golden, indent=1) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=MODELS)
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache/localllm/hf-fixtures")
     ap.add_argument("--no-sharded", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="record tests/data/convert/golden.json instead")
+    ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp checkout (for --tiny)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        if args.llama_cpp is None:
+            raise SystemExit("--tiny needs --llama-cpp DIR")
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(record_golden(args.llama_cpp.resolve(), args.out))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.names:
         if name not in MODELS:
