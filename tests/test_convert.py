@@ -41,17 +41,22 @@ def converted(tiny, tmp_path_factory):
             for arch in ARCHS}
 
 
+@pytest.fixture(scope="module")
+def digests(converted):
+    return {arch: gguf_digest(path) for arch, path in converted.items()}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_f32_output_has_llama_cpp_keys_in_its_order(converted, arch):
-    ours = gguf_digest(converted[arch])["keys"]
+def test_f32_output_has_llama_cpp_keys_in_its_order(digests, arch):
+    ours = digests[arch]["keys"]
     theirs = GOLDEN["models"][arch]["keys"]
     assert [k[0] for k in ours] == [k[0] for k in theirs]
     assert ours == theirs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_f32_output_has_llama_cpp_tensors_byte_for_byte(converted, arch):
-    ours = gguf_digest(converted[arch])["tensors"]
+def test_f32_output_has_llama_cpp_tensors_byte_for_byte(digests, arch):
+    ours = digests[arch]["tensors"]
     theirs = GOLDEN["models"][arch]["tensors"]
     assert [t[0] for t in ours] == [t[0] for t in theirs]
     assert ours == theirs
@@ -74,12 +79,12 @@ def test_sharded_checkpoint_converts_like_llama_cpp_reads_shards(tiny, tmp_path)
 
 
 def test_default_type_keeps_bf16_source_as_bf16(tiny, tmp_path):
-    summary = convert(tiny["qwen2"], tmp_path / "a.gguf", progress=False)
+    summary = convert(tiny["llama"], tmp_path / "a.gguf", progress=False)
     assert summary["type"] == "BF16"
     r = GGUFReader(summary["output"])
     types = {t.name: t.tensor_type.name for t in r.tensors}
-    assert types["blk.0.attn_q.weight"] == "BF16"
-    assert types["blk.0.attn_norm.weight"] == "F32" and types["blk.0.attn_q.bias"] == "F32"
+    assert types["blk.0.attn_q.weight"] == "BF16" and types["token_embd.weight"] == "BF16"
+    assert types["blk.0.attn_norm.weight"] == "F32"
     assert int(r.fields["general.file_type"].contents()) == 32  # MOSTLY_BF16
 
 
@@ -94,10 +99,10 @@ def test_bf16_output_is_the_source_bits(tiny, tmp_path):
 
 
 def test_q8_0_output_quantizes_matrices_and_keeps_norms_f32(tiny, tmp_path):
-    out = convert(tiny["gemma3"], tmp_path / "q.gguf", "q8_0", progress=False)["output"]
+    out = convert(tiny["llama"], tmp_path / "q.gguf", "q8_0", progress=False)["output"]
     types = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
-    assert types["blk.0.ffn_up.weight"] == "Q8_0"
-    assert types["blk.0.attn_q_norm.weight"] == "F32"
+    assert types["blk.0.ffn_up.weight"] == "Q8_0" and types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.ffn_norm.weight"] == "F32"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -208,3 +213,30 @@ def test_cli_dry_run_writes_nothing_and_lists_the_plan(tiny, tmp_path, capsys):
     assert not out.exists()
     assert plan["architecture"] == "gemma3" and plan["type"] == "F32"
     assert [t["name"] for t in plan["tensors"]] == [t[0] for t in GOLDEN["models"]["gemma3"]["tensors"]]
+
+
+def _retokenized(tiny, tmp_path, edit) -> Path:
+    ckpt = _copy(tiny["llama"], tmp_path / "c")
+    tj = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
+    edit(tj)
+    (ckpt / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    return ckpt
+
+
+def test_pre_tokenizer_unknown_to_llama_cpp_is_matched_by_structure(tiny, tmp_path):
+    # fewer merges: the check text tokenizes differently, so llama.cpp's table has no entry for its hash
+    ckpt = _retokenized(tiny, tmp_path, lambda tj: tj["model"].update(merges=tj["model"]["merges"][:20000]))
+    summary = convert(ckpt, tmp_path / "o.gguf", "f32", progress=False)
+    assert summary["pre"] == "gpt-2"
+    assert summary["pre_recognised_by"] == "tokenizer.json's pre_tokenizer regexes"
+
+
+def test_pre_tokenizer_neither_known_nor_implemented_is_a_clear_error(tiny, tmp_path):
+    def edit(tj):
+        tj["model"]["merges"] = tj["model"]["merges"][:20000]
+        tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "\\p{Han}+|[a-z]{1,3}"}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+
+    msg = _refused(_retokenized(tiny, tmp_path, edit), tmp_path / "o.gguf", "pre-tokenizer", "\\p{Han}+")
+    assert "llama.cpp" in msg

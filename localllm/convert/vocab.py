@@ -249,10 +249,16 @@ def _structural_match(tok_json: dict) -> str | None:
             return None
     if not patterns:
         return None
-    for name, (family, _flags) in _pre_types().items():
-        if tuple(_REGEXES.get(family, ())) == tuple(patterns):
-            return name
-    return None
+    matches = [name for name, (family, _flags) in _pre_types().items()
+               if tuple(_REGEXES.get(family, ())) == tuple(patterns)]
+    if not matches:
+        return None
+    # the name llama.cpp gives the family itself where there is one (gpt2's regex: "gpt-2", not "mpt")
+    families = {_pre_types()[m][0] for m in matches}
+    for preferred in ("gpt-2", *families):
+        if preferred in matches:
+            return preferred
+    return matches[0]
 
 
 def _pre_types():
