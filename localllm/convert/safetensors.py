@@ -24,6 +24,7 @@ DTYPES: dict[str, np.dtype] = {
 # Dtypes that mean the checkpoint holds quantized weights (fp8 and friends): refused by name upstream.
 QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
 _MAX_HEADER = 100 * 1024 * 1024
+_BF16_CHUNK = 1 << 22  # values widened at a time (8 MB of bf16)
 
 
 class CheckpointError(LocalLLMError):
@@ -89,19 +90,29 @@ class SafetensorsFile:
         if entry.dtype not in DTYPES:
             raise CheckpointError(f"tensor {entry.name!r} has dtype {entry.dtype}, which cannot be converted")
         dt = DTYPES[entry.dtype]
-        raw = np.empty(entry.nbytes // dt.itemsize, dtype=dt)
+        n = entry.nbytes // dt.itemsize
         with open(self.path, "rb") as f:
             f.seek(entry.start)
-            got = f.readinto(memoryview(raw).cast("B"))
+            if entry.dtype != "BF16":
+                out = np.empty(n, dtype=dt)
+                got = f.readinto(memoryview(out).cast("B"))
+            else:
+                # widened chunk by chunk: peak memory is the float32 tensor, not float32 + bf16 copies
+                out = np.empty(n, dtype=np.uint32)
+                chunk = np.empty(min(n, _BF16_CHUNK), dtype=np.uint16)
+                got = 0
+                for lo in range(0, n, _BF16_CHUNK):
+                    part = chunk[: min(_BF16_CHUNK, n - lo)]
+                    k = f.readinto(memoryview(part).cast("B"))
+                    got += k
+                    if k != part.nbytes:
+                        break
+                    np.left_shift(part, np.uint32(16), out=out[lo:lo + len(part)], dtype=np.uint32)
+                out = out.view(np.float32)
         if got != entry.nbytes:
             raise CheckpointError(f"{self.path.name} is truncated: tensor {entry.name!r} is short by "
                                   f"{entry.nbytes - got} bytes")
-        raw = raw.reshape(entry.shape)
-        if entry.dtype == "BF16":
-            wide = np.empty(entry.shape, dtype=np.uint32)
-            np.left_shift(raw, np.uint32(16), out=wide, dtype=np.uint32)
-            return wide.view(np.float32)
-        return raw
+        return out.reshape(entry.shape)
 
     def close(self) -> None:
         pass
