@@ -240,3 +240,11 @@ def test_pre_tokenizer_neither_known_nor_implemented_is_a_clear_error(tiny, tmp_
 
     msg = _refused(_retokenized(tiny, tmp_path, edit), tmp_path / "o.gguf", "pre-tokenizer", "\\p{Han}+")
     assert "llama.cpp" in msg
+
+
+def test_llama2_style_bpe_without_tokenizer_model_is_refused_not_guessed(tiny, tmp_path):
+    def edit(tj):
+        tj["model"]["byte_fallback"] = True
+        tj["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+    _refused(_retokenized(tiny, tmp_path, edit), tmp_path / "o.gguf", "tokenizer.model", "byte fallback")

@@ -31,18 +31,32 @@ class ArchSpec:
     norm_shift: float = 0.0  # gemma3: RMSNorm weights stored as w - 1
     trim_vocab: bool = False  # gemma3: token_embd rows beyond the tokenizer dropped
     extra_hparams: Callable[[gguf.GGUFWriter, dict], None] | None = None
-    vocab_kind: Callable[[Path, dict], str] = field(default=lambda d, hp: "gpt2")
+    vocab_kind: Callable[[Path, dict], str] = field(default=lambda d, hp: "gpt2")  # "spm" or "gpt2"
 
 
 def _llama_vocab_kind(directory: Path, hp: dict) -> str:
-    # LlamaModel.set_vocab: SentencePiece if tokenizer.model, else (a Llama-2-style BPE with byte fallback is
-    # LlamaHfVocab, which we do not take on) byte-level BPE.
+    """LlamaModel.set_vocab: SentencePiece if tokenizer.model, else byte-level BPE; a Llama-2-style BPE with byte
+    fallback in tokenizer.json only is llama.cpp's LlamaHfVocab, which needs transformers: refused, not guessed."""
     if (directory / "tokenizer.model").is_file():
         return "spm"
+    import json
+
+    try:
+        tj = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "gpt2"  # the vocabulary step reports a missing or unreadable tokenizer
+    model = tj.get("model") or {}
+    is_llama3 = (model.get("type") == "BPE" and model.get("ignore_merges", False)
+                 and not model.get("byte_fallback", True))
+    if not is_llama3 and model.get("type") == "BPE" and model.get("byte_fallback", False) \
+            and (tj.get("decoder") or {}).get("type") == "Sequence":
+        raise CheckpointError("a SentencePiece-style BPE tokenizer (byte fallback) given only as tokenizer.json is "
+                              "not converted; add the model's tokenizer.model")
     return "gpt2"
 
 
-def _gemma3_vocab_kind(directory: Path, hp: dict) -> str:
+def _spm_if_present(directory: Path, hp: dict) -> str:
+    """Qwen2Model/Gemma3Model.set_vocab: SentencePiece if tokenizer.model, else byte-level BPE."""
     return "spm" if (directory / "tokenizer.model").is_file() else "gpt2"
 
 
@@ -83,9 +97,9 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "max_position_embeddings": 131072, "rm
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(gguf.MODEL_ARCH.LLAMA, ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
              _LLAMA_DEFAULTS, undo_permute=True, extra_hparams=_llama_extra, vocab_kind=_llama_vocab_kind),
-    ArchSpec(gguf.MODEL_ARCH.QWEN2, ("Qwen2ForCausalLM",), _QWEN2_DEFAULTS),
+    ArchSpec(gguf.MODEL_ARCH.QWEN2, ("Qwen2ForCausalLM",), _QWEN2_DEFAULTS, vocab_kind=_spm_if_present),
     ArchSpec(gguf.MODEL_ARCH.GEMMA3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _GEMMA3_DEFAULTS,
-             norm_shift=1.0, trim_vocab=True, extra_hparams=_gemma3_extra, vocab_kind=_gemma3_vocab_kind),
+             norm_shift=1.0, trim_vocab=True, extra_hparams=_gemma3_extra, vocab_kind=_spm_if_present),
 )
 
 

@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -70,6 +70,7 @@ class Plan:
     file_type: FT
     tensors: list[PlannedTensor]
     n_vocab_real: int | None
+    vocab_summary: dict = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -127,7 +128,8 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
                 raise CheckpointError(f"tensor {src_name!r} is for layer {bid}, but config.json has {n_layers} layers")
             mapped = tmap.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
             if mapped is None:
-                raise CheckpointError(f"cannot map tensor {src_name!r} to a GGUF name for {spec.gguf_arch.name.lower()}")
+                raise CheckpointError(f"cannot map tensor {src_name!r} to a GGUF name for "
+                                      f"{spec.gguf_arch.name.lower()}")
             kind, new_name = mapped
             shape = entry.shape
             if spec.trim_vocab and "embed_tokens.weight" in name and n_vocab_real is not None:
