@@ -23,6 +23,7 @@ class Bar:
         self._quiet = quiet
         self._interactive = sys.stderr.isatty() and not quiet
         self._last_line = 0.0
+        self._start = time.monotonic()
         self._rich = None
         if self._interactive:
             from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -42,7 +43,10 @@ class Bar:
             self._last_line = time.monotonic()
             pct = f" {100 * completed / self.total:.0f}%" if self.total else ""
             amount = f"{completed / 1e6:.0f} MB" if self.unit == "bytes" else f"{completed}/{self.total}"
-            print(f"{self.label}: {amount}{pct}", file=sys.stderr, flush=True)
+            elapsed = time.monotonic() - self._start
+            eta = f", about {elapsed * (self.total - completed) / completed:.0f} s left" \
+                if self.total and 0 < completed < self.total else ""
+            print(f"{self.label}: {amount}{pct}{eta}", file=sys.stderr, flush=True)
 
     def advance(self, n: int) -> None:
         self.update(self.completed + n)
