@@ -248,3 +248,30 @@ def test_llama2_style_bpe_without_tokenizer_model_is_refused_not_guessed(tiny, t
         tj["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}
 
     _refused(_retokenized(tiny, tmp_path, edit), tmp_path / "o.gguf", "tokenizer.model", "byte fallback")
+
+
+def test_default_type_keeps_f16_source_as_f16(tmp_path):
+    model_file(SOURCES["llama"])
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "c", dtype="F16")
+    summary = convert(ckpt, tmp_path / "o.gguf", progress=False)
+    assert summary["type"] == "F16" and summary["source_dtype"] == "F16"
+
+
+def test_hub_source_fetches_only_the_files_a_conversion_reads(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from localllm import cli_convert
+
+    seen = {}
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        seen.update(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert cli_convert.resolve_source("hf://owner/repo@v1.0", quiet=True) == tmp_path
+    assert seen["repo_id"] == "owner/repo" and seen["revision"] == "v1.0"
+    assert "model*.safetensors" in seen["allow_patterns"] and "tokenizer.model" in seen["allow_patterns"]
+    assert not any(p.endswith((".bin", ".pt", "*")) for p in seen["allow_patterns"])
+    with pytest.raises(LocalLLMError, match="hf://owner/repo"):
+        cli_convert.resolve_source("hf://just-a-name", quiet=True)
