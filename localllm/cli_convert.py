@@ -62,7 +62,7 @@ def cmd_convert(args) -> int:
             out = Path(args.output) if args.output else default_output(src, plan.qtype)
             summary["output"] = str(out)
             summary["tensors"] = [{"name": t.name, "shape": list(reversed(t.shape)), "type": t.qtype.name,
-                                   "source": t.source.name} for t in plan.tensors]
+                                   "source": t.source.name if t.source else "(computed)"} for t in plan.tensors]
         finally:
             plan.ckpt.close()
         if args.json:

@@ -23,6 +23,13 @@ import numpy as np
 
 DATA = Path(__file__).parent / "data" / "convert"
 SOURCES = {"llama": "smollm2-135m-instruct", "qwen2": "qwen2.5-coder-0.5b-instruct", "gemma3": "gemma3-270m"}
+# Further cases: name -> (architecture, config.json changes). llama3-rope: Llama 3.1's RoPE scaling, which
+# llama.cpp writes as a rope_freqs tensor.
+VARIANTS = {
+    "llama3-rope": ("llama", {"head_dim": 64, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+}
 
 
 def models_dir() -> Path:
@@ -164,8 +171,11 @@ def sentencepiece_model(fields: dict) -> bytes:
 
 
 def make_tiny_checkpoint(arch: str, out: Path, shards: int = 1, dtype: str = "BF16") -> Path:
-    """Write the tiny `arch` checkpoint into directory `out` (created); `shards` > 1 splits the weights over
-    that many files with a model.safetensors.index.json."""
+    """Write the tiny `arch` checkpoint (an architecture or a VARIANTS name) into directory `out` (created);
+    `shards` > 1 splits the weights over that many files with a model.safetensors.index.json."""
+    changes = {}
+    if arch in VARIANTS:
+        arch, changes = VARIANTS[arch]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     src = DATA / arch
@@ -173,6 +183,9 @@ def make_tiny_checkpoint(arch: str, out: Path, shards: int = 1, dtype: str = "BF
         if (src / f).is_file():
             shutil.copy(src / f, out / f)
     config = json.loads((src / "config.json").read_text())
+    if changes:
+        config.update(changes)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     fields = _gguf_fields(source_gguf(arch))
     tokens = fields["tokenizer.ggml.tokens"]
     if arch == "gemma3":

@@ -275,3 +275,12 @@ def test_hub_source_fetches_only_the_files_a_conversion_reads(monkeypatch, tmp_p
     assert not any(p.endswith((".bin", ".pt", "*")) for p in seen["allow_patterns"])
     with pytest.raises(LocalLLMError, match="hf://owner/repo"):
         cli_convert.resolve_source("hf://just-a-name", quiet=True)
+
+
+def test_llama3_rope_scaling_becomes_llama_cpp_rope_freqs_tensor(tmp_path):
+    model_file(SOURCES["llama"])
+    ckpt = make_tiny_checkpoint("llama3-rope", tmp_path / "c")
+    ours = gguf_digest(Path(convert(ckpt, tmp_path / "o.gguf", "f32", progress=False)["output"]))
+    theirs = GOLDEN["models"]["llama3-rope"]
+    assert ours["tensors"][0][0] == "rope_freqs.weight"
+    assert ours == theirs

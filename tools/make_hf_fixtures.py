@@ -133,26 +133,27 @@ def make_checkpoint(name: str, out_root: Path, shard_size: str | None = None, ou
     return out
 
 
-def record_golden(llama_cpp: Path, work: Path) -> Path:
+def record_golden(llama_cpp: Path, work: Path, names: list[str] | None = None) -> Path:
     import os
     import subprocess
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from convert_fixtures import DATA, SOURCES, gguf_digest, make_tiny_checkpoint
+    from convert_fixtures import DATA, SOURCES, VARIANTS, gguf_digest, make_tiny_checkpoint
 
     commit = subprocess.run(["git", "-C", str(llama_cpp), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    golden = {"llama_cpp_commit": commit, "command": "convert_hf_to_gguf.py --outtype f32", "models": {}}
+    path = DATA / "golden.json"
+    golden = json.loads(path.read_text()) if names and path.is_file() else {"models": {}}
+    golden.update(llama_cpp_commit=commit, command="convert_hf_to_gguf.py --outtype f32")
     env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
     with tempfile.TemporaryDirectory(dir=work) as tmp:
-        for arch in SOURCES:
+        for arch in names or [*SOURCES, *VARIANTS]:
             ckpt = make_tiny_checkpoint(arch, Path(tmp) / f"tiny-{arch}")
             out = Path(tmp) / f"tiny-{arch}.gguf"
             subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), "--outtype", "f32",
                             "--outfile", str(out), str(ckpt)], check=True, env=env)
             golden["models"][arch] = gguf_digest(out)
-    path = DATA / "golden.json"
     path.write_text(json.dumps(golden, indent=1) + "\n")
     return path
 
@@ -164,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sharded", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="record tests/data/convert/golden.json instead")
     ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp checkout (for --tiny)")
+    ap.add_argument("--only", nargs="+", help="with --tiny: re-record only these cases")
     args = ap.parse_args(argv)
     if args.tiny:
         if args.llama_cpp is None:
             raise SystemExit("--tiny needs --llama-cpp DIR")
         args.out.mkdir(parents=True, exist_ok=True)
-        print(record_golden(args.llama_cpp.resolve(), args.out))
+        print(record_golden(args.llama_cpp.resolve(), args.out, args.only))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.names:

@@ -10,6 +10,7 @@ class defaults fill what the file leaves out, and rope settings are normalised i
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -188,8 +189,7 @@ def write_hparams(w: gguf.GGUFWriter, spec: ArchSpec, hp: dict, file_type: int) 
                 w.add_rope_scaling_yarn_beta_slow(v)
         elif rope_type in ("su", "longrope"):
             w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
-        elif rope_type.lower() == "llama3":
-            raise CheckpointError("llama3-style RoPE scaling (a rope_freqs tensor) is not converted yet")
+        # llama3: no key; the rope_freqs tensor carries it (llama3_rope_factors)
     if (theta := rope.get("rope_theta")) is not None:
         w.add_rope_freq_base(theta)
     if (theta := (rope_all.get("sliding_attention") or {}).get("rope_theta")) is not None:
@@ -215,3 +215,33 @@ def permute_qk(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.nd
     return np.ascontiguousarray(
         weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
         .swapaxes(1, 2).reshape(weights.shape))
+
+
+def llama3_rope_factors(hp: dict) -> np.ndarray | None:
+    """LlamaModel.generate_extra_tensors: the rope_freqs tensor of Llama 3.1+'s "llama3" RoPE scaling, computed
+    in float32 step by step as llama.cpp's torch code does."""
+    rope_all = hp.get("rope_parameters") or {}
+    rope = rope_all.get("full_attention", rope_all)
+    if not rope or str(rope.get("rope_type", "")).lower() != "llama3":
+        return None
+    f32 = np.float32
+    base = rope.get("rope_theta", 10000.0)
+    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = f32(2 * math.pi) / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (f32(old_context_len) / wavelen - f32(low_freq_factor)) / f32(high_freq_factor - low_freq_factor)
+            factors.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
+    return np.array(factors, dtype=np.float32)

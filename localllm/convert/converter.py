@@ -19,7 +19,7 @@ import numpy as np
 
 from localllm.errors import LocalLLMError
 
-from .architectures import ArchSpec, find_arch, normalise_config, permute_qk, write_hparams
+from .architectures import ArchSpec, find_arch, llama3_rope_factors, normalise_config, permute_qk, write_hparams
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
 from .safetensors import CheckpointError, TensorEntry
 from .vocab import sentencepiece_vocab, write_vocab
@@ -52,7 +52,7 @@ _F32_ALWAYS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.POS_EMBD, gguf.
 
 @dataclass
 class PlannedTensor:
-    source: TensorEntry
+    source: TensorEntry | None  # None: made by the conversion (rope_freqs)
     hf_name: str  # after llama.cpp's renames
     name: str  # GGUF name
     shape: tuple[int, ...]  # numpy order (GGUF's ne reversed)
@@ -119,6 +119,10 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
                 tj = load_tokenizer_json(ckpt.dir)
                 n_vocab_real = len(tj["model"]["vocab"]) + len(tj.get("added_tokens") or [])
         planned: list[PlannedTensor] = []
+        if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and (factors := llama3_rope_factors(hp)) is not None:
+            # generate_extra_tensors comes first in convert_hf_to_gguf.py's tensor order
+            planned.append(PlannedTensor(None, "rope_freqs", "rope_freqs.weight", factors.shape, Q.F32,
+                                         factors.nbytes, None))
         for src_name, entry in ckpt.tensors.items():
             name = _hf_name(src_name)
             if name is None or name.endswith(_SKIP_SUFFIXES):
@@ -157,6 +161,8 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
 
 def tensor_data(plan: Plan, t: PlannedTensor) -> np.ndarray:
     """The tensor as convert_hf_to_gguf.py hands it to the quantizer: f16 stays f16, anything else is float32."""
+    if t.source is None:
+        return llama3_rope_factors(plan.hparams)
     src = plan.ckpt.file_of(t.source)
     data = src.read(t.source)
     if data.dtype != np.float16:
