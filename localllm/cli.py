@@ -225,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_quantize.add_commands(sub)
 
+    from localllm import cli_convert
+
+    cli_convert.add_commands(sub)
+
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, llama.cpp and Ollama APIs)",
                        description="Serve a model on a local REST port: OpenAI-compatible /v1/..., llama.cpp's "
                                    "/completion, /infill, /tokenize, /metrics..., and Ollama's /api/.... Concurrent "

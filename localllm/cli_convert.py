@@ -1,0 +1,114 @@
+"""`localllm convert`: a Hugging Face checkpoint (a directory, or hf://owner/repo[@revision]) to a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from localllm.errors import LocalLLMError
+
+# Only what a conversion reads: weights, their index, config, tokenizer, template.
+HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+             "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+
+
+def resolve_source(src: str, quiet: bool) -> Path:
+    """A local checkpoint directory, or hf://owner/repo[@revision] fetched (only the files needed) into the
+    Hugging Face cache."""
+    if not src.startswith("hf://"):
+        return Path(src)
+    repo, _, revision = src[len("hf://"):].partition("@")
+    if repo.count("/") != 1:
+        raise LocalLLMError(f"{src}: expected hf://owner/repo[@revision]")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import HfHubHTTPError
+
+        path = snapshot_download(repo_id=repo, revision=revision or None, allow_patterns=HUB_FILES)
+    except ImportError:
+        raise LocalLLMError("hf:// sources need the huggingface_hub package") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise LocalLLMError(f"cannot fetch {src} from the Hugging Face hub: {e}") from None
+    return Path(path)
+
+
+def cmd_convert(args) -> int:
+    from localllm.convert import KQUANT_TYPES, convert, plan_conversion
+    from localllm.convert.converter import default_output, summarise
+
+    logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf-py's notes on keys overwritten, as llama.cpp's are
+    out_type = (args.type or "auto").lower()
+    src = resolve_source(args.src, args.quiet)
+    kquant = out_type in KQUANT_TYPES
+    if args.dry_run:
+        plan = plan_conversion(src, "auto" if kquant else out_type)
+        try:
+            summary = summarise(plan)
+            out = Path(args.output) if args.output else default_output(src, plan.qtype)
+            summary["output"] = str(out)
+            summary["tensors"] = [{"name": t.name, "shape": list(reversed(t.shape)), "type": t.qtype.name,
+                                   "source": t.source.name if t.source else "(computed)"} for t in plan.tensors]
+        finally:
+            plan.ckpt.close()
+        if args.json:
+            print(json.dumps(summary, ensure_ascii=False))
+        else:
+            print(f"{src} ({summary['hf_architecture']}, {summary['source_dtype']}, {summary['shards']} shard(s)) -> "
+                  f"{out}: {summary['architecture']}, {summary['n_tensors']} tensors, {summary['n_params'] / 1e6:.1f}M "
+                  f"parameters, {summary['type']}, {summary['bytes'] / 1e6:.1f} MB of tensor data")
+            for t in summary["tensors"]:
+                print(f"  {t['name']:<36} {t['type']:<5} {t['shape']}  <- {t['source']}")
+        return 0
+    try:
+        if kquant:
+            out = Path(args.output) if args.output else Path.cwd() / f"{src.name}-{out_type.upper()}.gguf"
+            tmp = out.with_name(out.name + ".source.partial")
+            try:
+                summary = convert(src, tmp, "auto", model_name=args.name, progress=not args.quiet)
+                from localllm.quantize import quantize_file
+
+                quantize_file(tmp, out, out_type.upper())
+            finally:
+                tmp.unlink(missing_ok=True)
+            summary.update(output=str(out), type=out_type.upper())
+        else:
+            summary = convert(src, args.output, out_type, model_name=args.name, progress=not args.quiet,
+                              overwrite=True)
+    except KeyboardInterrupt:
+        raise LocalLLMError("interrupted: nothing was written at the output path") from None
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    elif not args.quiet:
+        print(f"wrote {summary['output']}: {summary['architecture']}, {summary['n_tensors']} tensors, "
+              f"{summary['type']}, {summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.1f} s", file=sys.stderr)
+    return 0
+
+
+def add_commands(sub) -> None:
+    from localllm.convert import TYPE_CHOICES
+
+    p = sub.add_parser(
+        "convert", help="convert a Hugging Face checkpoint (safetensors) to GGUF",
+        description="Convert a Hugging Face checkpoint to a GGUF file, as llama.cpp's convert_hf_to_gguf.py does "
+                    "(the same keys, tensor names, order and bytes), without torch. SRC is a directory (config.json, "
+                    "model*.safetensors, single or sharded with model.safetensors.index.json, tokenizer.json and/or "
+                    "tokenizer.model, tokenizer_config.json) or hf://owner/repo[@revision] (only those files are "
+                    "fetched). Architectures: llama, qwen2, gemma3. The output is written beside its final path as "
+                    "OUT.partial and renamed when complete.")
+    p.add_argument("src", metavar="SRC", help="checkpoint directory or hf://owner/repo[@revision]")
+    p.add_argument("-o", "--output", "--outfile", metavar="OUT.gguf",
+                   help="output file or directory (default: ./<SRC name>-<TYPE>.gguf)")
+    p.add_argument("--type", "--outtype", dest="type", metavar="T", type=str.lower, choices=TYPE_CHOICES,
+                   default="auto",
+                   help="tensor type: auto (the checkpoint's own: a bf16 model stays BF16), f32, f16, bf16, q8_0, "
+                        "q4_0, q4_1, q5_0, q5_1, or a K-quant mix (q4_k_m, ...: through `localllm quantize`). Norms "
+                        "and biases stay F32, as in llama.cpp")
+    p.add_argument("--name", help="general.name (default: from the checkpoint)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (every tensor, its type and shape) and "
+                   "write nothing")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=cmd_convert)

@@ -1,0 +1,282 @@
+"""Hugging Face checkpoint -> GGUF, as llama.cpp's convert_hf_to_gguf.py does it, without torch or transformers.
+
+The same keys in the same order, the same tensor names, order, types and bytes. Tensors stream one at a time from
+memory-mapped shards into a `.partial` file beside the output, renamed into place only when complete: peak memory
+is about the largest tensor in float32, and an error, a full disk or Ctrl-C leaves nothing at the output path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from localllm.errors import LocalLLMError
+
+from .architectures import ArchSpec, find_arch, llama3_rope_factors, normalise_config, permute_qk, write_hparams
+from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
+from .safetensors import CheckpointError, TensorEntry
+from .vocab import sentencepiece_vocab, write_vocab
+
+log = logging.getLogger(__name__)
+
+Q = gguf.GGMLQuantizationType
+FT = gguf.LlamaFileType
+
+# --type (llama.cpp's spelling, case-insensitive) -> (tensor type, general.file_type)
+OUTPUT_TYPES: dict[str, tuple[Q, FT]] = {
+    "f32": (Q.F32, FT.ALL_F32), "f16": (Q.F16, FT.MOSTLY_F16), "bf16": (Q.BF16, FT.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, FT.MOSTLY_Q8_0), "q4_0": (Q.Q4_0, FT.MOSTLY_Q4_0), "q4_1": (Q.Q4_1, FT.MOSTLY_Q4_1),
+    "q5_0": (Q.Q5_0, FT.MOSTLY_Q5_0), "q5_1": (Q.Q5_1, FT.MOSTLY_Q5_1),
+}
+# Mixes that llama-quantize makes from a full-precision GGUF: converted first, then handed to `localllm quantize`.
+KQUANT_TYPES = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+TYPE_CHOICES = ("auto", *OUTPUT_TYPES, *KQUANT_TYPES)
+
+# Tensors convert_hf_to_gguf.py never writes.
+_SKIP_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+# Multimodal parts (TextModel.filter_tensors): a text-only conversion leaves them out.
+_SKIP_PREFIXES = ("mlp", "vit.", "vpm.", "siglip2.", "conformer.", "merger.", "resampler.", "sound_encoder.",
+                  "sound_projection.", "speech_embeddings.")
+_SKIP_PARTS = ("visual.", "vision.", "audio.", "talker.", "vision_", "audio_", "token2wav.", "code2wav.",
+               "projector.", "pre_mm_projector_norm", "image_newline", "view_seperator", "patch_embed",
+               "patch_embedding", "patch_merger.", "patch_merge_mlp.", "model.connector.")
+_F32_ALWAYS = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.TOKEN_TYPES)
+
+
+@dataclass
+class PlannedTensor:
+    source: TensorEntry | None  # None: made by the conversion (rope_freqs)
+    hf_name: str  # after llama.cpp's renames
+    name: str  # GGUF name
+    shape: tuple[int, ...]  # numpy order (GGUF's ne reversed)
+    qtype: Q
+    nbytes: int
+    bid: int | None
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    spec: ArchSpec
+    hparams: dict
+    qtype: Q
+    file_type: FT
+    tensors: list[PlannedTensor]
+    n_vocab_real: int | None
+    vocab_summary: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _hf_name(name: str) -> str | None:
+    if name.startswith(_SKIP_PREFIXES) or any(p in name for p in _SKIP_PARTS):
+        return None
+    name = name.replace("language_model.", "")
+    return name.replace("text_model.", "")
+
+
+def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
+
+
+def source_type(ckpt: Checkpoint) -> str:
+    """The checkpoint's own precision (llama.cpp's heuristic: the first tensor of two or more dimensions)."""
+    for entry in ckpt.tensors.values():
+        if len(entry.shape) >= 2:
+            return {"BF16": "bf16", "F16": "f16"}.get(entry.dtype, "f32")
+    return "f32"
+
+
+def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
+    ckpt = open_checkpoint(directory)
+    try:
+        spec = find_arch(ckpt.hf_arch)
+        hp = normalise_config(spec, ckpt.config)
+        if out_type == "auto":
+            out_type = source_type(ckpt)
+        qtype, file_type = OUTPUT_TYPES[out_type]
+        n_layers = hp.get("num_hidden_layers")
+        if not isinstance(n_layers, int):
+            raise CheckpointError("config.json has no num_hidden_layers")
+        tmap = gguf.get_tensor_name_map(spec.gguf_arch, n_layers)
+        n_vocab_real = None
+        if spec.trim_vocab:
+            if (ckpt.dir / "tokenizer.model").is_file():
+                n_vocab_real = len(sentencepiece_vocab(ckpt.dir, hp)[0])
+            else:
+                from .vocab import load_tokenizer_json
+
+                tj = load_tokenizer_json(ckpt.dir)
+                n_vocab_real = len(tj["model"]["vocab"]) + len(tj.get("added_tokens") or [])
+        planned: list[PlannedTensor] = []
+        if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and (factors := llama3_rope_factors(hp)) is not None:
+            # generate_extra_tensors comes first in convert_hf_to_gguf.py's tensor order
+            planned.append(PlannedTensor(None, "rope_freqs", "rope_freqs.weight", factors.shape, Q.F32,
+                                         factors.nbytes, None))
+        for src_name, entry in ckpt.tensors.items():
+            name = _hf_name(src_name)
+            if name is None or name.endswith(_SKIP_SUFFIXES):
+                continue
+            bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
+            if bid is not None and bid >= n_layers:
+                raise CheckpointError(f"tensor {src_name!r} is for layer {bid}, but config.json has {n_layers} layers")
+            mapped = tmap.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
+            if mapped is None:
+                raise CheckpointError(f"cannot map tensor {src_name!r} to a GGUF name for "
+                                      f"{spec.gguf_arch.name.lower()}")
+            kind, new_name = mapped
+            shape = entry.shape
+            if spec.trim_vocab and "embed_tokens.weight" in name and n_vocab_real is not None:
+                shape = (min(shape[0], n_vocab_real), *shape[1:])
+            t = qtype
+            if len(shape) <= 1 or new_name.endswith("_norm.weight") or kind in _F32_ALWAYS \
+                    or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
+                t = Q.F32
+            if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
+                log.warning("%s: row of %d is not a multiple of the %s block, written as F16", new_name, shape[-1],
+                            t.name)
+                t = Q.F16  # convert_hf_to_gguf.py's QuantError fallback
+            planned.append(PlannedTensor(entry, name, new_name, shape, t, _nbytes(shape, t), bid))
+        names = [p.name for p in planned]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise CheckpointError(f"two checkpoint tensors map to {dup}")
+        if not any(p.name == "token_embd.weight" for p in planned):
+            raise CheckpointError("the checkpoint has no token embedding (model.embed_tokens.weight)")
+        return Plan(ckpt, spec, hp, qtype, file_type, planned, n_vocab_real)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def tensor_data(plan: Plan, t: PlannedTensor) -> np.ndarray:
+    """The tensor as convert_hf_to_gguf.py hands it to the quantizer: f16 stays f16, anything else is float32."""
+    if t.source is None:
+        return llama3_rope_factors(plan.hparams)
+    src = plan.ckpt.file_of(t.source)
+    data = src.read(t.source)
+    if data.dtype != np.float16:
+        data = data.astype(np.float32, copy=False)
+    hp, spec, name = plan.hparams, plan.spec, t.hf_name
+    if spec.undo_permute:
+        n_head = hp["num_attention_heads"]
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = permute_qk(data, n_head, n_head)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = permute_qk(data, n_head, hp.get("num_key_value_heads"))
+    if spec.trim_vocab and "embed_tokens.weight" in name:
+        data = data[: t.shape[0]]
+    if spec.norm_shift and name.endswith("norm.weight"):
+        data = data + data.dtype.type(spec.norm_shift)
+    out = gguf.quants.quantize(np.ascontiguousarray(data), t.qtype)
+    if out.nbytes != t.nbytes:
+        raise CheckpointError(f"{t.name}: {out.nbytes} bytes computed, {t.nbytes} planned")
+    return out
+
+
+def _metadata_writer(plan: Plan, model_name: str | None) -> gguf.GGUFWriter:
+    """A GGUFWriter holding the tensor infos and every key, in convert_hf_to_gguf.py's order."""
+    spec, hp = plan.spec, plan.hparams
+    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[spec.gguf_arch])
+    for t in plan.tensors:
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+
+    total, shared, expert, expert_count = w.get_total_parameter_count()
+    meta = gguf.Metadata.load(None, plan.ckpt.dir, model_name, total)
+    if meta.name is None:
+        meta.name = plan.ckpt.dir.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, expert_count)
+    w.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(w)
+    write_hparams(w, spec, hp, plan.file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    directory = plan.ckpt.dir
+    if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA:
+        tok_cfg = read_optional_json(directory / "tokenizer_config.json") or {}
+        if (add_prefix_space := tok_cfg.get("add_prefix_space")) is not None:
+            w.add_add_space_prefix(add_prefix_space)
+    kind = spec.vocab_kind(directory, hp)
+    plan.vocab_summary = write_vocab(w, directory, hp, kind)
+    if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and hp.get("vocab_size", 32000) == 49152:
+        w.add_add_bos_token(False)  # llama.cpp's rule for Granite-small-sized vocabularies (SmolLM2 too)
+    if spec.gguf_arch == gguf.MODEL_ARCH.GEMMA3 and kind == "spm":
+        w.add_add_space_prefix(False)
+    return w
+
+
+def summarise(plan: Plan) -> dict:
+    return {
+        "architecture": gguf.MODEL_ARCH_NAMES[plan.spec.gguf_arch], "hf_architecture": plan.ckpt.hf_arch,
+        "type": plan.qtype.name, "n_tensors": len(plan.tensors), "bytes": plan.total_bytes,
+        "n_params": int(sum(np.prod(t.shape, dtype=np.int64) for t in plan.tensors)),
+        "source_dtype": source_type(plan.ckpt).upper(), "shards": len(plan.ckpt.files),
+    }
+
+
+def default_output(directory: Path, qtype: Q) -> Path:
+    return Path.cwd() / f"{Path(directory).name}-{qtype.name}.gguf"
+
+
+def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model_name: str | None = None,
+            progress: bool = True, overwrite: bool = True) -> dict:
+    """Convert checkpoint directory `src` to GGUF file `out`. Returns a summary dict (output, timings, ...)."""
+    t0 = time.monotonic()
+    out_type = out_type.lower()
+    if out_type not in OUTPUT_TYPES and out_type != "auto":
+        raise LocalLLMError(f"unknown output type {out_type!r}; choose one of: {', '.join(TYPE_CHOICES)}")
+    plan = plan_conversion(Path(src), out_type)
+    try:
+        out = Path(out) if out is not None else default_output(src, plan.qtype)
+        if out.is_dir():
+            out = out / default_output(src, plan.qtype).name
+        if out.exists() and not overwrite:
+            raise LocalLLMError(f"{out} exists (pass --force to replace it)")
+        writer = _metadata_writer(plan, model_name)
+        need = plan.total_bytes + (1 << 20) + sum(len(t.name) + 64 for t in plan.tensors)
+        free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
+        if need > free:
+            raise LocalLLMError(f"not enough disk space for {out}: about {need / 1e9:.2f} GB needed, "
+                                f"{free / 1e9:.2f} GB free")
+        if not out.parent.is_dir():
+            raise LocalLLMError(f"{out.parent}: no such directory")
+        partial = out.with_name(out.name + ".partial")
+        try:
+            _write(plan, writer, partial, progress)
+            os.replace(partial, out)
+        except BaseException as e:
+            writer.close()
+            partial.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise LocalLLMError(f"writing {out} failed: {e.strerror or e} (nothing was written there)") from None
+            raise
+        summary = summarise(plan)
+        summary.update(output=str(out), seconds=round(time.monotonic() - t0, 2), **plan.vocab_summary)
+        return summary
+    finally:
+        plan.ckpt.close()
+
+
+def _write(plan: Plan, writer: gguf.GGUFWriter, path: Path, progress: bool) -> None:
+    from localllm.progress import progress_bar
+
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    with progress_bar(f"converting to {path.name.removesuffix('.partial')}", plan.total_bytes,
+                      quiet=not progress) as bar:
+        for t in plan.tensors:
+            writer.write_tensor_data(tensor_data(plan, t))
+            bar.advance(t.nbytes)
+    writer.close()
