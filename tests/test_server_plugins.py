@@ -339,3 +339,31 @@ def test_slots_show_what_each_slot_runs(coder):
     finally:
         release.set()
         t.join()
+
+
+# ---- bench-serve --workload llama-vim ----------------------------------------------------------------------
+
+
+def test_llama_vim_workload_replays_ring_warm_ups_then_keystrokes(tmp_path):
+    from localllm.bench_editor import exchange
+
+    (tmp_path / "geometry.py").write_text(GEOMETRY)
+    (tmp_path / "units.py").write_text(UNITS)
+    warmups, keys = exchange(tmp_path / "geometry.py", [tmp_path / "units.py"], n_lines=1, keystrokes=3)
+    assert len(warmups) == 16 and [len(w["input_extra"]) for w in warmups] == list(range(1, 17))
+    assert all(w["n_predict"] == 0 and w["response_fields"] == [""] for w in warmups)
+    assert len(keys) == 3 and all(k["input_extra"] == warmups[-1]["input_extra"] for k in keys)
+    prompts = [k["prompt"] for k in keys]
+    assert prompts[0].strip() and [len(p) for p in prompts] == [len(prompts[0]) + i for i in range(3)]
+    assert all(k["n_indent"] == len(prompts[0]) - len(prompts[0].lstrip()) for k in keys)
+    assert keys[0]["input_suffix"].startswith("\n") and keys[0]["t_max_predict_ms"] == 250
+
+
+def test_bench_serve_llama_vim_workload_reports_time_to_suggestion(coder, tmp_path):
+    from localllm.bench_editor import run
+
+    (tmp_path / "geometry.py").write_text(GEOMETRY)
+    (tmp_path / "units.py").write_text(UNITS)
+    res = run(str(coder.base_url), str(tmp_path / "geometry.py"), n_lines=1, keystrokes=2)
+    assert res["warmups"] == 16 and res["keystrokes"] == 2
+    assert 0 < res["time_to_suggestion_s"]["p50"] < 300 and res["prompt_n_p50"] > 0
