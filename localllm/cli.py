@@ -281,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput SLO: TPOT at most S seconds (default 0.2)")
     p.add_argument("--api-key", metavar="KEY", help="bearer token, if the server wants one")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--workload", choices=["openai", "llama-vim"], default="openai",
+                   help="openai (default): the load test above; llama-vim: replay llama.vim's requests while a "
+                        "user types (ring warm-ups, then one /infill per keystroke) and report the time to "
+                        "suggestion, for a llama.cpp-compatible server")
+    p.add_argument("--file", default=None, metavar="F",
+                   help="llama-vim: the source file being edited (default: localllm's engine.py; the ring's "
+                        "chunks come from the other files beside it)")
+    p.add_argument("--lines", type=int, default=3, metavar="N", help="llama-vim: lines retyped (default 3)")
+    p.add_argument("--keystrokes", type=int, default=8, metavar="N",
+                   help="llama-vim: characters typed per line, one request each (default 8)")
+    p.add_argument("--ring-chunks", type=int, default=16, metavar="N",
+                   help="llama-vim: chunks of extra context in the ring (default 16, llama.vim's ring_n_chunks)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=cmd_bench_serve)
 

@@ -48,6 +48,9 @@ class GenerationParams:
     # Speculative decoding (n-gram or a draft model; see speculative.py); None = off. Lossless: greedy output is
     # token for token the same, sampled output keeps the target's distribution.
     speculation: SpeculationParams | None = None
+    # llama.cpp's t_max_predict_ms (code completion): once this many ms have passed since the prompt was read,
+    # the next generated text that holds a newline ends the answer ("length"), so a suggestion stays quick.
+    t_max_predict_ms: float | None = None
 
 
 @dataclass
@@ -364,7 +367,7 @@ class Generation:
         self.engine, self.tokens, self.params, self.seq = engine, tokens, params, seq
         self.n_keep = engine.keep_count(params, tokens) if self.shift else 0
         self.timings = Timings()
-        self.sampler = Sampler(params.sampling, engine.config.vocab_size)
+        self.sampler = Sampler(params.sampling, engine.config.vocab_size, vocab=engine.tokenizer)
         self.decoder = engine.tokenizer.stream_decoder()
         self.stops = StopMatcher(params.stop)
         # No max_tokens: until the context is full, or, when shifting, until the model stops (as llama.cpp's -n -1).
@@ -411,6 +414,10 @@ class Generation:
             finish = "stop"
         self.timings.predicted_n += 1
         if finish is None and self.timings.predicted_n >= self.limit:
+            finish = "length"
+        t_max = self.params.t_max_predict_ms
+        if (finish is None and t_max is not None and t_max > 0 and "\n" in text
+                and 1000 * (time.perf_counter() - self._t_gen) > t_max):
             finish = "length"
         if finish is None and (len(self.seq.tokens) if n_past is None else n_past) + 1 >= self.engine.ctx:
             # The context is full (as llama.cpp's server decides it): this token is the last that fits.

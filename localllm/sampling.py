@@ -14,6 +14,11 @@ implement the stages that have parameters here, in this order:
   4. top-p          softmax over the candidates; keep the smallest prefix (by decreasing probability) whose
                     cumulative probability reaches p (p >= 1 disables)
   5. min-p          keep tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p) (0 disables)
+  5b. infill        (off unless `infill`; llama.cpp's `infill` sampler, which code-completion plugins ask for)
+                    over the candidates' softmax: if 3 * p(end of generation) * n >= p(text), keep only the
+                    end-of-generation tokens; else fold each token whose text is a prefix of another's into the
+                    likelier of the two, drop text tokens under p 0.2 (none left: end of text), then those under
+                    1 / (n_text + 1) of what is left
   6. temperature    logits /= temperature
   7. dist           softmax over what is left, one draw from a numpy Generator (PCG64)
 
@@ -71,6 +76,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # -inf bans a token
     seed: int | None = None  # None: fresh entropy (the seed used is in Sampler.seed)
     n_probs: int = 0  # how many top logprobs to report per token
+    infill: bool = False  # stage 5b (needs the vocabulary: Sampler(..., vocab=tokenizer))
 
     @property
     def greedy(self) -> bool:
@@ -166,12 +172,13 @@ class Sampler:
     the context (prompt tokens too, if penalties should see them), as llama.cpp's common_sampler_accept.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int):
+    def __init__(self, params: SamplingParams, vocab_size: int, vocab=None):
         if vocab_size <= 0:
             raise ValueError("vocab_size must be positive")
         _check_params(params, vocab_size)
         self.params = params
         self.vocab_size = int(vocab_size)
+        self._infill = _InfillStage(vocab) if params.infill else None
         self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
         self._bias_vals = np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias))
         last_n = params.repeat_last_n
@@ -363,6 +370,14 @@ class Sampler:
         """Stages 3-6 on penalized logits -> (ids, unnormalized weights) the draw is made from;
         ids None means the whole vocabulary (weights indexed by token id)."""
         p = self.params
+        if self._infill is not None:
+            ids, vals, is_sorted = self._truncate(x)
+            ids, vals = self._infill.apply(x, ids, vals, is_sorted)
+            if p.greedy:  # llama.cpp's temperature stage keeps the max of what the infill stage left
+                i = int(np.argmax(vals))
+                return ids[i : i + 1], np.ones(1)
+            vals = vals / p.temperature
+            return ids, np.exp(vals - vals.max())
         if p.greedy:
             return np.array([int(np.argmax(x))], dtype=np.int64), np.ones(1)
         ids, vals, _ = self._truncate(x)
@@ -423,6 +438,76 @@ class Sampler:
         if raw is None:
             raw = float(x[token])
         return SampledToken(id=token, logprob=float(raw) - lse, top_logprobs=top)
+
+
+class _InfillStage:
+    """llama.cpp's `infill` sampler (src/llama-sampler.cpp, llama_sampler_infill_apply) for fill-in-the-middle:
+    end the middle when the model leans to ending it, and otherwise keep only the few tokens it is sure of.
+    It works on the candidates earlier stages left (llama.vim and llama.vscode put it after top-k 40 and
+    top-p); without such a cut, prefixes are folded among the 256 likeliest tokens only (llama.cpp compares
+    every pair, which on a whole vocabulary takes minutes per token)."""
+
+    MAX_FOLD = 256
+
+    def __init__(self, vocab):
+        if vocab is None:
+            raise LocalLLMError("the infill sampler needs the model's vocabulary")
+        self.eog = np.fromiter(sorted(vocab.eog_ids), dtype=np.int64)
+        end = vocab.eot_id if vocab.eot_id is not None else vocab.eos_id
+        if end is None:
+            raise LocalLLMError("the infill sampler needs an end-of-text token, and this model has none")
+        self.end = int(end)
+        self._piece = vocab.piece_bytes
+        self._pieces: dict[int, bytes] = {}
+
+    def piece(self, t: int) -> bytes:
+        b = self._pieces.get(t)
+        if b is None:
+            b = self._pieces[t] = self._piece(t, False)  # control tokens are empty, as llama.cpp renders them
+        return b
+
+    def apply(self, x: np.ndarray, ids, vals, is_sorted: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate ids, their logits as float64) -> what is left of them."""
+        if ids is None:
+            ids = np.arange(x.shape[0])
+            vals = x.astype(np.float64)
+            is_sorted = False
+        if not is_sorted:  # llama.cpp sorts by decreasing logit; ties by id keep it reproducible
+            order = np.lexsort((ids, -vals))
+            ids, vals = ids[order], vals[order]
+        live = vals > -np.inf  # banned tokens are not candidates (llama.cpp counts them in n, at p = 0)
+        if not live.all():
+            ids, vals = ids[live], vals[live]
+        p = np.exp(vals - vals[0])
+        p /= p.sum()
+        eog = np.isin(ids, self.eog)
+        p_eog = float(p[eog].sum())
+        if 3.0 * p_eog * ids.shape[0] > float(p.sum()) - p_eog:
+            return ids[eog], vals[eog]
+        # Fold tokens whose text starts another's into the likelier one (llama.cpp's order of comparisons).
+        m = min(ids.shape[0], self.MAX_FOLD)
+        pieces = [self.piece(int(t)) for t in ids[:m]]
+        gone = np.zeros(ids.shape[0], dtype=bool)
+        for i0 in range(m):
+            for i1 in range(m):
+                if gone[i0]:
+                    break
+                if i0 == i1 or gone[i1]:
+                    continue
+                a, b = pieces[i0], pieces[i1]
+                if a and len(a) <= len(b) and b.startswith(a):
+                    dst, src = (i1, i0) if p[i1] > p[i0] else (i0, i1)
+                    p[dst] += p[src]
+                    p[src] = 0.0
+                    gone[src] = True
+        keep = ~gone & ((p >= 0.2) | eog)
+        n_text = int(np.count_nonzero(keep & ~eog))
+        if n_text == 0:
+            return np.array([self.end], dtype=np.int64), np.ones(1)
+        q = np.where(keep, p, 0.0)
+        q /= q.sum()
+        keep &= (q >= 1.0 / (n_text + 1)) | eog
+        return ids[keep], vals[keep]
 
 
 def _top_p_count(sorted_vals: np.ndarray, top_p: float) -> int:

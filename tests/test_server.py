@@ -283,6 +283,7 @@ def test_malformed_requests_get_4xx_with_a_message(http):
         ("/completion", b'{"prompt": "x", "n_predict": 1.5}'), ("/completion", b""),
         ("/api/generate", b'{"prompt": "x", "options": []}'), ("/detokenize", b'{"tokens": [-1]}'),
         ("/infill", b'{"input_prefix": "def f():"}'),  # smollm2 has no FIM tokens
+        ("/v1/completions", b'{"prompt": "def f():", "suffix": "f()"}'),  # nor for a suffix
     ]
     for path, body in cases:
         r = http.post(path, content=body, headers={"Content-Type": "application/json"})

@@ -9,7 +9,9 @@ FIM (qwen2.5-coder has <|repo_name|> and <|file_sep|>) gets it in that pattern:
 
 otherwise each chunk follows a plain-text "--- snippet ---" separator. The prefix keeps its last tokens and the
 suffix its first ones, 3:1 within a batch (2048 tokens, at most half the context), as llama.cpp does; the
-extra context fills what the context has left beyond the batch and the tokens to generate.
+extra context fills what the context has left beyond the batch and room to generate. That room is a fixed
+GENERATION_ROOM, not the request's n_predict (llama.cpp too sizes it from a server setting): a warm-up (n_predict
+0) and the completions after it must cut the extra context at the same token, or they share no prefix.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from localllm.errors import LocalLLMError
 
 N_BATCH = 2048  # llama.cpp's default batch size, which bounds the prefix and suffix it keeps
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+GENERATION_ROOM = 128  # tokens; llama.vim's and llama.vscode's n_predict
 
 
 def infill_tokens(engine, prefix: str, suffix: str, prompt: str = "", extra: list[dict] | None = None,
-                  n_predict: int = 0) -> list[int]:
+                  n_predict: int = GENERATION_ROOM) -> list[int]:
     tok = engine.tokenizer
     fim = tok.fim
     if not all(role in fim for role in ("pre", "suf", "mid")):

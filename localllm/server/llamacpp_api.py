@@ -15,6 +15,7 @@ from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
                                  off_loop, prompt_tokens, read_json, sampling_from, sse, stream_error,
                                  stream_events, submit, watching_disconnect)
+from localllm.server import llamacpp_ext as ext
 from localllm.server.infill import IndentCut, infill_tokens
 
 LLAMACPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -83,18 +84,13 @@ def generation_params(state: ServerState, f: Fields) -> GenerationParams:
     fix_seed(sampling)
     sampling.logit_bias = _logit_bias(f, vocab)
     sampling.n_probs = f.get("n_probs", int, 0, lo=0, hi=100)
-    n_predict = f.get("n_predict", int, -1)
-    if n_predict is None or n_predict < 0:
-        max_tokens = state.max_tokens
-    elif n_predict > state.max_tokens:
-        raise ApiError(400, f"'n_predict' is {n_predict} but this server generates at most {state.max_tokens} "
-                            "tokens per request (localllm serve --max-tokens)", param="n_predict")
-    else:
-        max_tokens = n_predict
-    if max_tokens == 0:
-        raise ApiError(400, "'n_predict' 0 asks for nothing", param="n_predict")
-    return GenerationParams(max_tokens=max_tokens, stop=f.stop("stop"), sampling=sampling,
-                            ignore_eos=f.get("ignore_eos", bool, False))
+    ext.apply_samplers(f, sampling)
+    # n_predict (or its aliases max_tokens, max_completion_tokens); 0 is a cache warm-up, as in llama.cpp.
+    max_tokens = ext.n_predict(f, state)
+    params = GenerationParams(max_tokens=state.max_tokens if max_tokens is None else max_tokens,
+                              stop=f.stop("stop"), sampling=sampling, ignore_eos=f.get("ignore_eos", bool, False))
+    ext.time_caps(f, params)
+    return params
 
 
 def _settings(state: ServerState, params: GenerationParams) -> dict:
@@ -120,8 +116,11 @@ def _probs(state: ServerState, event) -> dict:
 
 def _final_fields(state: ServerState, params, tokens, final: Final, text: str) -> dict:
     stop_type = "limit" if final.finish_reason == "length" else ("word" if final.stop_word else "eos")
+    # tokens_cached is llama.cpp's: the tokens the KV cache holds after the request (the prompt and what was
+    # generated, less the last token, which is never evaluated); timings.cache_n counts the prompt tokens reused.
     return {"model": state.model_name, "tokens_predicted": final.completion_tokens,
-            "tokens_evaluated": final.prompt_tokens, "tokens_cached": final.cached_tokens,
+            "tokens_evaluated": final.prompt_tokens,
+            "tokens_cached": final.prompt_tokens + max(final.completion_tokens - 1, 0),
             "generation_settings": _settings(state, params), "has_new_line": "\n" in text, "truncated": False,
             "stop_type": stop_type, "stopping_word": final.stop_word or "", "timings": final.timings}
 
@@ -148,6 +147,7 @@ async def _items(handle, first, n_indent: int, n_prompt: int):
 
 async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int], params: GenerationParams):
     n_indent = f.get("n_indent", int, 0, lo=0, hi=1 << 16)
+    fields = ext.response_fields(f)
     handle = submit(state, tokens, params)
     n_probs = params.sampling.n_probs
     if not f.get("stream", bool, False):
@@ -166,7 +166,7 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
                "id_slot": 0, "stop": True, **_final_fields(state, params, tokens, final, text)}
         if n_probs:
             out["completion_probabilities"] = [_probs(state, e) for e in events if e.token is not None]
-        return json_response(out)
+        return json_response(ext.pick_fields(fields, out))
 
     first = await first_item(request, handle)
 
@@ -175,8 +175,9 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
         try:
             async for item in _items(handle, first, n_indent, len(tokens)):
                 if isinstance(item, Final):
-                    yield sse({"index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True,
-                               **_final_fields(state, params, tokens, item, "".join(text))})
+                    yield sse(ext.pick_fields(fields, {
+                        "index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True,
+                        **_final_fields(state, params, tokens, item, "".join(text))}))
                     return
                 text.append(item.text)
                 out = {"index": 0, "content": item.text, "tokens": [item.token] if item.token is not None else [],
@@ -212,7 +213,7 @@ async def infill(state: ServerState, request: Request):
         c.get("text", str)
     params = generation_params(state, f)
     extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""} for c in extra]
-    tokens = await off_loop(infill_tokens, state.engine, prefix, suffix, prompt, extra, params.max_tokens or 0)
+    tokens = await off_loop(infill_tokens, state.engine, prefix, suffix, prompt, extra)
     return await _run(state, request, f, tokens, params)
 
 
@@ -262,6 +263,29 @@ async def props(state: ServerState, request: Request):
         "fim": sorted(state.engine.tokenizer.fim), "build_info": f"localllm {__version__}"})
 
 
+async def apply_template(state: ServerState, request: Request):
+    """llama.cpp's POST /apply-template: the prompt the chat template makes of `messages`, without running it."""
+    f = Fields(await read_json(request, state.max_body))
+    messages = f.get("messages", list)
+    if not messages:
+        raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
+    add = f.get("add_generation_prompt", bool, True)
+    prompt = await off_loop(state.engine.render_chat, messages, add)  # a template may take its whole budget
+    return json_response({"prompt": prompt})
+
+
+async def slots(state: ServerState, request: Request):
+    """llama.cpp's GET /slots: one entry per parallel slot, with what it is running. `?fail_on_no_slot=1`
+    answers 503 when every slot is busy, as llama.cpp does (a client may poll it before sending work)."""
+    out = state.scheduler.slots()
+    for slot in out:
+        if isinstance(slot.get("params"), GenerationParams):
+            slot["params"] = _settings(state, slot["params"])
+    if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in out):
+        raise ApiError(503, "no slot available")
+    return json_response(out)
+
+
 async def metrics(state: ServerState, request: Request):
     return PlainTextResponse(state.scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -276,4 +300,6 @@ ROUTES = [
     ("/infill", ["POST"], infill),
     ("/tokenize", ["POST"], tokenize),
     ("/detokenize", ["POST"], detokenize),
+    ("/apply-template", ["POST"], apply_template),
+    ("/slots", ["GET"], slots),
 ]

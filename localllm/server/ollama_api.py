@@ -12,6 +12,7 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import re
 import time
 
 from starlette.requests import Request
@@ -165,6 +166,24 @@ async def _respond(state: ServerState, request: Request, f: Fields, tokens, para
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+_BARE_TEMPLATE = re.compile(r"\s*\{\{-?\s*\.Prompt\s*-?\}\}\s*")
+
+
+def _is_fim_prompt(state: ServerState, prompt: str) -> bool:
+    """A prompt already laid out with the model's fill-in-the-middle tokens (Twinny sends
+    "<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>" without 'raw'). Ollama runs it as is for code models,
+    whose template is the bare prompt; wrapped in a chat turn it would be a question about FIM tokens."""
+    fim = state.engine.tokenizer.fim
+    if not {"pre", "mid"} <= set(fim):
+        return False
+    tok = state.engine.tokenizer
+    marks = [tok.piece(fim[role]) for role in ("pre", "mid")]
+    if not all(m and m in prompt for m in marks):
+        return False
+    ids = set(tok.encode(prompt, add_special=False, parse_special=True))
+    return fim["pre"] in ids and fim["mid"] in ids
+
+
 async def generate(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     prompt = f.get("prompt", str, "")
@@ -179,7 +198,11 @@ async def generate(state: ServerState, request: Request):
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in context):
         raise ApiError(400, "'context' must be token ids of this model")
     if f.has("template"):
-        raise ApiError(400, "a custom 'template' is not supported; use 'raw': true with a formatted prompt")
+        # Tabby's Ollama binding sends the bare-prompt template "{{ .Prompt }}", which is raw mode; other
+        # templates are not supported.
+        if not _BARE_TEMPLATE.fullmatch(f.get("template", str)):
+            raise ApiError(400, "a custom 'template' is not supported; use 'raw': true with a formatted prompt")
+        raw = True
     params = _params(state, f)
     if not prompt and not suffix and not context:
         # Ollama answers an empty prompt by loading the model: it is loaded.
@@ -187,7 +210,7 @@ async def generate(state: ServerState, request: Request):
                               "response": "", "done": True, "done_reason": "load"})
     if suffix:
         tokens = await off_loop(infill_tokens, state.engine, prompt, suffix, n_predict=params.max_tokens or 0)
-    elif raw:
+    elif raw or _is_fim_prompt(state, prompt):
         tokens = await off_loop(prompt_tokens, state, prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",

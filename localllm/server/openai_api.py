@@ -17,6 +17,8 @@ from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, first_item,
                                  fix_seed, json_response, off_loop, prompt_tokens, read_json, sampling_from, sse,
                                  stream_error, stream_events, submit)
+from localllm.server import llamacpp_ext as ext
+from localllm.server.infill import infill_tokens
 
 MAX_TOP_LOGPROBS = 20
 
@@ -79,6 +81,13 @@ def _common(state: ServerState, f: Fields, max_key_default: int | None) -> tuple
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
     params = GenerationParams(max_tokens=max_tokens, stop=f.stop("stop"), sampling=sampling,
                               ignore_eos=f.get("ignore_eos", bool, False))  # llama.cpp's extension
+    # llama.cpp's extensions, as its server takes them here too: n_predict wins over max_tokens (0 is a cache
+    # warm-up: llama.vim sends one while the user types an instruction), samplers, t_max_predict_ms.
+    n_predict = ext.n_predict(f, state, keys=("n_predict",))
+    if n_predict is not None:
+        params.max_tokens = n_predict
+    ext.apply_samplers(f, sampling)
+    ext.time_caps(f, params)
     return params, {"stream": stream, "include_usage": include_usage}
 
 
@@ -135,11 +144,21 @@ async def completions(state: ServerState, request: Request):
         raise ApiError(400, "'echo' is not supported", param="echo")
     if f.get("best_of", int, 1) != 1:
         raise ApiError(400, "only best_of=1 is supported", param="best_of")
-    if f.has("suffix"):
-        raise ApiError(400, "'suffix' is not supported here; use POST /infill for fill-in-the-middle",
-                       param="suffix")
     params.sampling.n_probs = n_logprobs or 0
-    tokens = await off_loop(_prompt_tokens, state, f.data["prompt"])
+    if f.get("suffix", str):
+        # Fill in the middle between prompt and suffix with the model's FIM tokens, as Ollama does (Tabby's
+        # openai/completion sends {prompt, suffix}).
+        prompt = f.data["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "with 'suffix', 'prompt' must be a string", param="prompt")
+        if not {"pre", "suf", "mid"} <= set(state.engine.tokenizer.fim):
+            raise ApiError(400, f"'suffix' needs a model with fill-in-the-middle tokens (e.g. qwen2.5-coder); "
+                                f"{state.model_name} has none", param="suffix")
+        tokens = await off_loop(infill_tokens, state.engine, prompt, f.data["suffix"])
+    else:
+        tokens = await off_loop(_prompt_tokens, state, f.data["prompt"])
     handle = submit(state, tokens, params)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 

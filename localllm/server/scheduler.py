@@ -167,6 +167,24 @@ class Scheduler:
         self.metrics.queued = len(self._inbox) + len(self._waiting)
         return handle
 
+    def slots(self) -> list[dict]:
+        """What each of the `parallel` slots runs now (llama.cpp's GET /slots), read from the event loop: a
+        snapshot, taken without stopping the engine thread."""
+        running = list(self._running)
+        out = []
+        for i in range(self.parallel):
+            slot = {"id": i, "n_ctx": self.engine.ctx, "speculative": self.speculation is not None,
+                    "is_processing": i < len(running)}
+            if i < len(running):
+                r = running[i]
+                t = r.gen.timings
+                slot.update({"n_prompt_tokens": len(r.gen.tokens), "n_prompt_tokens_processed": t.prompt_n,
+                             "n_prompt_tokens_cache": t.cache_n, "params": r.gen.params,
+                             "next_token": [{"has_next_token": r.gen.finish_reason is None,
+                                             "n_decoded": t.predicted_n}]})
+            out.append(slot)
+        return out
+
     def wake(self) -> None:
         with self._lock:
             self._lock.notify()
@@ -222,7 +240,7 @@ class Scheduler:
             seq = self.engine.new_sequence()
             self.live_sequences += 1
             params = handle.request.params
-            if self.speculation is not None and params.speculation is None:
+            if self.speculation is not None and params.speculation is None and params.max_tokens != 0:
                 params = dataclasses.replace(params, speculation=self.speculation)
             try:
                 gen = Generation(self.engine, handle.request.tokens, params, seq)
@@ -281,6 +299,7 @@ class Scheduler:
         logits = self._evaluate(items, [r for r, _ in decoding + prefilling], done)
 
         now = time.perf_counter()
+        warmed: list[_Running] = []
         for (r, event), lg in zip(decoding, logits[: len(decoding)]):
             if lg is None:  # this request failed alone (in `done`)
                 continue
@@ -296,6 +315,15 @@ class Scheduler:
                 r.gen.end_prefill()
                 r.gen.timings.prompt_ms = 1000 * (now - r.t_prefill)
                 r.logits = lg
+                if r.gen.params.max_tokens == 0:
+                    warmed.append(r)
+        for r in warmed:
+            # max_tokens 0 (llama.cpp's n_predict 0): a cache warm-up. The prompt is in the KV cache now, and
+            # closing the sequence leaves its blocks in the pool for the next request that starts the same way.
+            self._running.remove(r)
+            self.metrics.requests_done += 1
+            t = r.gen.timings
+            self._finish(r, Final("length", len(r.gen.tokens), 0, t.cache_n, None, t.to_dict()))
         for r, outcome in done:
             self._running.remove(r)
             if isinstance(outcome, TokenEvent):
