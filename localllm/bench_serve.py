@@ -147,10 +147,6 @@ def format_report(res: dict) -> str:
 
 
 def main(args) -> int:
-    if getattr(args, "workload", "openai") == "llama-vim":
-        from localllm import bench_editor
-
-        return bench_editor.main(args)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         raise LocalLLMError("--clients, --requests and --max-tokens must be at least 1")
     res = asyncio.run(run(args.url, args.clients, args.requests, args.max_tokens, args.prompt_words, args.chat,

@@ -159,6 +159,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
+    if getattr(args, "workload", "openai") == "llama-vim":
+        from localllm import bench_editor
+
+        return bench_editor.main(args)
     from localllm import bench_serve
 
     return bench_serve.main(args)
