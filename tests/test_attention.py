@@ -122,3 +122,31 @@ def test_grouped_query_items_equal_per_head_items_bit_for_bit(window):
     assert np.array_equal(outs[1].view(np.uint32), outs[2].view(np.uint32))
     want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window)
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_vector_softmax_exponential_is_the_scalar_one_bit_for_bit():
+    """The softmax's exponentials, eight at a time in vector registers, against the scalar function they
+    replace (which the kernels call with a float64 maximum, so it computes in float64)."""
+    from numba import njit
+
+    from localllm.kernels.cpu import attention as kernel
+
+    if not kernel.HAVE_AVX2:
+        pytest.skip("an AVX2 kernel")
+
+    @njit
+    def both(scores, m, out_vector, out_scalar):
+        a, b = kernel.address_of(scores), kernel.address_of(out_vector)
+        for j in range(0, scores.shape[0], 8):
+            kernel.storeu_ps(b + 4 * j, kernel.exp_nonpositive_8(kernel.loadu_ps(a + 4 * j), m))
+        for j in range(scores.shape[0]):
+            out_scalar[j] = kernel._exp_nonpositive(scores[j] - m)
+
+    rng = np.random.default_rng(4)
+    for m in (0.0, 3.5, float(np.float32(17.123)), -2.25):
+        scores = (m - np.abs(rng.standard_normal(1 << 14)) * rng.choice([0.01, 1, 10, 100], 1 << 14))
+        scores = np.concatenate([scores, [m, m - 86.9, m - 87.1, m - 200]]).astype(np.float32)
+        scores = np.resize(scores, (len(scores) + 7) // 8 * 8)
+        vector, scalar = np.empty_like(scores), np.empty_like(scores)
+        both(scores, m, vector, scalar)
+        assert np.array_equal(vector.view(np.uint32), scalar.view(np.uint32))

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from localllm.kernels.cpu import forget_stale_cache, simd
@@ -85,13 +86,62 @@ def _exp_nonpositive(x):
     return p * bits_to_float((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+_I32, _F32, _F64 = ir.IntType(32), ir.FloatType(), ir.DoubleType()
+
+
+@intrinsic
+def exp_nonpositive_8(typingctx, x, m):
+    """[_exp_nonpositive(x[k] - m) for the 8 lanes of x], as float32: the same float64 operations in the same
+    order (m is a float64 where the kernels call it, so the scalar function computes in float64), in vector
+    registers. LLVM leaves the scalar loop unvectorised; this is 4x fewer instructions per score."""
+    if x != m256 or not isinstance(m, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v64 = ir.VectorType(_F64, 8)
+
+        def const(value):  # a float32 constant, widened as numba widens it
+            return ir.Constant(v64, [float(np.float32(value))] * 8)
+
+        def splat(value):
+            vec = builder.insert_element(ir.Constant(v64, ir.Undefined), value, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+
+        mv = args[1] if args[1].type == _F64 else builder.fpext(args[1], _F64)
+        x = builder.fsub(builder.fpext(args[0], v64), splat(mv))
+        low = const(-87.0)
+        x = builder.select(builder.fcmp_ordered("<", x, low), low, x)
+        t = builder.fadd(builder.fmul(x, const(1.44269504088896341)), const(0.5))
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64]), "llvm.floor.v8f64")
+        n = builder.call(floor, [t])
+        r = builder.fsub(builder.fsub(x, builder.fmul(n, const(0.693359375))), builder.fmul(n, const(-2.12194440e-4)))
+        p = const(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = builder.fadd(builder.fmul(p, r), const(c))
+        p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), const(1.0))
+        i32x8 = ir.VectorType(_I32, 8)
+        bits = builder.shl(builder.add(builder.fptosi(n, i32x8), ir.Constant(i32x8, [127] * 8)),
+                           ir.Constant(i32x8, [23] * 8))
+        scale = builder.fpext(builder.bitcast(bits, ir.VectorType(_F32, 8)), v64)
+        return builder.fptrunc(builder.fmul(p, scale), ir.VectorType(_F32, 8))
+
+    return m256(x, m), codegen
+
+
 @njit(cache=True)
 def _softmax_weights(scores, count, m):
     """scores[:count] = exp(scores - m), returning their sum, added in position order. Two loops, so the first
     vectorises (it has no reduction) and the sum keeps its order (no fastmath: every element is computed by the
     same operations, vector lane or not)."""
-    for j in range(count):
+    j = 0
+    if HAVE_AVX2:
+        a = address_of(scores)
+        while j + 8 <= count:
+            storeu_ps(a + 4 * j, exp_nonpositive_8(loadu_ps(a + 4 * j), m))
+            j += 8
+    while j < count:
         scores[j] = _exp_nonpositive(scores[j] - m)
+        j += 1
     total = np.float32(0.0)
     for j in range(count):
         total += scores[j]
@@ -190,7 +240,6 @@ def _one_query_avx2(q, i, h, kvh, k_store, v_store, table, first_block, lo, hi, 
 
 
 TILE_BYTES = 16384  # keys (or values) of one tile: a group's heads reread them from L1
-_I32 = ir.IntType(32)
 
 
 def _lanes(*idx):
@@ -321,8 +370,14 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
     for g in range(group):
         m = -np.inf
         m = max(m, scores[g, :n_keys].max())
-        for j in range(n_keys):
+        sa = address_of(scores) + g * scores.shape[1] * 4
+        j = 0
+        while j + 8 <= n_keys:
+            storeu_ps(sa + 4 * j, exp_nonpositive_8(loadu_ps(sa + 4 * j), m))
+            j += 8
+        while j < n_keys:
             scores[g, j] = _exp_nonpositive(scores[g, j] - m)
+            j += 1
     for j in range(n_keys):
         for g in range(group):
             totals[g] += scores[g, j]
