@@ -130,9 +130,9 @@ def exp_nonpositive_8(typingctx, x, m):
 
 @njit(cache=True)
 def _softmax_weights(scores, count, m):
-    """scores[:count] = exp(scores - m), returning their sum, added in position order. Two loops, so the first
-    vectorises (it has no reduction) and the sum keeps its order (no fastmath: every element is computed by the
-    same operations, vector lane or not)."""
+    """scores[:count] = exp(scores - m), returning their sum, added in position order. Two loops: the
+    exponentials eight at a time (exp_nonpositive_8, the scalar function's operations lane by lane), then the
+    sum in its order (no fastmath: every element is computed by the same operations, vector lane or not)."""
     j = 0
     if HAVE_AVX2:
         a = address_of(scores)
