@@ -92,3 +92,61 @@ def test_softmax_exponential_is_within_a_few_ulp_of_libm():
     want = np.exp(x.astype(np.float64))
     np.testing.assert_allclose(scores, want, rtol=3e-7)
     assert abs(total - want.sum()) < 1e-5 * want.sum()
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_grouped_query_items_equal_per_head_items_bit_for_bit(window):
+    """Prompt chunks take (query, KV head) items, reading each tile of keys once for the whole group; decode
+    takes (query, head) items. A token's output must not depend on which: the two agree to the bit."""
+    from localllm.kernels.cpu import attention as kernel
+
+    if not kernel.HAVE_AVX2:
+        pytest.skip("the grouped items are the AVX2 kernel's")
+    rng = np.random.default_rng(3)
+    pool = KVPool(1, N_KV, D, D)
+    cache = filled_cache(pool, rng, 700, interleave_with=pool.new_cache(4096))
+    cache.reserve(0)
+    k, ks, v, vs, table, first_block = cache.attention_inputs(0)
+    positions = np.arange(700 - 40, 700)
+    q = rng.standard_normal((40, N_KV * GROUP, D)).astype(np.float32)
+    outs = []
+    for chunks in (1, 3, 40 * N_KV * GROUP):  # grouped (one share, three shares), then one head per share
+        out = np.zeros((40, N_KV * GROUP * D), np.float32)
+        scores = np.empty(700, np.float32)
+        acc = np.empty(D, np.float32)
+        for c in range(chunks):
+            kernel._attend_items(c, chunks, q, k, ks, v, vs, table, first_block, positions, 0, window,
+                                 np.float32(1 / np.sqrt(D)), out, scores, acc)
+        outs.append(out)
+    assert np.array_equal(outs[0].view(np.uint32), outs[2].view(np.uint32))
+    assert np.array_equal(outs[1].view(np.uint32), outs[2].view(np.uint32))
+    want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window)
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_vector_softmax_exponential_is_the_scalar_one_bit_for_bit():
+    """The softmax's exponentials, eight at a time in vector registers, against the scalar function they
+    replace (which the kernels call with a float64 maximum, so it computes in float64)."""
+    from numba import njit
+
+    from localllm.kernels.cpu import attention as kernel
+
+    if not kernel.HAVE_AVX2:
+        pytest.skip("an AVX2 kernel")
+
+    @njit
+    def both(scores, m, out_vector, out_scalar):
+        a, b = kernel.address_of(scores), kernel.address_of(out_vector)
+        for j in range(0, scores.shape[0], 8):
+            kernel.storeu_ps(b + 4 * j, kernel.exp_nonpositive_8(kernel.loadu_ps(a + 4 * j), m))
+        for j in range(scores.shape[0]):
+            out_scalar[j] = kernel._exp_nonpositive(scores[j] - m)
+
+    rng = np.random.default_rng(4)
+    for m in (0.0, 3.5, float(np.float32(17.123)), -2.25):
+        scores = (m - np.abs(rng.standard_normal(1 << 14)) * rng.choice([0.01, 1, 10, 100], 1 << 14))
+        scores = np.concatenate([scores, [m, m - 86.9, m - 87.1, m - 200]]).astype(np.float32)
+        scores = np.resize(scores, (len(scores) + 7) // 8 * 8)
+        vector, scalar = np.empty_like(scores), np.empty_like(scores)
+        both(scores, m, vector, scalar)
+        assert np.array_equal(vector.view(np.uint32), scalar.view(np.uint32))
