@@ -144,6 +144,20 @@ def test_cli_prompt_cache_reuses_the_shared_prefix(engine, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["prompt.cache"]
 
 
+def test_cli_n_0_caches_the_prompt_and_generates_nothing(engine, tmp_path):
+    # llama.cpp's -n 0: evaluate the prompt (to warm a --prompt-cache for later runs), print no token.
+    cache = str(tmp_path / "prompt.cache")
+    prompt = "The capital of France is"
+    out = subprocess.run([sys.executable, "-m", "localllm", "run", str(model_file("smollm2-135m-instruct")), prompt,
+                          "-n", "0", "--json", "--prompt-cache", cache], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["tokens"] == [] and result["text"] == "" and result["timings"]["predicted_n"] == 0
+    assert result["timings"]["prompt_n"] == len(engine.tokenize_prompt(prompt)) and os.path.exists(cache)
+    again, _ = run(prompt, "--prompt-cache", cache)
+    assert again["timings"]["cache_n"] == len(engine.tokenize_prompt(prompt)) - 1
+
+
 def test_cli_prompt_cache_replaces_a_damaged_session_with_a_warning(engine, tmp_path):
     cache = tmp_path / "prompt.cache"
     seq = engine.new_sequence()
