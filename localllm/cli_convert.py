@@ -62,29 +62,32 @@ def cmd_convert(args) -> int:
             for t in summary["tensors"]:
                 print(f"  {t['name']:<36} {t['type']:<5} {t['shape']}  <- {t['source']}")
         return 0
-    try:
-        if kquant:
-            out = Path(args.output) if args.output else Path.cwd() / f"{src.name}-{out_type.upper()}.gguf"
-            tmp = out.with_name(out.name + ".source.partial")
-            try:
-                summary = convert(src, tmp, "auto", model_name=args.name, progress=not args.quiet)
-                from localllm.quantize import quantize_file
+    from localllm.progress import note
+    from localllm.resume import partial_paths
 
-                quantize_file(tmp, out, out_type.upper())
-            finally:
-                tmp.unlink(missing_ok=True)
-            summary.update(output=str(out), type=out_type.upper())
-        else:
-            summary = convert(src, args.output, out_type, model_name=args.name, progress=not args.quiet,
-                              overwrite=True)
+    out = Path(args.output) if args.output else None
+    try:
+        summary = convert(src, out, out_type, model_name=args.name, progress=not args.quiet, overwrite=True,
+                          resume=args.resume, say=lambda s: note(s, quiet=args.quiet))
     except KeyboardInterrupt:
-        raise LocalLLMError("interrupted: nothing was written at the output path") from None
-    if args.json:
-        print(json.dumps(summary, ensure_ascii=False))
-    elif not args.quiet:
+        out = out if out is not None and not out.is_dir() else None
+        kept = out is not None and partial_paths(out)[0].exists()
+        raise LocalLLMError("interrupted: nothing was written at the output path"
+                            + (f" ({out.name}.partial is kept: rerun with --resume to continue)" if kept else "")) \
+            from None
+    if not args.json and not args.quiet:
         print(f"wrote {summary['output']}: {summary['architecture']}, {summary['n_tensors']} tensors, "
               f"{summary['type']}, {summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.1f} s", file=sys.stderr)
-    return 0
+    ok = True
+    if args.verify:
+        from localllm.convert.verify import verify
+
+        summary["verify"] = verify(src, Path(summary["output"]), summary["type"], summary["source_dtype"],
+                                   say=None if args.json else print)
+        ok = summary["verify"]["tokenizer"]["same_ids"]
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    return 0 if ok else 1
 
 
 def add_commands(sub) -> None:
@@ -97,7 +100,7 @@ def add_commands(sub) -> None:
                     "model*.safetensors, single or sharded with model.safetensors.index.json, tokenizer.json and/or "
                     "tokenizer.model, tokenizer_config.json) or hf://owner/repo[@revision] (only those files are "
                     "fetched). Architectures: llama, qwen2, gemma3. The output is written beside its final path as "
-                    "OUT.partial and renamed when complete.")
+                    "OUT.partial and renamed when complete; an interrupted run keeps it for --resume.")
     p.add_argument("src", metavar="SRC", help="checkpoint directory or hf://owner/repo[@revision]")
     p.add_argument("-o", "--output", "--outfile", metavar="OUT.gguf",
                    help="output file or directory (default: ./<SRC name>-<TYPE>.gguf)")
@@ -109,6 +112,14 @@ def add_commands(sub) -> None:
     p.add_argument("--name", help="general.name (default: from the checkpoint)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (every tensor, its type and shape) and "
                    "write nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the OUT.partial an interrupted run left (Ctrl-C, a full disk, a kill): kept only "
+                        "if the checkpoint's files, the options and the tool are unchanged and each kept tensor's "
+                        "sha256 still matches; otherwise the conversion starts over, saying why")
+    p.add_argument("--verify", action="store_true",
+                   help="after writing, load the file with the engine: check that its tokenizer gives the same ids "
+                        "as the checkpoint's tokenizer.json on a built-in multilingual and code text, and report the "
+                        "perplexity change against the checkpoint's precision on a short built-in text")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=cmd_convert)

@@ -42,8 +42,15 @@ def cmd_quantize(args) -> int:
         return 0
     quiet = args.quiet or args.json
     plan = quantize.quantize_file(args.input, args.output, args.type, dry_run=True, **common)
-    with progress_bar(f"quantizing to {plan.ftype.name}", plan.src_bytes, quiet=quiet) as bar:
-        plan = quantize.quantize_file(args.input, args.output, args.type, progress=bar.update, **common)
+    try:
+        with progress_bar(f"quantizing to {plan.ftype.name}", plan.src_bytes, quiet=quiet) as bar:
+            plan = quantize.quantize_file(args.input, args.output, args.type, progress=bar.update,
+                                          resume=args.resume, say=lambda s: note(s, quiet=args.quiet), **common)
+    except (KeyboardInterrupt, OSError) as e:
+        from localllm.errors import LocalLLMError
+        from localllm.resume import interrupted
+
+        raise LocalLLMError(interrupted(e, args.output)) from None
     if args.json:
         print(json.dumps({**plan.as_json(), "output": str(args.output), "seconds": round(plan.seconds, 2)}))
     else:
@@ -61,7 +68,7 @@ def add_commands(sub) -> None:
         description="Quantize a GGUF model file to another type, byte for byte the file llama-quantize writes: "
                     "the same metadata, tensor order, per-tensor type choices of each mix (with llama.cpp's "
                     "fallbacks for rows whose width is not a multiple of 256) and quantized bytes. The output is "
-                    "written to OUT.partial and renamed when complete.")
+                    "written to OUT.partial and renamed when complete; an interrupted run keeps it for --resume.")
     p.add_argument("input", metavar="IN.gguf", help="the model to quantize (best: its F32, F16 or BF16 file)")
     p.add_argument("output", metavar="OUT.gguf", help="the file to write")
     p.add_argument("type", metavar="TYPE",
@@ -76,6 +83,9 @@ def add_commands(sub) -> None:
                    help="importance matrix from llama-imatrix (its GGUF format or the legacy .dat): weights each "
                         "column's rounding error by how much it matters (required for Q2_K_S)")
     p.add_argument("--dry-run", action="store_true", help="print each tensor's type and the output size; write nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the OUT.gguf.partial an interrupted run left (Ctrl-C, a full disk, a kill): kept "
+                        "only if the input and options are unchanged and each kept tensor's sha256 still matches")
     p.add_argument("--json", action="store_true", help="print the plan (and the result) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_quantize)

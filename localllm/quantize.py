@@ -556,8 +556,7 @@ def _importance(imatrix: Imatrix | None, name: str, shape: tuple[int, ...], cat:
 
 def _raw_kv(gguf: GGUFFile) -> list[tuple[str, bytes]]:
     """Each metadata key with the exact bytes of its entry (key, type, value) in the input header."""
-    with open(gguf.path, "rb") as f:
-        head = f.read(gguf.data_offset)
+    head = gguf._mmap[: gguf.data_offset]  # the mapped header (or, converting, the one built in memory)
     (n_kv,) = struct.unpack_from("<Q", head, 16)
     cur = _Cursor(memoryview(head), gguf.path)
     cur.pos = 4 + 4 + 8 + 8
@@ -643,46 +642,64 @@ def convert_rows(src: np.ndarray, src_type: T, dst_type: T, importance: np.ndarr
     return out
 
 
-def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None) -> None:
+def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None, *, resume: bool = False,
+          plan_id: dict | None = None, source=None, say=None) -> None:
     """Write the planned file to `out_path` via a partial file in the same directory, renamed when complete.
-    `progress(done_bytes)` is called as input bytes are consumed."""
+    `progress(done_bytes)` is called as input bytes are consumed. `source(name)` gives a tensor's input rows
+    (default: the input file's). An interruption or a system error (a full disk) keeps the partial file, which
+    `resume` continues when `plan_id` (what the file is made from) is unchanged (localllm/resume.py)."""
     from localllm.kernels import ops
+    from localllm.resume import PartialWriter, keep_partial
 
     ops.threads()  # the kernels' runtime settings, before the first parallel call
-    out_path = Path(out_path)
-    partial = out_path.with_name(out_path.name + ".partial")
-    done = 0
+    source = source or gguf.raw
+    writer = PartialWriter(Path(out_path), header_bytes(gguf, plan), plan_id or {}, [t.name for t in plan.tensors],
+                           resume=resume, alignment=ALIGNMENT, say=say or (lambda s: None))
     try:
-        with open(partial, "wb") as f:
-            f.write(header_bytes(gguf, plan))
-            for t in plan.tensors:
-                raw = gguf.raw(t.name)
-                if not t.quantize:
-                    f.write(raw.tobytes())
-                else:
-                    rows = raw.shape[0]
-                    step = max(1, SLAB_BYTES // max(1, t.shape[-1] * 4))
-                    for r0 in range(0, rows, step):
-                        f.write(convert_rows(raw[r0 : r0 + step], t.src_type, t.dst_type, t.importance).tobytes())
-                        if progress is not None:
-                            progress(done + min(rows, r0 + step) * raw.shape[1])
-                written = t.dst_bytes
-                f.write(bytes(_pad(written) - written))
-                done += t.src_bytes
-                if progress is not None:
-                    progress(done)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, out_path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
+        kept = writer.open()
+        done = sum(t.src_bytes for t in plan.tensors[:kept])
+        if progress is not None and kept:
+            progress(done)
+        for t in plan.tensors[kept:]:
+            raw = source(t.name)
+            src_type = t.src_type
+            if raw.dtype == np.float32:  # a source's values, not its bytes (convert --type K-quant)
+                raw, src_type = raw.view(np.uint8), T.F32
+            if not t.quantize:
+                writer.write(np.ascontiguousarray(raw))
+            else:
+                rows = raw.shape[0]
+                step = max(1, SLAB_BYTES // max(1, t.shape[-1] * 4))
+                for r0 in range(0, rows, step):
+                    writer.write(convert_rows(raw[r0 : r0 + step], src_type, t.dst_type, t.importance))
+                    if progress is not None:
+                        progress(done + min(rows, r0 + step) * (t.src_bytes // rows))
+            del raw
+            writer.end_tensor(t.name)
+            done += t.src_bytes
+            if progress is not None:
+                progress(done)
+        writer.finish()
+    except BaseException as e:
+        writer.abort(keep=keep_partial(e) and writer.done > 0)
         raise
+
+
+def input_identity(in_path: Path, ft: FileType, **options) -> dict:
+    """What a quantized file is made from, for --resume: the input's and the imatrix's identity, the options."""
+    from localllm.resume import file_identity
+
+    ident = {"input": {"path": str(Path(in_path).resolve()), **file_identity(in_path)}, "type": ft.name,
+             "options": {k: v for k, v in options.items() if k != "imatrix"}}
+    if options.get("imatrix"):
+        ident["imatrix"] = {"path": str(Path(options["imatrix"]).resolve()), **file_identity(options["imatrix"])}
+    return ident
 
 
 def quantize_file(in_path: str | os.PathLike, out_path: str | os.PathLike, type_name: str, *, pure: bool = False,
                   output_tensor_type: str | None = None, token_embedding_type: str | None = None,
                   allow_requantize: bool = False, imatrix: str | None = None, dry_run: bool = False,
-                  progress=None) -> Plan:
+                  progress=None, resume: bool = False, say=None) -> Plan:
     """The whole command as a library call: plan, refuse what llama-quantize refuses, and (unless dry_run) write."""
     ft = file_type(type_name)
     out_t = tensor_type(output_tensor_type, "--output-tensor-type") if output_tensor_type else None
@@ -701,6 +718,9 @@ def quantize_file(in_path: str | os.PathLike, out_path: str | os.PathLike, type_
         if not out_path.parent.is_dir():
             raise QuantizeError(f"{out_path.parent}: no such directory")
         t0 = time.monotonic()
-        write(gguf, plan, out_path, progress)
+        plan_id = input_identity(in_path, ft, pure=pure, output_tensor_type=output_tensor_type,
+                                 token_embedding_type=token_embedding_type, allow_requantize=allow_requantize,
+                                 imatrix=imatrix)
+        write(gguf, plan, out_path, progress, resume=resume, plan_id=plan_id, say=say)
         plan.seconds = time.monotonic() - t0
     return plan

@@ -1,14 +1,15 @@
 """Hugging Face checkpoint -> GGUF, as llama.cpp's convert_hf_to_gguf.py does it, without torch or transformers.
 
 The same keys in the same order, the same tensor names, order, types and bytes. Tensors stream one at a time from
-memory-mapped shards into a `.partial` file beside the output, renamed into place only when complete: peak memory
-is about the largest tensor in float32, and an error, a full disk or Ctrl-C leaves nothing at the output path.
+the shards into a `.partial` file beside the output, renamed into place only when complete: peak memory is about
+the largest tensor in float32, and an error, a full disk or Ctrl-C leaves nothing at the output path (an
+interruption keeps the partial file for --resume).
 """
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ import gguf
 import numpy as np
 
 from localllm.errors import LocalLLMError
+from localllm.gguf_file import GGUFFile
+from localllm.resume import PartialWriter, keep_partial, partial_paths
 
 from .architectures import ArchSpec, find_arch, llama3_rope_factors, normalise_config, permute_qk, write_hparams
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
@@ -160,6 +163,14 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
 
 
 def tensor_data(plan: Plan, t: PlannedTensor) -> np.ndarray:
+    """The tensor's bytes in its planned type, as convert_hf_to_gguf.py writes them."""
+    out = gguf.quants.quantize(np.ascontiguousarray(tensor_values(plan, t)), t.qtype)
+    if out.nbytes != t.nbytes:
+        raise CheckpointError(f"{t.name}: {out.nbytes} bytes computed, {t.nbytes} planned")
+    return out
+
+
+def tensor_values(plan: Plan, t: PlannedTensor) -> np.ndarray:
     """The tensor as convert_hf_to_gguf.py hands it to the quantizer: f16 stays f16, anything else is float32."""
     if t.source is None:
         return llama3_rope_factors(plan.hparams)
@@ -178,10 +189,7 @@ def tensor_data(plan: Plan, t: PlannedTensor) -> np.ndarray:
         data = data[: t.shape[0]]
     if spec.norm_shift and name.endswith("norm.weight"):
         data = data + data.dtype.type(spec.norm_shift)
-    out = gguf.quants.quantize(np.ascontiguousarray(data), t.qtype)
-    if out.nbytes != t.nbytes:
-        raise CheckpointError(f"{t.name}: {out.nbytes} bytes computed, {t.nbytes} planned")
-    return out
+    return data
 
 
 def _metadata_writer(plan: Plan, model_name: str | None) -> gguf.GGUFWriter:
@@ -229,54 +237,146 @@ def default_output(directory: Path, qtype: Q) -> Path:
     return Path.cwd() / f"{Path(directory).name}-{qtype.name}.gguf"
 
 
+def checkpoint_identity(directory: Path) -> dict:
+    """What a conversion reads from the checkpoint (weights, index, configs, tokenizer, template), file by file:
+    size and modification time, for --resume."""
+    from localllm.resume import file_identity
+
+    return {p.name: file_identity(p) for p in sorted(Path(directory).iterdir())
+            if p.suffix in (".safetensors", ".json", ".jinja", ".model") and p.is_file()}
+
+
+class _HeaderOnly(GGUFFile):
+    """The GGUF file a conversion to the checkpoint's own type would write, as far as its header goes: what
+    `localllm quantize` plans and writes from, when `convert --type` is a K-quant mix (one pass, no intermediate
+    file)."""
+
+    def __init__(self, header: bytes, data_bytes: int, name: str):
+        self.path = Path(name)
+        self.file_size = len(header) + data_bytes
+        self._mmap = header
+        self._buffer = None
+        self.metadata, self.tensors = {}, {}
+        self._parse()
+
+    def close(self) -> None:
+        pass
+
+
+def _header(writer: gguf.GGUFWriter) -> bytes:
+    """The bytes GGUFWriter writes before the first tensor (header, keys, tensor infos, padding)."""
+    buf = io.BytesIO()
+    writer.fout, writer.state = [buf], gguf.gguf_writer.WriterState.EMPTY
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.fout, writer.state = None, gguf.gguf_writer.WriterState.NO_FILE
+    head = buf.getvalue()
+    return head + bytes(-len(head) % writer.data_alignment)
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """A tensor's bytes shaped (rows, bytes per row), as GGUFFile.raw gives them."""
+    rows = int(np.prod(a.shape[:-1], dtype=np.int64)) if a.ndim > 1 else 1
+    return a.view(np.uint8).reshape(rows, -1)
+
+
+def _kquant_source(plan: Plan, qplan):
+    """Each tensor's input to `localllm quantize`: the bytes of the conversion to the checkpoint's own type, or,
+    for a tensor to be quantized whose values that type holds exactly (a bf16 or f16 checkpoint's matrices: the
+    conversion only widens, permutes and trims them), the float32 values themselves: the same quantized bytes
+    without rounding to bf16 and widening back (3.5 s saved on a 151936x1536 tensor, measured on the
+    2-core machine)."""
+    by_name = {t.name: t for t in plan.tensors}
+    quantized = {t.name for t in qplan.tensors if t.quantize}
+
+    def source(name: str) -> np.ndarray:
+        t = by_name[name]
+        if name in quantized and t.source is not None and (
+                t.qtype == Q.F32 or (t.qtype == Q.BF16 and t.source.dtype == "BF16")
+                or (t.qtype == Q.F16 and t.source.dtype == "F16")):
+            values = tensor_values(plan, t)
+            return values.reshape(-1, values.shape[-1]).astype(np.float32, copy=False)
+        return _rows(tensor_data(plan, t))
+
+    return source
+
+
 def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model_name: str | None = None,
-            progress: bool = True, overwrite: bool = True) -> dict:
-    """Convert checkpoint directory `src` to GGUF file `out`. Returns a summary dict (output, timings, ...)."""
+            progress: bool = True, overwrite: bool = True, resume: bool = False, say=None) -> dict:
+    """Convert checkpoint directory `src` to GGUF file `out`. Returns a summary dict (output, timings, ...).
+
+    A K-quant `out_type` (q4_k_m, ...) converts and quantizes each tensor in one pass: the file `localllm
+    quantize` writes from the conversion to the checkpoint's own type, without that file. An interruption or a
+    full disk keeps OUT.partial (and its record OUT.partial.json); `resume` continues it (localllm/resume.py)."""
+    from localllm import quantize
+    from localllm.progress import progress_bar
+
     t0 = time.monotonic()
     out_type = out_type.lower()
-    if out_type not in OUTPUT_TYPES and out_type != "auto":
+    if out_type not in OUTPUT_TYPES and out_type not in KQUANT_TYPES and out_type != "auto":
         raise LocalLLMError(f"unknown output type {out_type!r}; choose one of: {', '.join(TYPE_CHOICES)}")
-    plan = plan_conversion(Path(src), out_type)
+    kquant = out_type in KQUANT_TYPES
+    plan = plan_conversion(Path(src), "auto" if kquant else out_type)
     try:
-        out = Path(out) if out is not None else default_output(src, plan.qtype)
+        name_type = out_type.upper() if kquant else plan.qtype.name
+        default = Path.cwd() / f"{Path(src).name}-{name_type}.gguf"
+        out = Path(out) if out is not None else default
         if out.is_dir():
-            out = out / default_output(src, plan.qtype).name
+            out = out / default.name
         if out.exists() and not overwrite:
             raise LocalLLMError(f"{out} exists (pass --force to replace it)")
-        writer = _metadata_writer(plan, model_name)
-        need = plan.total_bytes + (1 << 20) + sum(len(t.name) + 64 for t in plan.tensors)
-        free = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free
+        if not out.parent.is_dir():
+            raise LocalLLMError(f"{out.parent}: no such directory")
+        header = _header(_metadata_writer(plan, model_name))
+        qplan = None
+        if kquant:
+            view = _HeaderOnly(header, sum(-t.nbytes % 32 + t.nbytes for t in plan.tensors), f"{out.name} (source)")
+            qplan = quantize.make_plan(view, quantize.file_type(out_type))
+            need = len(quantize.header_bytes(view, qplan)) + sum(t.dst_bytes + 32 for t in qplan.tensors)
+        else:
+            need = len(header) + sum(t.nbytes + 32 for t in plan.tensors)
+        free = shutil.disk_usage(out.parent).free
         if need > free:
             raise LocalLLMError(f"not enough disk space for {out}: about {need / 1e9:.2f} GB needed, "
                                 f"{free / 1e9:.2f} GB free")
-        if not out.parent.is_dir():
-            raise LocalLLMError(f"{out.parent}: no such directory")
-        partial = out.with_name(out.name + ".partial")
+        plan_id = {"source": {"directory": str(Path(src).resolve()), "files": checkpoint_identity(plan.ckpt.dir)},
+                   "type": out_type, "name": model_name}
+        say = say or (lambda s: None)
         try:
-            _write(plan, writer, partial, progress)
-            os.replace(partial, out)
-        except BaseException as e:
-            writer.close()
-            partial.unlink(missing_ok=True)
-            if isinstance(e, OSError):
-                raise LocalLLMError(f"writing {out} failed: {e.strerror or e} (nothing was written there)") from None
-            raise
+            label = f"converting to {out.name}"
+            if kquant:
+                with progress_bar(label, qplan.src_bytes, quiet=not progress) as bar:
+                    quantize.write(view, qplan, out, bar.update, resume=resume, plan_id=plan_id, say=say,
+                                   source=_kquant_source(plan, qplan))
+            else:
+                _write(plan, header, out, progress, label, PartialWriter(
+                    out, header, plan_id, [t.name for t in plan.tensors], resume=resume, say=say))
+        except OSError as e:
+            raise LocalLLMError(f"writing {out} failed: {e.strerror or e} (nothing was written there"
+                                + (f"; {out.name}.partial is kept: rerun with --resume to continue)"
+                                   if partial_paths(out)[0].exists() else ")")) from None
         summary = summarise(plan)
+        if kquant:
+            summary.update(type=out_type.upper(), bytes=qplan.dst_bytes, fallbacks=qplan.n_fallback)
         summary.update(output=str(out), seconds=round(time.monotonic() - t0, 2), **plan.vocab_summary)
         return summary
     finally:
         plan.ckpt.close()
 
 
-def _write(plan: Plan, writer: gguf.GGUFWriter, path: Path, progress: bool) -> None:
+def _write(plan: Plan, header: bytes, out: Path, progress: bool, label: str, writer: PartialWriter) -> None:
     from localllm.progress import progress_bar
 
-    writer.write_header_to_file(path=path)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    with progress_bar(f"converting to {path.name.removesuffix('.partial')}", plan.total_bytes,
-                      quiet=not progress) as bar:
-        for t in plan.tensors:
-            writer.write_tensor_data(tensor_data(plan, t))
-            bar.advance(t.nbytes)
-    writer.close()
+    try:
+        kept = writer.open()
+        with progress_bar(label, plan.total_bytes, quiet=not progress) as bar:
+            bar.advance(sum(t.nbytes for t in plan.tensors[:kept]))
+            for t in plan.tensors[kept:]:
+                writer.write(tensor_data(plan, t))
+                writer.end_tensor(t.name)
+                bar.advance(t.nbytes)
+        writer.finish()
+    except BaseException as e:
+        writer.abort(keep=keep_partial(e) and writer.done > 0)
+        raise
