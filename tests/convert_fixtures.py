@@ -170,12 +170,15 @@ def sentencepiece_model(fields: dict) -> bytes:
     return bytes(out)
 
 
-def make_tiny_checkpoint(arch: str, out: Path, shards: int = 1, dtype: str = "BF16") -> Path:
+def make_tiny_checkpoint(arch: str, out: Path, shards: int = 1, dtype: str = "BF16",
+                         config_changes: dict | None = None) -> Path:
     """Write the tiny `arch` checkpoint (an architecture or a VARIANTS name) into directory `out` (created);
-    `shards` > 1 splits the weights over that many files with a model.safetensors.index.json."""
+    `shards` > 1 splits the weights over that many files with a model.safetensors.index.json; `config_changes`
+    are further config.json changes (e.g. a wider model)."""
     changes = {}
     if arch in VARIANTS:
         arch, changes = VARIANTS[arch]
+    changes = {**changes, **(config_changes or {})}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     src = DATA / arch
