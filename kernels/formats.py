@@ -1,28 +1,46 @@
-"""The table of weight formats: one entry per GGML tensor type, like ggml's `type_traits` and gguf-py's
-`gguf/quants.py`. Everything that depends on the format (block geometry, the dequantize kernel, the fused
-matmul kernel, the quantizer, later an OpenCL kernel) hangs off its entry; nothing else in the code base
-switches on the format. Adding Q5_K was adding its decoder and kernels in `kernels/cpu/` and one entry here.
+"""The table of weight formats, backend-neutral: one entry per GGML tensor type, like ggml's `type_traits`
+(ggml.c) beside the per-backend `type_traits_cpu` (ggml-cpu.c). An entry holds what is true of the format on
+any device: block geometry, the block's byte layout as a numpy structured dtype, and numpy reference
+dequantize/quantize (gguf-py's ports of ggml's reference functions). Kernels live in per-backend tables keyed by
+the same types: `kernels/cpu/formats.py` (Numba) and `kernels/opencl/` (OpenCL C). Nothing else in the code
+base switches on the format.
 
-Kernel calling conventions (all Numba, all parallel over rows, all taking `n16`, the integer 16 passed at run
-time; see `kernels/cpu/dequant.py` for why it is not a constant):
-
-* `dequantize_rows(raw, row_ids, out, n16)`: out[k] = float32 values of raw row row_ids[k]
-* `matmul(raw, x, out, n16)`: out (n, rows) = x (n, cols) @ W.T, W decoded block by block, never copied
-* `quantize(x, out)`: out[r] = the blocks of float32 row x[r], byte for byte what llama-quantize writes
-  (`kernels/cpu/quantize.py`, ported from ggml's reference quantizers)
-* `quantize_imatrix(x, qw, out)`: the same with an importance per column (qw float32 (cols,)), as llama-quantize
-  --imatrix; None where ggml ignores the importance (floats, Q8_0)
+This module imports no backend: validating a file or listing formats never loads Numba or OpenCL.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as _gguf_quants
 
-from localllm.kernels.cpu import dequant, float_matmul, quantize
 from localllm.errors import ModelFileError
+
+_T = GGMLQuantizationType
+_F16 = np.dtype("<f2")
+_U8 = np.dtype("u1")
+_I8 = np.dtype("i1")
+
+# Each block's fields in byte order, as ggml's `block_*` structs (ggml-common.h). The k-quants' super-block
+# size is QK_K = 256; the legacy formats' block is 32.
+_BLOCK_FIELDS: dict[GGMLQuantizationType, list[tuple]] = {
+    _T.F32: [("v", "<f4")],
+    _T.F16: [("v", _F16)],
+    _T.BF16: [("v", "<u2")],  # the top half of a float32; numpy has no bfloat16
+    _T.Q8_0: [("d", _F16), ("qs", _I8, (32,))],
+    _T.Q4_0: [("d", _F16), ("qs", _U8, (16,))],
+    _T.Q4_1: [("d", _F16), ("m", _F16), ("qs", _U8, (16,))],
+    _T.Q5_0: [("d", _F16), ("qh", _U8, (4,)), ("qs", _U8, (16,))],  # qh: a little-endian u32, unaligned
+    _T.Q5_1: [("d", _F16), ("m", _F16), ("qh", _U8, (4,)), ("qs", _U8, (16,))],
+    _T.Q2_K: [("scales", _U8, (16,)), ("qs", _U8, (64,)), ("d", _F16), ("dmin", _F16)],
+    _T.Q3_K: [("hmask", _U8, (32,)), ("qs", _U8, (64,)), ("scales", _U8, (12,)), ("d", _F16)],
+    _T.Q4_K: [("d", _F16), ("dmin", _F16), ("scales", _U8, (12,)), ("qs", _U8, (128,))],
+    _T.Q5_K: [("d", _F16), ("dmin", _F16), ("scales", _U8, (12,)), ("qh", _U8, (32,)), ("qs", _U8, (128,))],
+    _T.Q6_K: [("ql", _U8, (128,)), ("qh", _U8, (64,)), ("scales", _I8, (16,)), ("d", _F16)],
+}
 
 
 @dataclass(frozen=True)
@@ -31,51 +49,62 @@ class QuantFormat:
     name: str
     block_size: int  # weights per block
     type_size: int  # bytes per block
-    dequantize_rows: Callable  # Numba kernel, exact (bit-equal to gguf-py / ggml dequantize_row_*)
-    matmul: Callable  # Numba fused dequantize-and-multiply kernel (the portable path)
-    f16_offsets: tuple[int, ...]  # byte offsets of the fp16 scale fields inside a block (layout fact; tests use it)
-    quantize: Callable  # Numba kernel, float32 rows -> blocks, byte-exact with llama-quantize (no imatrix)
-    quantize_imatrix: Callable | None  # the same weighted by an importance matrix (ggml's quantize_row_*_impl)
-    opencl_source: str | None = None  # OpenCL C source of the GPU kernels (later backend)
+    block_dtype: np.dtype  # numpy structured dtype of one block (packed, little-endian); itemsize == type_size
+    f16_offsets: tuple[int, ...]  # byte offsets of the fp16 fields inside a block (derived from block_dtype)
+    # numpy reference: raw uint8 (rows, row_bytes) -> float32 (rows, cols); gguf-py's port of dequantize_row_*
+    dequantize: Callable[[np.ndarray], np.ndarray] = field(repr=False)
+    # numpy reference: float32 (rows, cols) -> raw uint8 (rows, row_bytes); None where gguf-py has none (k-quants)
+    quantize: Callable[[np.ndarray], np.ndarray] | None = field(repr=False)
 
     def row_bytes(self, cols: int) -> int:
         return cols // self.block_size * self.type_size
 
+    def blocks(self, raw: np.ndarray) -> np.ndarray:
+        """The raw bytes (rows, row_bytes) viewed as (rows, blocks) of `block_dtype`, no copy."""
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        return raw.view(self.block_dtype)
 
-def _entry(qtype: GGMLQuantizationType, kernel_suffix: str, f16_offsets: tuple[int, ...]) -> QuantFormat:
+
+def _reference_dequantize(qtype: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray]:
+    def dequantize(raw: np.ndarray) -> np.ndarray:
+        return np.asarray(_gguf_quants.dequantize(np.asarray(raw, dtype=np.uint8), qtype), dtype=np.float32)
+
+    return dequantize
+
+
+def _reference_quantize(qtype: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray] | None:
+    if qtype not in (_T.F32, _T.F16) and qtype not in _gguf_quants._type_traits:
+        return None
+    try:  # gguf-py lists every format but implements quantization for the float and legacy ones only
+        _gguf_quants.quantize(np.zeros((1, GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
+    except NotImplementedError:
+        return None
+
+    def quantize(x: np.ndarray) -> np.ndarray:
+        out = np.asarray(_gguf_quants.quantize(np.asarray(x, dtype=np.float32), qtype))
+        return np.ascontiguousarray(out).view(np.uint8).reshape(out.shape[0], -1)
+
+    return quantize
+
+
+def _entry(qtype: GGMLQuantizationType) -> QuantFormat:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
+    dtype = np.dtype(_BLOCK_FIELDS[qtype])
+    assert dtype.itemsize == type_size, (qtype.name, dtype.itemsize, type_size)
+    f16_offsets = tuple(off for _, (sub, off) in dtype.fields.items() if sub.base == _F16)
     return QuantFormat(
         qtype=qtype,
         name=qtype.name,
         block_size=block_size,
         type_size=type_size,
-        dequantize_rows=getattr(dequant, f"dequantize_rows_{kernel_suffix}"),
-        matmul=getattr(float_matmul, f"matmul_{kernel_suffix}"),
+        block_dtype=dtype,
         f16_offsets=f16_offsets,
-        quantize=getattr(quantize, f"quantize_rows_{kernel_suffix}"),
-        quantize_imatrix=getattr(quantize, f"quantize_rows_{kernel_suffix}_imatrix", None),
+        dequantize=_reference_dequantize(qtype),
+        quantize=_reference_quantize(qtype),
     )
 
 
-_T = GGMLQuantizationType
-FORMATS: dict[GGMLQuantizationType, QuantFormat] = {
-    f.qtype: f
-    for f in (
-        _entry(_T.F32, "f32", ()),
-        _entry(_T.F16, "f16", (0,)),
-        _entry(_T.BF16, "bf16", ()),
-        _entry(_T.Q8_0, "q8_0", (0,)),  # block_q8_0: d, qs[32]
-        _entry(_T.Q4_0, "q4_0", (0,)),  # block_q4_0: d, qs[16]
-        _entry(_T.Q4_1, "q4_1", (0, 2)),  # block_q4_1: d, m, qs[16]
-        _entry(_T.Q5_0, "q5_0", (0,)),  # block_q5_0: d, qh[4], qs[16]
-        _entry(_T.Q5_1, "q5_1", (0, 2)),  # block_q5_1: d, m, qh[4], qs[16]
-        _entry(_T.Q2_K, "q2_k", (80, 82)),  # block_q2_K: scales[16], qs[64], d, dmin
-        _entry(_T.Q3_K, "q3_k", (108,)),  # block_q3_K: hmask[32], qs[64], scales[12], d
-        _entry(_T.Q4_K, "q4_k", (0, 2)),  # block_q4_K: d, dmin, scales[12], qs[128]
-        _entry(_T.Q5_K, "q5_k", (0, 2)),  # block_q5_K: d, dmin, scales[12], qh[32], qs[128]
-        _entry(_T.Q6_K, "q6_k", (208,)),  # block_q6_K: ql[128], qh[64], scales[16], d
-    )
-}
+FORMATS: dict[GGMLQuantizationType, QuantFormat] = {q: _entry(q) for q in _BLOCK_FIELDS}
 
 
 def format_of(qtype: GGMLQuantizationType | int) -> QuantFormat:

@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType
 from localllm.kernels.cpu import attention as _attention
 from localllm.kernels.cpu import runtime as _runtime
 from localllm.kernels.cpu import blocks as _blocks
-from localllm.kernels.formats import FORMATS, QuantFormat, format_of
+from localllm.kernels.cpu.formats import FORMATS, CpuFormat, format_of
 
 try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
     from localllm.kernels.cpu import quant_dot as _quant_dot
@@ -73,7 +73,7 @@ class Weight:
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
         _ensure_runtime()  # before any kernel runs; a model's first weight comes before its first call
-        fmt: QuantFormat = format_of(qtype)
+        fmt: CpuFormat = format_of(qtype)
         if raw.dtype != np.uint8 or raw.ndim != 2 or not raw.flags.c_contiguous:
             raise ValueError(f"a weight's raw data must be a C-contiguous 2-D uint8 array, not {raw.dtype} {raw.shape}")
         if raw.shape[1] % fmt.type_size:

@@ -168,6 +168,28 @@ def cmd_bench_serve(args) -> int:
     return bench_serve.main(args)
 
 
+# ---- devices ---------------------------------------------------------------------------------------------
+
+
+def cmd_devices(args) -> int:
+    from localllm.devices import all_devices
+
+    found = all_devices()
+    if args.json:
+        _print_json(found)
+        return 0
+    for d in found["devices"]:
+        if d["backend"] == "cpu":
+            print(f"cpu     {d['name']}: {d['threads']} threads, {_human_size(d['memory_bytes'])} memory")
+        else:
+            extensions = ", ".join(d["extensions"]) or "none of fp16, subgroups, integer dot product"
+            print(f"opencl  {d['platform']}: {d['name']} ({d['type']}, {_human_size(d['global_mem_bytes'])}, "
+                  f"{d['opencl_c_version']}; extensions: {extensions})")
+    if found["opencl_error"]:
+        print(f"opencl  none: {found['opencl_error']}")
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------------------
 
 
@@ -219,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="treat special-token text like <|im_start|> as plain text")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("devices", help="list the CPU and the OpenCL devices the kernels could run on",
+                       description="List the CPU and every OpenCL device (platform, name, type, global memory, "
+                                   "OpenCL C version, and which of fp16, subgroups and integer dot products it "
+                                   "offers), or why no OpenCL runtime was found.")
+    p.add_argument("--json", action="store_true", help='print {"devices": [...], "opencl_error": null or a reason}')
+    p.set_defaults(func=cmd_devices)
 
     from localllm import cli_generate
     from localllm.cli_generate import positive_seconds, whole_number

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from localllm.kernels import ops, reference
 from localllm.kernels.formats import FORMATS, format_of
+from localllm.kernels.cpu import formats as cpu_formats
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
 from conftest import model_file
@@ -71,7 +72,48 @@ def test_table_lists_the_required_formats_with_their_geometry():
     assert (FORMATS[T.Q4_K].block_size, FORMATS[T.Q4_K].type_size) == (256, 144)
     assert (FORMATS[T.Q8_0].block_size, FORMATS[T.Q8_0].type_size) == (32, 34)
     for fmt in FORMATS.values():
-        assert callable(fmt.dequantize_rows) and callable(fmt.matmul)
+        assert fmt.block_dtype.itemsize == fmt.type_size, fmt.name
+
+
+def test_every_format_has_cpu_kernels_and_the_same_geometry():
+    assert set(cpu_formats.FORMATS) == set(FORMATS)
+    for qtype, fmt in cpu_formats.FORMATS.items():
+        assert fmt.format is FORMATS[qtype]
+        assert (fmt.name, fmt.block_size, fmt.type_size) == (FORMATS[qtype].name, FORMATS[qtype].block_size,
+                                                             FORMATS[qtype].type_size)
+        assert callable(fmt.dequantize_rows) and callable(fmt.matmul) and callable(fmt.quantize)
+
+
+def test_block_dtypes_place_the_fp16_fields_where_ggml_does():
+    # byte offsets from ggml-common.h's block structs, written out independently of the dtypes
+    want = {T.F32: (), T.F16: (0,), T.BF16: (), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,),
+            T.Q5_1: (0, 2), T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+    assert {q: f.f16_offsets for q, f in FORMATS.items()} == want
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_reference_dequantize_reads_the_block_dtype_fields_as_gguf_py_does(qtype):
+    # the structured view's scale fields, times the table's reference dequantize: the block's d is where
+    # gguf-py reads it (a scale of 0 zeroes the block)
+    fmt = FORMATS[qtype]
+    raw = random_weight_bytes(qtype, 3, cols_for(qtype), seed=5)
+    assert np.array_equal(fmt.dequantize(raw).view(np.uint32), reference.dequantize(raw, qtype).view(np.uint32))
+    if "d" in fmt.block_dtype.names:
+        blocks = fmt.blocks(raw.copy())
+        blocks["d"] = 0
+        if "dmin" in fmt.block_dtype.names:
+            blocks["dmin"] = 0
+        if "m" in fmt.block_dtype.names:
+            blocks["m"] = 0
+        assert not np.any(fmt.dequantize(blocks.view(np.uint8).reshape(raw.shape)))
+
+
+@pytest.mark.parametrize("qtype", [q for q in ALL_FORMATS if FORMATS[q].quantize is not None], ids=lambda q: q.name)
+def test_reference_quantize_matches_the_cpu_quantizer(qtype):
+    x = np.random.default_rng(6).standard_normal((4, 256)).astype(np.float32)
+    out = np.empty((4, FORMATS[qtype].row_bytes(256)), np.uint8)
+    cpu_formats.FORMATS[qtype].quantize(x, out)
+    assert np.array_equal(FORMATS[qtype].quantize(x), out)
 
 
 def test_unsupported_type_names_itself_and_the_supported_ones():
