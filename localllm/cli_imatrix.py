@@ -12,7 +12,7 @@ from localllm.progress import note
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600} h {seconds % 3600 // 60} min"
     return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"

@@ -122,8 +122,7 @@ def compute(engine, text: str, n_ctx: int = 512, n_chunks: int | None = None, fr
                             f"fewer than {MIN_ROWS} tokens")
     if n_ctx > engine.ctx:
         raise LocalLLMError(f"-c {n_ctx} is larger than the context ({engine.ctx})")
-    if text.endswith("\n"):
-        text = text[:-1]  # common's -f reader drops one final newline
+    text = text.removesuffix("\n")  # common's -f reader drops one final newline
     if not text.strip():
         raise LocalLLMError("the calibration text is empty")
     tok = engine.tokenizer
