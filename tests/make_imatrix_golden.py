@@ -74,8 +74,6 @@ def main() -> None:
         "gguf": {
             "size": len(raw), "data_offset": reader.data_offset,
             "header_sha256": hashlib.sha256(raw[: reader.data_offset]).hexdigest(),
-            "tensor_order": [t.name for t in reader.tensors],
-            "shapes": {t.name: [int(d) for d in t.shape] for t in reader.tensors},
             "chunk_count": int(reader.fields["imatrix.chunk_count"].parts[-1][0]),
             "chunk_size": int(reader.fields["imatrix.chunk_size"].parts[-1][0]),
             "counts": {n[: -len(".counts")]: float(v[0]) for n, v in tensors.items() if n.endswith(".counts")},
