@@ -188,3 +188,16 @@ def test_command_writes_the_file_and_a_json_summary(tmp_path):
                           str(tmp_path / "x.gguf")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.startswith("error: unknown model") and "Traceback" not in bad.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_output_matrix_is_collected_only_with_process_output(tmp_path):
+    src = write_tiny_model(tmp_path / "A.gguf", "A")  # has an output.weight of its own
+    with GGUFFile(src) as g:
+        model = Transformer(g, dataclasses.replace(load_config(g.metadata), vocab_size=320))
+        plain, with_output = imatrix.Collector(), imatrix.Collector(process_output=True)
+        tokens = list(range(20))
+        model.forward(tokens, model.new_cache(32), output_rows=np.arange(20), observe=plain)
+        model.forward(tokens, model.new_cache(32), output_rows=np.arange(20), observe=with_output)
+    assert "output.weight" not in plain.sums and with_output.counts["output.weight"] == 20
+    assert set(with_output.sums) - set(plain.sums) == {"output.weight"}
+    assert not any(n.startswith("token_embd") for n in with_output.sums)
