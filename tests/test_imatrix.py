@@ -170,23 +170,19 @@ def test_legacy_dat_values_are_mean_times_calls():
     assert data[16 + length + 8 :] == struct.pack("<ii", 1, 5) + b"t.txt"
 
 
-def test_command_writes_the_file_and_a_json_summary(tmp_path):
-    import os
-    import subprocess
-    import sys
+def test_command_writes_the_file_and_a_json_summary(tmp_path, capsys):
+    from localllm.cli import main as cli_main
 
     out = tmp_path / "m.gguf"
-    run = subprocess.run([sys.executable, "-m", "localllm", "imatrix", str(model_file(MODEL)), str(TEXT), "-c", "16",
-                          "--chunks", "2", "-o", str(out), "--json"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert run.returncode == 0, run.stderr
-    summary = json.loads(run.stdout)
+    assert cli_main(["imatrix", str(model_file(MODEL)), str(TEXT), "-c", "16", "--chunks", "2", "-o", str(out),
+                     "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["chunks"] == 2 and summary["chunk_size"] == 16 and summary["entries"] == 210
     assert summary["output"] == str(out) and summary["ppl"] > 1
     assert load_imatrix(str(out)).chunk_count == 2 and not list(tmp_path.glob("*.partial"))
-    bad = subprocess.run([sys.executable, "-m", "localllm", "imatrix", "no-such-model", str(TEXT), "-o",
-                          str(tmp_path / "x.gguf")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: unknown model") and "Traceback" not in bad.stderr
+    assert cli_main(["imatrix", "no-such-model", str(TEXT), "-o", str(tmp_path / "x.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown model") and "Traceback" not in err
     assert not (tmp_path / "x.gguf").exists()
 
 
