@@ -71,7 +71,7 @@ def test_sums_of_squared_inputs_agree_with_llama_imatrix(ours):
     for name in ("blk.0.attn_q.weight", "blk.0.attn_v.weight"):
         np.testing.assert_allclose(ours.sums[name], full[name], rtol=2e-5)
     # Deeper, llama.cpp's F16 KV cache and its own rounding of activations move each sum a little (measured:
-    # relative L2 error 0.05% median, under 3% worst over the 210 matrices).
+    # relative L2 error 0.09% median, 1.8% worst over the 210 matrices).
     errors = {}
     for name, ref in full.items():
         errors[name] = np.linalg.norm(ours.sums[name] - ref) / np.linalg.norm(ref)
