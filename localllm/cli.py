@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_quantize.add_commands(sub)
 
+    from localllm import cli_imatrix
+
+    cli_imatrix.add_commands(sub)
+
     from localllm import cli_convert
 
     cli_convert.add_commands(sub)

@@ -43,6 +43,14 @@ def cmd_convert(args) -> int:
     out_type = (args.type or "auto").lower()
     src = resolve_source(args.src, args.quiet)
     kquant = out_type in KQUANT_TYPES
+    if args.imatrix and not kquant:
+        raise LocalLLMError(f"--imatrix applies to the K-quant mixes made through `localllm quantize` (q4_k_m, ...), "
+                            f"not to --type {out_type}: for q4_0 and the like, convert to f32 and run `localllm "
+                            "quantize --imatrix FILE`")
+    if args.imatrix and not args.dry_run:
+        from localllm.quantize import load_imatrix
+
+        load_imatrix(args.imatrix)  # a bad file is refused before minutes of converting, not after
     if args.dry_run:
         plan = plan_conversion(src, "auto" if kquant else out_type)
         try:
@@ -68,7 +76,8 @@ def cmd_convert(args) -> int:
     out = Path(args.output) if args.output else None
     try:
         summary = convert(src, out, out_type, model_name=args.name, progress=not args.quiet, overwrite=True,
-                          resume=args.resume, say=lambda s: note(s, quiet=args.quiet))
+                          resume=args.resume, say=lambda s: note(s, quiet=args.quiet),
+                          imatrix=args.imatrix)
     except KeyboardInterrupt:
         out = out if out is not None and not out.is_dir() else None
         kept = out is not None and partial_paths(out)[0].exists()
@@ -109,6 +118,9 @@ def add_commands(sub) -> None:
                    help="tensor type: auto (the checkpoint's own: a bf16 model stays BF16), f32, f16, bf16, q8_0, "
                         "q4_0, q4_1, q5_0, q5_1, or a K-quant mix (q4_k_m, ...: through `localllm quantize`). Norms "
                         "and biases stay F32, as in llama.cpp")
+    p.add_argument("--imatrix", metavar="FILE",
+                   help="with a K-quant --type: the importance matrix for its quantize step (`localllm imatrix` "
+                        "or llama-imatrix; see `localllm quantize --imatrix`)")
     p.add_argument("--name", help="general.name (default: from the checkpoint)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (every tensor, its type and shape) and "
                    "write nothing")

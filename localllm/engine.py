@@ -230,16 +230,18 @@ class Engine:
         if bad is not None:
             raise LocalLLMError(f"token id {bad} is not a token of this model (0..{n - 1})")
 
-    def evaluate(self, seq: Sequence, tokens: list[int], logit_positions=None, precise: bool = False) -> np.ndarray:
+    def evaluate(self, seq: Sequence, tokens: list[int], logit_positions=None, precise: bool = False,
+                 observe=None) -> np.ndarray:
         """Append `tokens` to the sequence. Returns the logits of the last token, or, with `logit_positions`
         (indices into `tokens`, ascending), a (len(logit_positions), vocab) array for those positions only.
-        `precise`: float32 activations (see Transformer.forward); for scoring only."""
+        `precise`: float32 activations (see Transformer.forward); for scoring only. `observe`: sees every
+        weight product's input (Transformer.forward_batch; importance matrices)."""
         wanted = np.asarray([len(tokens) - 1] if logit_positions is None else logit_positions, dtype=np.int64)
         outs = []
         for start in range(0, len(tokens), PROMPT_CHUNK):
             chunk = tokens[start : start + PROMPT_CHUNK]
             rows = wanted[(wanted >= start) & (wanted < start + len(chunk))] - start
-            outs.append(self.model.forward(chunk, seq.cache, output_rows=rows, precise=precise))
+            outs.append(self.model.forward(chunk, seq.cache, output_rows=rows, precise=precise, observe=observe))
             seq.tokens.extend(chunk)
             seq.cache.remember(seq.tokens)
         logits = np.concatenate(outs)

@@ -295,3 +295,29 @@ def test_k_quant_convert_is_the_checkpoint_type_conversion_then_quantize(tiny, t
     quantize_file(tmp_path / "src.gguf", tmp_path / "two.gguf", "Q4_K_M")
     assert (tmp_path / "one.gguf").read_bytes() == (tmp_path / "two.gguf").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.gguf", "src.gguf", "two.gguf"]
+
+
+def test_k_quant_convert_passes_the_imatrix_to_its_quantize_step(tiny, tmp_path, monkeypatch):
+    from localllm import imatrix
+    from localllm.gguf_file import GGUFFile
+    from localllm.quantize import quantize_file
+
+    monkeypatch.chdir(tmp_path)  # the imatrix path is written into the metadata as given
+    convert(tiny["llama"], tmp_path / "src.gguf", "auto", progress=False)
+    rng = np.random.default_rng(3)
+    with GGUFFile(tmp_path / "src.gguf") as g:
+        sums = {n: rng.gamma(0.7, 1.0, t.shape[-1]) * 100 for n, t in g.tensors.items()
+                if n.startswith("blk.") and len(t.shape) == 2}
+    imatrix.write(imatrix.ImatrixResult(sums=sums, counts=dict.fromkeys(sums, 100), chunk_size=50, chunk_count=2,
+                                        datasets=["calib.txt"], chunks=2, tokens=100), "im.gguf")
+    assert cli_main(["convert", str(tiny["llama"]), "-o", "one.gguf", "--type", "q4_k_m", "--imatrix", "im.gguf",
+                     "-q"]) == 0
+    quantize_file(tmp_path / "src.gguf", tmp_path / "two.gguf", "Q4_K_M", imatrix="im.gguf")
+    assert (tmp_path / "one.gguf").read_bytes() == (tmp_path / "two.gguf").read_bytes()
+    with GGUFFile(tmp_path / "one.gguf") as g:
+        assert g.metadata["quantize.imatrix.file"] == "im.gguf"
+        assert g.metadata["quantize.imatrix.entries_count"] == len(sums)
+    # a type that is not made through quantize has nothing to weigh: refused, nothing written
+    assert cli_main(["convert", str(tiny["llama"]), "-o", "q8.gguf", "--type", "q8_0", "--imatrix", "im.gguf",
+                     "-q"]) == 1
+    assert not (tmp_path / "q8.gguf").exists()

@@ -44,6 +44,9 @@ class RopeTable:
 
 # ---- weights ---------------------------------------------------------------------------------------------
 
+# Each layer's weight matrices (GGUF names blk.N.<name>.weight), in the order the forward multiplies by them.
+MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
 
 @dataclass
 class LayerWeights:
@@ -102,6 +105,9 @@ class Transformer:
         self.output = _matrix(g, "output.weight", c.vocab_size, c.n_embd) if "output.weight" in g.tensors \
             else self.token_embd
         self.output_norm = _vector(g, "output_norm.weight", c.n_embd)
+        self.output_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        # The GGUF name of each layer's matrices, in the order forward_batch multiplies by them.
+        self.matmul_names = [tuple(f"blk.{i}.{m}.weight" for m in MATMULS) for i in range(c.n_layers)]
 
         def optional_vector(name: str, length: int):
             return _vector(g, name, length) if name in g.tensors else None
@@ -194,15 +200,15 @@ class Transformer:
         cache.shift(n_keep, n_discard, rotate)
 
     def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None,
-                precise: bool = False) -> np.ndarray:
+                precise: bool = False, observe=None) -> np.ndarray:
         """Process `tokens` (appended after the cache's contents); return logits (len(output_rows), vocab).
 
         output_rows selects which of the new tokens get logits (default: the last one only), so a prompt does
         not pay for a vocabulary-sized matmul per token. `precise`: float32 activations in the matrix products
         of many rows (scoring against a float reference); generation never uses it, since it gives up batch
-        invariance (see kernels.ops).
+        invariance (see kernels.ops). `observe`: see forward_batch.
         """
-        return self.forward_batch([(tokens, cache, output_rows)], precise)[0]
+        return self.forward_batch([(tokens, cache, output_rows)], precise, observe)[0]
 
     def _forward_fused(self, tokens, cache: KVCache, output_rows) -> np.ndarray:
         """forward_batch for one sequence, as one compiled call (kernels.ops.FusedForward): bitwise the same
@@ -227,12 +233,17 @@ class Transformer:
         cache.commit()
         return logits
 
-    def forward_batch(self, segments: list, precise: bool = False) -> list[np.ndarray]:
+    def forward_batch(self, segments: list, precise: bool = False, observe=None) -> list[np.ndarray]:
         """One forward for several sequences: segments are (tokens, cache, output_rows or None). The matrix
         products run once over all rows (each weight read once per step, whatever the batch); RoPE, the cache
         writes and attention are per sequence. Every kernel computes each row alone, so a sequence's logits
-        are bitwise the same whatever else is in the batch."""
-        if (len(segments) == 1 and self.fused.available and len(segments[0][0]) > 0
+        are bitwise the same whatever else is in the batch.
+
+        `observe(names, x)`, when given, sees the input x (rows, cols) of every product by a weight matrix
+        before it is multiplied, with the GGUF names of the weights that take it (Q, K and V share one x): what
+        an importance matrix is made of (localllm/imatrix.py). It runs this op-by-op path, never the fused one,
+        so a forward without it pays nothing for the hook."""
+        if (observe is None and len(segments) == 1 and self.fused.available and len(segments[0][0]) > 0
                 and not (precise and len(segments[0][0]) >= ops.BLAS_MIN_N)):
             return [self._forward_fused(*segments[0])]
         c = self.config
@@ -254,6 +265,8 @@ class Transformer:
             x *= np.float32(math.sqrt(c.n_embd))
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.attn_norm, c.rms_eps)
+            if observe is not None:
+                observe(self.matmul_names[i][:3], h)
             q, k, v = L.qkv(h, precise=precise)
             if L.bq is not None:
                 q += L.bq
@@ -281,14 +294,21 @@ class Transformer:
                     cache.write(i, k[a:b], v[a:b])
                     attn[a:b] = ops.attention(q[a:b], cache.attention_inputs(i), pos, cache.start(i),
                                               self.layer_window[i], c.attention_scale)
+            if observe is not None:
+                observe(self.matmul_names[i][3:4], attn)
             o = ops.matmul(L.wo, attn, precise=precise)
             if tr.post_norms:
                 o = rms_norm(o, L.attn_post_norm, c.rms_eps)
             x = x + o
 
             h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            if observe is not None:
+                observe(self.matmul_names[i][4:6], h)
             gate, up = L.gate_up(h, precise=precise)
-            d = ops.matmul(L.ffn_down, ops.gated_activation(gate, up, tr.activation), precise=precise)
+            act = ops.gated_activation(gate, up, tr.activation)
+            if observe is not None:
+                observe(self.matmul_names[i][6:], act)
+            d = ops.matmul(L.ffn_down, act, precise=precise)
             if tr.post_norms:
                 d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
             x = x + d
@@ -300,7 +320,9 @@ class Transformer:
         if len(rows) == 0:
             logits = np.empty((0, c.vocab_size), np.float32)
         else:
-            out = rms_norm(x[rows], self.output_norm, c.rms_eps)
-            logits = ops.matmul(self.output, np.ascontiguousarray(out, dtype=np.float32), precise=precise)
+            out = np.ascontiguousarray(rms_norm(x[rows], self.output_norm, c.rms_eps), dtype=np.float32)
+            if observe is not None:
+                observe((self.output_name,), out)
+            logits = ops.matmul(self.output, out, precise=precise)
         counts = [1 if out_rows is None else len(out_rows) for _, _, out_rows in segments]
         return np.split(logits, np.cumsum(counts)[:-1])

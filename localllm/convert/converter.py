@@ -20,7 +20,7 @@ import numpy as np
 
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.resume import PartialWriter, keep_partial, partial_paths
+from localllm.resume import PartialWriter, file_identity, keep_partial, partial_paths
 
 from .architectures import ArchSpec, find_arch, llama3_rope_factors, normalise_config, permute_qk, write_hparams
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
@@ -303,12 +303,14 @@ def _kquant_source(plan: Plan, qplan):
 
 
 def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model_name: str | None = None,
-            progress: bool = True, overwrite: bool = True, resume: bool = False, say=None) -> dict:
+            progress: bool = True, overwrite: bool = True, resume: bool = False, say=None,
+            imatrix: str | None = None) -> dict:
     """Convert checkpoint directory `src` to GGUF file `out`. Returns a summary dict (output, timings, ...).
 
     A K-quant `out_type` (q4_k_m, ...) converts and quantizes each tensor in one pass: the file `localllm
     quantize` writes from the conversion to the checkpoint's own type, without that file. An interruption or a
-    full disk keeps OUT.partial (and its record OUT.partial.json); `resume` continues it (localllm/resume.py)."""
+    full disk keeps OUT.partial (and its record OUT.partial.json); `resume` continues it (localllm/resume.py).
+    `imatrix`: an importance matrix file for the K-quant step, as `localllm quantize --imatrix`."""
     from localllm import quantize
     from localllm.progress import progress_bar
 
@@ -332,7 +334,8 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
         qplan = None
         if kquant:
             view = _HeaderOnly(header, sum(-t.nbytes % 32 + t.nbytes for t in plan.tensors), f"{out.name} (source)")
-            qplan = quantize.make_plan(view, quantize.file_type(out_type))
+            qplan = quantize.make_plan(view, quantize.file_type(out_type),
+                                       imatrix=quantize.load_imatrix(imatrix) if imatrix else None)
             need = len(quantize.header_bytes(view, qplan)) + sum(t.dst_bytes + 32 for t in qplan.tensors)
         else:
             need = len(header) + sum(t.nbytes + 32 for t in plan.tensors)
@@ -341,7 +344,8 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
             raise LocalLLMError(f"not enough disk space for {out}: about {need / 1e9:.2f} GB needed, "
                                 f"{free / 1e9:.2f} GB free")
         plan_id = {"source": {"directory": str(Path(src).resolve()), "files": checkpoint_identity(plan.ckpt.dir)},
-                   "type": out_type, "name": model_name}
+                   "type": out_type, "name": model_name,
+                   **({"imatrix": {"path": str(Path(imatrix).resolve()), **file_identity(imatrix)}} if imatrix else {})}
         say = say or (lambda s: None)
         try:
             label = f"converting to {out.name}"
