@@ -23,7 +23,6 @@ from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import BLOCK as KV_BLOCK
 from localllm.kv_cache import KV_TYPES, KVCache, KVPool
 from localllm.sampling import Sampler, SamplingParams
 from localllm.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
@@ -134,8 +133,7 @@ class Sequence:
             common += 1
         if not self.cache.can_truncate(common):
             common = 0  # a sliding-window layer already dropped keys this position would need
-        pooled, _ = self.cache.cached_prefix(tokens[: len(tokens) - 1])
-        if pooled * KV_BLOCK > common:
+        if self.cache.cached_length(tokens[: len(tokens) - 1]) > common:
             self.cache.truncate(0)
             common = self.cache.attach_prefix(tokens[: len(tokens) - 1])
         else:

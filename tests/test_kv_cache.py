@@ -132,7 +132,9 @@ def test_two_sequences_sharing_a_1000_token_prefix_hold_it_once():
     _, ta = greedy(e, prefix + text_tokens(e, 20, seed=1), seq=a, params=GenerationParams(max_tokens=2))
     _, tb = greedy(e, prefix + text_tokens(e, 20, seed=2), seq=b, params=GenerationParams(max_tokens=2))
     shared = 1000 // BLOCK
-    assert ta.cache_n == 0 and tb.cache_n == shared * BLOCK  # b computed only what follows the shared blocks
+    # b computed only what follows the shared prefix: 62 blocks shared, and the first 8 positions of a's next
+    # block copied (where the prompts part inside it)
+    assert ta.cache_n == 0 and tb.cache_n == 1000
     per_seq = [sum(len(t) for t in s.cache.tables) for s in (a, b)]
     assert pool.blocks_held() == sum(per_seq) - shared  # the 62 shared blocks are held once
     held_bytes = pool.blocks_held() * pool.groups[0].block_bytes
@@ -170,8 +172,46 @@ def test_reused_blocks_are_exactly_what_recomputing_them_gives():
         assert np.array_equal(seq.cache.keys(layer)[:, :288], own.cache.keys(layer)[:, :288])
 
 
+@pytest.mark.parametrize("name", [SMALL, "gemma3-270m"])
+def test_a_prompt_that_parts_inside_a_block_reuses_the_positions_before_it_bitwise(name):
+    """As llama.cpp reuses a slot's cache token by token: a prompt that leaves a cached one 10 tokens into a
+    block takes those 10 positions too (the block copied), and its logits are bitwise a cold pass's."""
+    e = engine(name)
+    a = text_tokens(e, 100, seed=8)
+    b = a[:90] + text_tokens(e, 10, seed=9)
+    assert b[90] != a[90]
+    fresh_pool(e)
+    cold_seq = e.new_sequence()
+    cold = e.evaluate(cold_seq, b)
+    cold_seq.close()
+    pool = fresh_pool(e)
+    first = e.new_sequence()
+    e.evaluate(first, a)
+    first.close()
+    seq = e.new_sequence()
+    assert seq.reuse_prefix(b) == 90  # 5 whole blocks shared, 10 positions of the sixth copied
+    held = [t[5] for t in seq.cache.tables]
+    assert all(pool.groups[gi].refs[blk] == 1 and blk not in pool.groups[gi].name_of for gi, blk in enumerate(held))
+    assert np.array_equal(e.evaluate(seq, b[90:]), cold)
+    seq.close()
+
+
+def test_the_tokens_kept_for_partial_reuse_leave_with_their_blocks():
+    pool = KVPool(1, 2, 4, 3)
+    c = pool.new_cache(1000)
+    append(c, 40, seed=1)
+    c.remember(list(range(40)))
+    c.release()  # two named blocks, idle
+    assert len(pool._parent_of) == 2 and pool.partial_match(b"", [0, 1, 2, 9])[0] == 3
+    pool.budget_bytes = 0  # every idle block may be recycled now
+    other = pool.new_cache(1000)
+    append(other, GROWTH_BLOCKS * BLOCK, seed=2)  # takes every block, the idle ones last
+    assert pool.blocks_idle() == 0 and pool._parent_of == {} and pool._children == {}
+    assert pool.partial_match(b"", [0, 1, 2, 9]) == (0, None)
+
+
 def test_greedy_output_is_identical_with_and_without_prefix_reuse():
-    """On llama.cpp's long_apache case, 48 tokens. With reuse only the prompt tokens after the cached blocks
+    """On llama.cpp's long_apache case, 48 tokens. With reuse only the prompt tokens after the cached prefix
     are computed, in a second, shorter evaluation; every kernel computes each token's row alone (batch
     invariance), so the logits are bitwise those of one cold pass and greedy output cannot fork."""
     e = engine()
@@ -188,7 +228,8 @@ def test_greedy_output_is_identical_with_and_without_prefix_reuse():
     fresh_pool(e)
     greedy(e, prompt + case["tokens"][:20])  # an earlier request whose prompt began with this one
     with_reuse, t = greedy(e, prompt, params=params)
-    assert t.cache_n == (len(prompt) - 1) // BLOCK * BLOCK and t.prompt_n == len(prompt) - t.cache_n
+    # all but the last prompt token come from the cache: whole blocks shared, the last block's start copied
+    assert t.cache_n == len(prompt) - 1 and t.prompt_n == 1
     assert with_reuse == without and len(without) == 48
     seq = e.new_sequence()
     assert seq.reuse_prefix(prompt) == t.cache_n
