@@ -44,8 +44,10 @@ class Bar:
             pct = f" {100 * completed / self.total:.0f}%" if self.total else ""
             amount = f"{completed / 1e6:.0f} MB" if self.unit == "bytes" else f"{completed}/{self.total}"
             eta = ""
-            if self.total and 0 < completed < self.total:
-                left = (time.monotonic() - self._start) * (self.total - completed) / completed
+            elapsed = time.monotonic() - self._start
+            # No estimate from the first instants: one small tensor done in 2 ms read as "211584 s left".
+            if self.total and 0.01 * self.total <= completed < self.total and elapsed >= 1:
+                left = elapsed * (self.total - completed) / completed
                 eta = f", about {left:.0f} s left"
             print(f"{self.label}: {amount}{pct}{eta}", file=sys.stderr, flush=True)
 
