@@ -36,23 +36,22 @@ def resolve_source(src: str, quiet: bool) -> Path:
 
 
 def cmd_convert(args) -> int:
-    from localllm.convert import KQUANT_TYPES, convert, plan_conversion
+    from localllm.convert import QUANTIZE_MIXES, convert, plan_conversion
     from localllm.convert.converter import default_output, summarise
 
     logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf-py's notes on keys overwritten, as llama.cpp's are
     out_type = (args.type or "auto").lower()
     src = resolve_source(args.src, args.quiet)
-    kquant = out_type in KQUANT_TYPES
-    if args.imatrix and not kquant:
-        raise LocalLLMError(f"--imatrix applies to the K-quant mixes made through `localllm quantize` (q4_k_m, ...), "
-                            f"not to --type {out_type}: for q4_0 and the like, convert to f32 and run `localllm "
-                            "quantize --imatrix FILE`")
+    mix = out_type in QUANTIZE_MIXES
+    if args.imatrix and not mix:
+        raise LocalLLMError(f"--imatrix applies to the mixes made through `localllm quantize` (q4_0 ... q6_k), "
+                            f"not to --type {out_type}")
     if args.imatrix and not args.dry_run:
         from localllm.quantize import load_imatrix
 
         load_imatrix(args.imatrix)  # a bad file is refused before minutes of converting, not after
     if args.dry_run:
-        plan = plan_conversion(src, "auto" if kquant else out_type)
+        plan = plan_conversion(src, "auto" if mix else out_type)
         try:
             summary = summarise(plan)
             out = Path(args.output) if args.output else default_output(src, plan.qtype)
@@ -115,11 +114,12 @@ def add_commands(sub) -> None:
                    help="output file or directory (default: ./<SRC name>-<TYPE>.gguf)")
     p.add_argument("--type", "--outtype", dest="type", metavar="T", type=str.lower, choices=TYPE_CHOICES,
                    default="auto",
-                   help="tensor type: auto (the checkpoint's own: a bf16 model stays BF16), f32, f16, bf16, q8_0, "
-                        "q4_0, q4_1, q5_0, q5_1, or a K-quant mix (q4_k_m, ...: through `localllm quantize`). Norms "
-                        "and biases stay F32, as in llama.cpp")
+                   help="tensor type: auto (the checkpoint's own: a bf16 model stays BF16), f32, f16, bf16, q8_0 "
+                        "(as convert_hf_to_gguf.py writes them), or one of llama-quantize's mixes q4_0, q4_1, q5_0, "
+                        "q5_1, q2_k ... q6_k (as `localllm quantize` makes them). Norms and biases stay F32, as in "
+                        "llama.cpp")
     p.add_argument("--imatrix", metavar="FILE",
-                   help="with a K-quant --type: the importance matrix for its quantize step (`localllm imatrix` "
+                   help="with a quantize mix --type: the importance matrix for its quantize step (`localllm imatrix` "
                         "or llama-imatrix; see `localllm quantize --imatrix`)")
     p.add_argument("--name", help="general.name (default: from the checkpoint)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (every tensor, its type and shape) and "

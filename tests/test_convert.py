@@ -285,14 +285,16 @@ def test_llama3_rope_scaling_becomes_llama_cpp_rope_freqs_tensor(tmp_path):
     assert ours == theirs
 
 
-def test_k_quant_convert_is_the_checkpoint_type_conversion_then_quantize(tiny, tmp_path):
-    """`convert --type q4_k_m` converts and quantizes each tensor in one pass: the same bytes as convert (the
-    checkpoint's own type) and `quantize` run one after the other, and no intermediate file beside the output."""
+@pytest.mark.parametrize("mix", ["q4_k_m", "q4_0"])
+def test_quantize_mix_convert_is_the_checkpoint_type_conversion_then_quantize(tiny, tmp_path, mix):
+    """`convert --type q4_k_m` (or q4_0: llama-quantize's Q4_0 mix, with its Q6_K output matrix) converts and
+    quantizes each tensor in one pass: the same bytes as convert (the checkpoint's own type) and `quantize` run one
+    after the other, and no intermediate file beside the output."""
     from localllm.quantize import quantize_file
 
-    assert cli_main(["convert", str(tiny["llama"]), "-o", str(tmp_path / "one.gguf"), "--type", "q4_k_m", "-q"]) == 0
+    assert cli_main(["convert", str(tiny["llama"]), "-o", str(tmp_path / "one.gguf"), "--type", mix, "-q"]) == 0
     convert(tiny["llama"], tmp_path / "src.gguf", "auto", progress=False)
-    quantize_file(tmp_path / "src.gguf", tmp_path / "two.gguf", "Q4_K_M")
+    quantize_file(tmp_path / "src.gguf", tmp_path / "two.gguf", mix.upper())
     assert (tmp_path / "one.gguf").read_bytes() == (tmp_path / "two.gguf").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.gguf", "src.gguf", "two.gguf"]
 

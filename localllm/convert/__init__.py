@@ -5,6 +5,6 @@ data and the hyperparameter keys), `vocab` (tokenizer keys, the pre-tokenizer), 
 streaming writer).
 """
 
-from .converter import KQUANT_TYPES, OUTPUT_TYPES, TYPE_CHOICES, convert, plan_conversion
+from .converter import QUANTIZE_MIXES, OUTPUT_TYPES, TYPE_CHOICES, convert, plan_conversion
 
-__all__ = ["convert", "plan_conversion", "OUTPUT_TYPES", "KQUANT_TYPES", "TYPE_CHOICES"]
+__all__ = ["convert", "plan_conversion", "OUTPUT_TYPES", "QUANTIZE_MIXES", "TYPE_CHOICES"]

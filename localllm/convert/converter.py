@@ -35,12 +35,15 @@ FT = gguf.LlamaFileType
 # --type (llama.cpp's spelling, case-insensitive) -> (tensor type, general.file_type)
 OUTPUT_TYPES: dict[str, tuple[Q, FT]] = {
     "f32": (Q.F32, FT.ALL_F32), "f16": (Q.F16, FT.MOSTLY_F16), "bf16": (Q.BF16, FT.MOSTLY_BF16),
-    "q8_0": (Q.Q8_0, FT.MOSTLY_Q8_0), "q4_0": (Q.Q4_0, FT.MOSTLY_Q4_0), "q4_1": (Q.Q4_1, FT.MOSTLY_Q4_1),
-    "q5_0": (Q.Q5_0, FT.MOSTLY_Q5_0), "q5_1": (Q.Q5_1, FT.MOSTLY_Q5_1),
+    "q8_0": (Q.Q8_0, FT.MOSTLY_Q8_0),
 }
-# Mixes that llama-quantize makes from a full-precision GGUF: converted first, then handed to `localllm quantize`.
-KQUANT_TYPES = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
-TYPE_CHOICES = ("auto", *OUTPUT_TYPES, *KQUANT_TYPES)
+# Mixes that llama-quantize makes from a full-precision GGUF (convert_hf_to_gguf.py writes none of them): each
+# tensor converted to the checkpoint's type, then quantized as `localllm quantize` would, in one pass. The legacy
+# 4- and 5-bit types are mixes too (llama-quantize's Q4_0 keeps output.weight at Q6_K): written as plain Q4_0
+# matrices they matched no file llama.cpp makes.
+QUANTIZE_MIXES = ("q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
+                  "q5_k_s", "q5_k_m", "q6_k")
+TYPE_CHOICES = ("auto", *OUTPUT_TYPES, *QUANTIZE_MIXES)
 
 # Tensors convert_hf_to_gguf.py never writes.
 _SKIP_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
@@ -316,12 +319,12 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
 
     t0 = time.monotonic()
     out_type = out_type.lower()
-    if out_type not in OUTPUT_TYPES and out_type not in KQUANT_TYPES and out_type != "auto":
+    if out_type not in OUTPUT_TYPES and out_type not in QUANTIZE_MIXES and out_type != "auto":
         raise LocalLLMError(f"unknown output type {out_type!r}; choose one of: {', '.join(TYPE_CHOICES)}")
-    kquant = out_type in KQUANT_TYPES
-    plan = plan_conversion(Path(src), "auto" if kquant else out_type)
+    mix = out_type in QUANTIZE_MIXES
+    plan = plan_conversion(Path(src), "auto" if mix else out_type)
     try:
-        name_type = out_type.upper() if kquant else plan.qtype.name
+        name_type = out_type.upper() if mix else plan.qtype.name
         default = Path.cwd() / f"{Path(src).name}-{name_type}.gguf"
         out = Path(out) if out is not None else default
         if out.is_dir():
@@ -332,7 +335,7 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
             raise LocalLLMError(f"{out.parent}: no such directory")
         header = _header(_metadata_writer(plan, model_name))
         qplan = None
-        if kquant:
+        if mix:
             view = _HeaderOnly(header, sum(-t.nbytes % 32 + t.nbytes for t in plan.tensors), f"{out.name} (source)")
             qplan = quantize.make_plan(view, quantize.file_type(out_type),
                                        imatrix=quantize.load_imatrix(imatrix) if imatrix else None)
@@ -349,7 +352,7 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
         say = say or (lambda s: None)
         try:
             label = f"converting to {out.name}"
-            if kquant:
+            if mix:
                 with progress_bar(label, qplan.src_bytes, quiet=not progress) as bar:
                     quantize.write(view, qplan, out, bar.update, resume=resume, plan_id=plan_id, say=say,
                                    source=_kquant_source(plan, qplan))
@@ -361,7 +364,7 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
                                 + (f"; {out.name}.partial is kept: rerun with --resume to continue)"
                                    if partial_paths(out)[0].exists() else ")")) from None
         summary = summarise(plan)
-        if kquant:
+        if mix:
             summary.update(type=out_type.upper(), bytes=qplan.dst_bytes, fallbacks=qplan.n_fallback)
         summary.update(output=str(out), seconds=round(time.monotonic() - t0, 2), **plan.vocab_summary)
         return summary
