@@ -57,7 +57,9 @@ def test_max_tokens_finishes_with_length_and_timings():
     events, _ = run(temperature=0, max_tokens=5)
     assert len(events) == 5 and events[-1].finish_reason == "length"
     t = events[-1].timings
-    assert t.predicted_n == 5 and t.prompt_n == 5 and t.cache_n == 0
+    # The prompt's 5 tokens are either evaluated or reused from what an earlier test left in the cache (a block
+    # that starts with them: all but the last may be reused)
+    assert t.predicted_n == 5 and t.prompt_n + t.cache_n == 5 and t.prompt_n >= 1
     assert t.prompt_ms > 0 and t.predicted_ms > 0 and len(t.token_ms) == 5
 
 
