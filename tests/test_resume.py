@@ -55,6 +55,14 @@ def interrupt_after(monkeypatch, module, attr, n: int, failure: BaseException) -
     monkeypatch.setattr(module, attr, failing)
 
 
+def ctrl_c_after(monkeypatch, src, out, n: int) -> None:
+    """An f32 conversion of `src` to `out` interrupted (Ctrl-C) as tensor n is read: its partial is kept."""
+    interrupt_after(monkeypatch, converter, "tensor_values", n, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, "f32", progress=False)
+    monkeypatch.undo()
+
+
 def test_conversion_killed_halfway_resumes_to_the_same_sha256(ckpt, whole, tmp_path, capsys):
     # A real kill -9 in a child process, after 10 of the 20 tensors: whatever the child had not flushed is lost.
     out = tmp_path / "o.gguf"
@@ -114,10 +122,7 @@ def test_a_changed_source_is_not_resumed_but_converted_again_saying_why(ckpt, tm
     src = tmp_path / "src"
     shutil.copytree(ckpt, src)
     out = tmp_path / "o.gguf"
-    interrupt_after(monkeypatch, converter, "tensor_values", 8, KeyboardInterrupt())
-    with pytest.raises(KeyboardInterrupt):
-        convert(src, out, "f32", progress=False)
-    monkeypatch.undo()
+    ctrl_c_after(monkeypatch, src, out, 8)
     # new weights of the same size: only the file's modification time tells
     st = (src / "model.safetensors").stat()
     data = bytearray((src / "model.safetensors").read_bytes())
@@ -134,10 +139,7 @@ def test_a_changed_source_is_not_resumed_but_converted_again_saying_why(ckpt, tm
 
 def test_other_options_are_not_resumed(ckpt, whole, tmp_path, monkeypatch):
     out = tmp_path / "o.gguf"
-    interrupt_after(monkeypatch, converter, "tensor_values", 8, KeyboardInterrupt())
-    with pytest.raises(KeyboardInterrupt):
-        convert(ckpt, out, "f32", progress=False)
-    monkeypatch.undo()
+    ctrl_c_after(monkeypatch, ckpt, out, 8)
     said = []
     convert(ckpt, out, "q4_k_m", progress=False, resume=True, say=said.append)
     assert "with other options" in said[0] and "'f32', now 'q4_k_m'" in said[0]
@@ -146,10 +148,7 @@ def test_other_options_are_not_resumed(ckpt, whole, tmp_path, monkeypatch):
 
 def test_a_damaged_kept_tensor_is_written_again(ckpt, whole, tmp_path, monkeypatch):
     out = tmp_path / "o.gguf"
-    interrupt_after(monkeypatch, converter, "tensor_values", 12, KeyboardInterrupt())
-    with pytest.raises(KeyboardInterrupt):
-        convert(ckpt, out, "f32", progress=False)
-    monkeypatch.undo()
+    ctrl_c_after(monkeypatch, ckpt, out, 12)
     records = [json.loads(line) for line in (tmp_path / "o.gguf.partial.json").read_text().splitlines()]
     partial = tmp_path / "o.gguf.partial"
     raw = bytearray(partial.read_bytes())
@@ -164,10 +163,7 @@ def test_a_damaged_kept_tensor_is_written_again(ckpt, whole, tmp_path, monkeypat
 
 def test_without_resume_an_old_partial_is_replaced(ckpt, whole, tmp_path, monkeypatch):
     out = tmp_path / "o.gguf"
-    interrupt_after(monkeypatch, converter, "tensor_values", 8, KeyboardInterrupt())
-    with pytest.raises(KeyboardInterrupt):
-        convert(ckpt, out, "f32", progress=False)
-    monkeypatch.undo()
+    ctrl_c_after(monkeypatch, ckpt, out, 8)
     said = []
     convert(ckpt, out, "f32", progress=False, say=said.append)
     assert said == ["o.gguf.partial from an earlier run is replaced (pass --resume to continue it)"]
