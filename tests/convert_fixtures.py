@@ -170,6 +170,26 @@ def sentencepiece_model(fields: dict) -> bytes:
     return bytes(out)
 
 
+def sentencepiece_added_tokens(fields: dict) -> dict:
+    """tokenizer_config.json's added_tokens_decoder for a SentencePiece vocabulary, as Gemma's published
+    checkpoints list it: every control piece (special) and every user-defined piece (not special: the whitespace
+    runs, "\\n", "[multimodal]", ...; 165 in gemma3-270m). convert_hf_to_gguf.py reads user-defined pieces from
+    here, not from tokenizer.model, so a checkpoint without them converts to a GGUF that tokenizes "\\n\\n" as two
+    tokens where the checkpoint's tokenizer makes one."""
+    decoder = {}
+    for i, (tok, typ) in enumerate(zip(fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"])):
+        if int(typ) in (3, 4):
+            decoder[str(i)] = {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                               "single_word": False, "special": int(typ) == 3}
+    return decoder
+
+
+def add_sentencepiece_added_tokens(config_path: Path, fields: dict) -> None:
+    cfg = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    cfg["added_tokens_decoder"] = sentencepiece_added_tokens(fields)
+    config_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def make_tiny_checkpoint(arch: str, out: Path, shards: int = 1, dtype: str = "BF16",
                          config_changes: dict | None = None) -> Path:
     """Write the tiny `arch` checkpoint (an architecture or a VARIANTS name) into directory `out` (created);
@@ -193,6 +213,7 @@ def make_tiny_checkpoint(arch: str, out: Path, shards: int = 1, dtype: str = "BF
     tokens = fields["tokenizer.ggml.tokens"]
     if arch == "gemma3":
         (out / "tokenizer.model").write_bytes(sentencepiece_model(fields))
+        add_sentencepiece_added_tokens(out / "tokenizer_config.json", fields)
     else:
         tj = json.loads((src / "tokenizer_skeleton.json").read_text(encoding="utf-8"))
         tj["model"]["vocab"] = {t: i for i, t in reversed(list(enumerate(tokens)))}

@@ -323,3 +323,16 @@ def test_k_quant_convert_passes_the_imatrix_to_its_quantize_step(tiny, tmp_path,
     assert cli_main(["convert", str(tiny["llama"]), "-o", "q8.gguf", "--type", "q8_0", "--imatrix", "im.gguf",
                      "-q"]) == 1
     assert not (tmp_path / "q8.gguf").exists()
+
+
+def test_sentencepiece_checkpoint_converts_to_a_gguf_that_tokenizes_as_the_checkpoint(tiny, converted):
+    # gemma3's user-defined pieces (whitespace runs, "\n\n") come from tokenizer_config.json's added_tokens_decoder,
+    # as in Google's checkpoints: the written file keeps them whole, as the checkpoint's tokenizer does
+    from localllm.convert.verify import TOKENIZER_TEXT, check_tokenizer
+    from localllm.gguf_file import load_metadata
+    from localllm.tokenizer.core import Tokenizer
+
+    result = check_tokenizer(tiny["gemma3"], converted["gemma3"])
+    assert result["source"] == "tokenizer.model" and result["same_ids"], result
+    tok = Tokenizer.from_metadata(load_metadata(converted["gemma3"]))
+    assert "\n\n\n" in TOKENIZER_TEXT and len(tok.encode("\n\n", add_special=False)) == 1

@@ -127,6 +127,12 @@ def make_checkpoint(name: str, out_root: Path, shard_size: str | None = None, ou
     gen.save_pretrained(partial)
     if fields.get("tokenizer.ggml.model") == "llama":
         write_sentencepiece_model(fields, partial)
+        # control and user-defined pieces listed in added_tokens_decoder, as Google's gemma3 checkpoints do
+        # (transformers' GGUF tokenizer lists none): convert_hf_to_gguf.py types user-defined pieces from there
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from convert_fixtures import add_sentencepiece_added_tokens
+
+        add_sentencepiece_added_tokens(partial / "tokenizer_config.json", fields)
 
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
