@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from localllm.architectures import load_model_config
+from localllm import backends
 from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
@@ -153,7 +154,8 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32"):
+    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
+                 backend: str = "cpu"):
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         meta = self.gguf.metadata
@@ -161,7 +163,7 @@ class Engine:
         self.config = load_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.from_metadata(meta, model_name=self.path.stem)
-        self.model = Transformer(self.gguf, self.config)
+        self.model = Transformer(self.gguf, self.config, backends.get(backend))
         self.ctx = int(ctx) if ctx else min(self.config.context_length, DEFAULT_CTX)
         if self.ctx < 8:
             raise LocalLLMError(f"context size {self.ctx} is too small")
@@ -176,7 +178,8 @@ class Engine:
         self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
         self.kv_type = kv_type
         self._draft_engines: dict[str, Engine] = {}
-        warm_up(self.model.weights(), quiet=quiet, extra=self.model.warm_up_calls(kv_type))
+        warm_up(self.model.backend.warm_up_calls(self.model.weights()) + self.model.warm_up_calls(kv_type),
+                quiet=quiet)
 
     @classmethod
     def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32") -> "Engine":

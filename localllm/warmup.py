@@ -52,12 +52,10 @@ def _marker(label: str) -> Path:
     return paths.kernel_cache_dir() / "compiled" / _build_key() / label.replace(" ", "_")
 
 
-def warm_up(weights, quiet: bool = False, extra=()) -> int:
-    """Run the warm-up calls (the kernels `weights` use, then `extra` (label, thunk) pairs); returns how many
-    kernels had to be compiled (0 on a warm start)."""
-    from localllm.kernels import ops
-
-    calls = ops.warm_up_calls(weights) + list(extra)
+def warm_up(calls, quiet: bool = False) -> int:
+    """Run the (label, thunk) warm-up calls a backend gives for a model (`Backend.warm_up_calls`, then the model's
+    whole-forward ones) that are not yet marked compiled; returns how many ran (0 on a warm start)."""
+    calls = list(calls)
     cold = [(label, thunk) for label, thunk in calls if not _marker(label).exists()]
     if not cold:
         return 0

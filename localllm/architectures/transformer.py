@@ -1,8 +1,9 @@
 """The decoder-only transformer every supported architecture is: weights from GGUF, and one forward pass.
 
 Shared blocks live here once (RMSNorm, RoPE in both pairings, grouped-query attention with causal and
-sliding-window masks, gated FFN); an architecture's `ArchTraits` switch between their variants. Matrix
-products go through `kernels.ops`, which picks the kernel for each weight's quant format and shape.
+sliding-window masks, gated FFN); an architecture's `ArchTraits` switch between their variants. The forward is
+written once against a backend's operations (localllm/backends/base.py); a backend may override it for one
+sequence with a whole-forward call (the CPU's fused forward), bitwise the same logits.
 """
 
 from __future__ import annotations
@@ -12,18 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localllm.kernels import ops
+from typing import Any
+
+from localllm import backends
 from localllm.architectures.base import ModelConfig
+from localllm.backends.base import Backend
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import KVCache, KVPool
 
 # ---- blocks ----------------------------------------------------------------------------------------------
-# RMSNorm, RoPE and the gated activation are compiled kernels (kernels.ops; numpy references in
-# kernels/reference.py): in numpy they cost as much per decode step as the matrix products of a small model.
-rms_norm = ops.rms_norm
-
-
 class RopeTable:
     """cos/sin of every position for one (base, scale), grown on demand."""
 
@@ -50,15 +49,17 @@ MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 @dataclass
 class LayerWeights:
-    attn_norm: np.ndarray
-    wq: ops.Weight
-    wk: ops.Weight
-    wv: ops.Weight
-    wo: ops.Weight
-    ffn_norm: np.ndarray
-    ffn_gate: ops.Weight
-    ffn_up: ops.Weight
-    ffn_down: ops.Weight
+    """One layer's weights as its backend holds them (matrices from `Backend.matrix`, vectors from
+    `Backend.vector`)."""
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    ffn_norm: Any
+    ffn_gate: Any
+    ffn_up: Any
+    ffn_down: Any
     bq: np.ndarray | None = None
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
@@ -66,11 +67,9 @@ class LayerWeights:
     k_norm: np.ndarray | None = None
     attn_post_norm: np.ndarray | None = None
     ffn_post_norm: np.ndarray | None = None
-
-    def __post_init__(self):
-        # Matrices that always read the same input: one kernel call each group (kernels.ops.WeightGroup).
-        self.qkv = ops.WeightGroup([self.wq, self.wk, self.wv])
-        self.gate_up = ops.WeightGroup([self.ffn_gate, self.ffn_up])
+    # Matrices that always read the same input, one backend call each group (on the CPU: x quantized once).
+    qkv: Any = None
+    gate_up: Any = None
 
 
 def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
@@ -81,9 +80,9 @@ def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
     return g.raw(name).view(np.float32).reshape(length)
 
 
-def _matrix(g: GGUFFile, name: str, rows: int, cols: int) -> ops.Weight:
+def _matrix(backend: Backend, g: GGUFFile, name: str, rows: int, cols: int):
     try:
-        w = ops.Weight.from_gguf(g, name)
+        w = backend.matrix(g, name)
     except ModelFileError as e:
         if str(g.path) in str(e):
             raise
@@ -94,47 +93,57 @@ def _matrix(g: GGUFFile, name: str, rows: int, cols: int) -> ops.Weight:
 
 
 class Transformer:
-    """Weights of a decoder-only model (views into the GGUF file) and its forward pass."""
+    """Weights of a decoder-only model (held by its backend) and its forward pass."""
 
-    def __init__(self, g: GGUFFile, config: ModelConfig):
+    def __init__(self, g: GGUFFile, config: ModelConfig, backend: Backend | None = None):
         self.config = c = config
+        self.backend = b = backend or backends.get()
         tr = c.traits
+
+        def _matrix_of(name, rows, cols):
+            return _matrix(b, g, name, rows, cols)
+
+        def _vector_of(name, length):
+            return b.vector(_vector(g, name, length))
+
         q_dim, kv_dim, v_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.value_dim
-        self.token_embd = _matrix(g, "token_embd.weight", c.vocab_size, c.n_embd)
+        self.token_embd = _matrix_of("token_embd.weight", c.vocab_size, c.n_embd)
         # Tied embeddings (no output.weight, e.g. SmolLM2, Gemma): the embedding matrix is the output head.
-        self.output = _matrix(g, "output.weight", c.vocab_size, c.n_embd) if "output.weight" in g.tensors \
+        self.output = _matrix_of("output.weight", c.vocab_size, c.n_embd) if "output.weight" in g.tensors \
             else self.token_embd
-        self.output_norm = _vector(g, "output_norm.weight", c.n_embd)
+        self.output_norm = _vector_of("output_norm.weight", c.n_embd)
         self.output_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
         # The GGUF name of each layer's matrices, in the order forward_batch multiplies by them.
         self.matmul_names = [tuple(f"blk.{i}.{m}.weight" for m in MATMULS) for i in range(c.n_layers)]
 
         def optional_vector(name: str, length: int):
-            return _vector(g, name, length) if name in g.tensors else None
+            return _vector_of(name, length) if name in g.tensors else None
 
         self.layers = []
         for i in range(c.n_layers):
             p = f"blk.{i}."
             layer = LayerWeights(
-                attn_norm=_vector(g, p + "attn_norm.weight", c.n_embd),
-                wq=_matrix(g, p + "attn_q.weight", q_dim, c.n_embd),
-                wk=_matrix(g, p + "attn_k.weight", kv_dim, c.n_embd),
-                wv=_matrix(g, p + "attn_v.weight", v_dim, c.n_embd),
-                wo=_matrix(g, p + "attn_output.weight", c.n_embd, c.n_head * c.value_dim),
-                ffn_norm=_vector(g, p + "ffn_norm.weight", c.n_embd),
-                ffn_gate=_matrix(g, p + "ffn_gate.weight", c.n_ff, c.n_embd),
-                ffn_up=_matrix(g, p + "ffn_up.weight", c.n_ff, c.n_embd),
-                ffn_down=_matrix(g, p + "ffn_down.weight", c.n_embd, c.n_ff),
+                attn_norm=_vector_of(p + "attn_norm.weight", c.n_embd),
+                wq=_matrix_of(p + "attn_q.weight", q_dim, c.n_embd),
+                wk=_matrix_of(p + "attn_k.weight", kv_dim, c.n_embd),
+                wv=_matrix_of(p + "attn_v.weight", v_dim, c.n_embd),
+                wo=_matrix_of(p + "attn_output.weight", c.n_embd, c.n_head * c.value_dim),
+                ffn_norm=_vector_of(p + "ffn_norm.weight", c.n_embd),
+                ffn_gate=_matrix_of(p + "ffn_gate.weight", c.n_ff, c.n_embd),
+                ffn_up=_matrix_of(p + "ffn_up.weight", c.n_ff, c.n_embd),
+                ffn_down=_matrix_of(p + "ffn_down.weight", c.n_embd, c.n_ff),
                 bq=optional_vector(p + "attn_q.bias", q_dim),
                 bk=optional_vector(p + "attn_k.bias", kv_dim),
                 bv=optional_vector(p + "attn_v.bias", v_dim),
             )
             if tr.qk_norm:
-                layer.q_norm = _vector(g, p + "attn_q_norm.weight", c.head_dim)
-                layer.k_norm = _vector(g, p + "attn_k_norm.weight", c.head_dim)
+                layer.q_norm = _vector_of(p + "attn_q_norm.weight", c.head_dim)
+                layer.k_norm = _vector_of(p + "attn_k_norm.weight", c.head_dim)
             if tr.post_norms:
-                layer.attn_post_norm = _vector(g, p + "post_attention_norm.weight", c.n_embd)
-                layer.ffn_post_norm = _vector(g, p + "post_ffw_norm.weight", c.n_embd)
+                layer.attn_post_norm = _vector_of(p + "post_attention_norm.weight", c.n_embd)
+                layer.ffn_post_norm = _vector_of(p + "post_ffw_norm.weight", c.n_embd)
+            layer.qkv = b.group([layer.wq, layer.wk, layer.wv])
+            layer.gate_up = b.group([layer.ffn_gate, layer.ffn_up])
             self.layers.append(layer)
 
         self._rope = {}
@@ -148,17 +157,15 @@ class Transformer:
         self._ropes = list(self._rope.values())
         self._layer_rope_index = np.array([self._ropes.index(t) for t in self.layer_rope], np.int64)
         self._layer_window = np.array(self.layer_window, np.int64)
-        # The same forward as one compiled call, for one sequence (decode, speculative verify, prompt chunks).
-        self.fused = ops.FusedForward(
-            [[L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down] for L in self.layers], self.output,
-            [[L.attn_norm, L.ffn_norm, L.bq, L.bk, L.bv, L.q_norm, L.k_norm, L.attn_post_norm, L.ffn_post_norm]
-             for L in self.layers], self.output_norm,
-            (c.n_layers, c.n_head, c.n_head_kv, c.head_dim, c.value_dim, c.rope_dim, c.n_embd, c.n_ff,
-             c.vocab_size),
-            (tr.rope_style == "neox", tr.qk_norm, tr.post_norms, ops.GATES[tr.activation]), c.rms_eps,
-            c.attention_scale)
+        # The backend's override of the same forward for one sequence (decode, speculative verify, prompt
+        # chunks): on the CPU one compiled call per step. None or `.available` False: the op-by-op forward.
+        self.fused = b.whole_forward(self)
 
-    def weights(self) -> list[ops.Weight]:
+    @property
+    def _fused_available(self) -> bool:
+        return self.fused is not None and self.fused.available
+
+    def weights(self) -> list:
         """Every weight matrix (for kernel warm-up and accounting)."""
         mats = [self.token_embd, self.output]
         for L in self.layers:
@@ -167,7 +174,7 @@ class Transformer:
 
     def warm_up_calls(self, kv_type: str) -> list:
         """(label, thunk) compiling the fused forward for this KV type (one compile serves every model)."""
-        if not self.fused.available:
+        if not self._fused_available:
             return []
 
         def run():
@@ -195,7 +202,7 @@ class Transformer:
             angles = delta * self.layer_rope[layer].inv_freq
             cos = np.broadcast_to(np.cos(angles).astype(np.float32), (len(keys), len(angles))).copy()
             sin = np.broadcast_to(np.sin(angles).astype(np.float32), (len(keys), len(angles))).copy()
-            ops.rope(keys, cos, sin, self.config.rope_dim, neox)
+            self.backend.rope(keys, cos, sin, self.config.rope_dim, neox)
 
         cache.shift(n_keep, n_discard, rotate)
 
@@ -211,14 +218,14 @@ class Transformer:
         return self.forward_batch([(tokens, cache, output_rows)], precise, observe)[0]
 
     def _forward_fused(self, tokens, cache: KVCache, output_rows) -> np.ndarray:
-        """forward_batch for one sequence, as one compiled call (kernels.ops.FusedForward): bitwise the same
-        logits."""
+        """forward_batch for one sequence through the backend's whole-forward override (the CPU's fused forward:
+        kernels/cpu/fused_forward.py): bitwise the same logits."""
         c = self.config
         tokens = np.asarray(tokens, dtype=np.int64)
         n = len(tokens)
         positions = np.arange(cache.length, cache.length + n)
         cache.reserve(n)
-        x = ops.embed(self.token_embd, tokens)
+        x = self.backend.embed(self.token_embd, tokens)
         if c.traits.scale_embeddings:
             x *= np.float32(math.sqrt(c.n_embd))
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -243,11 +250,12 @@ class Transformer:
         before it is multiplied, with the GGUF names of the weights that take it (Q, K and V share one x): what
         an importance matrix is made of (localllm/imatrix.py). It runs this op-by-op path, never the fused one,
         so a forward without it pays nothing for the hook."""
-        if (observe is None and len(segments) == 1 and self.fused.available and len(segments[0][0]) > 0
-                and not (precise and len(segments[0][0]) >= ops.BLAS_MIN_N)):
+        if (observe is None and len(segments) == 1 and self._fused_available and len(segments[0][0]) > 0
+                and not (precise and len(segments[0][0]) >= self.backend.precise_min_rows)):
             return [self._forward_fused(*segments[0])]
         c = self.config
         tr = c.traits
+        b = self.backend
         neox = tr.rope_style == "neox"
         ids, bounds, seg_positions = [], [0], []
         for tokens, cache, _ in segments:
@@ -260,69 +268,65 @@ class Transformer:
         n = bounds[-1]
         angles = {id(table): table.get(positions) for table in self._rope.values()}  # once per forward
 
-        x = ops.embed(self.token_embd, np.concatenate(ids))
+        x = b.embed(self.token_embd, np.concatenate(ids))
         if tr.scale_embeddings:
-            x *= np.float32(math.sqrt(c.n_embd))
+            b.scale(x, math.sqrt(c.n_embd))
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.attn_norm, c.rms_eps)
+            h = b.rms_norm(x, L.attn_norm, c.rms_eps)
             if observe is not None:
-                observe(self.matmul_names[i][:3], h)
-            q, k, v = L.qkv(h, precise=precise)
-            if L.bq is not None:
-                q += L.bq
-            if L.bk is not None:
-                k += L.bk
-            if L.bv is not None:
-                v += L.bv
-            q = q.reshape(n, c.n_head, c.head_dim)
-            k = k.reshape(n, c.n_head_kv, c.head_dim)
-            v = v.reshape(n, c.n_head_kv, c.value_dim)
+                observe(self.matmul_names[i][:3], b.to_host(h))
+            q, k, v = b.group_matmul(L.qkv, h, precise=precise)
+            for t, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
+                if bias is not None:
+                    b.add_bias(t, bias)
+            q = b.reshape(q, (n, c.n_head, c.head_dim))
+            k = b.reshape(k, (n, c.n_head_kv, c.head_dim))
+            v = b.reshape(v, (n, c.n_head_kv, c.value_dim))
             if tr.qk_norm:
-                q = rms_norm(q, L.q_norm, c.rms_eps)
-                k = rms_norm(k, L.k_norm, c.rms_eps)
+                q = b.rms_norm(q, L.q_norm, c.rms_eps)
+                k = b.rms_norm(k, L.k_norm, c.rms_eps)
             cos, sin = angles[id(self.layer_rope[i])]
-            ops.rope(q, cos, sin, c.rope_dim, neox)
-            ops.rope(k, cos, sin, c.rope_dim, neox)
+            b.rope(q, cos, sin, c.rope_dim, neox)
+            b.rope(k, cos, sin, c.rope_dim, neox)
             if len(segments) == 1:
                 cache = segments[0][1]
-                cache.write(i, k, v)
-                attn = ops.attention(q, cache.attention_inputs(i), positions, cache.start(i), self.layer_window[i],
-                                     c.attention_scale)
+                b.kv_write(cache, i, k, v)
+                attn = b.attention(q, cache, i, positions, self.layer_window[i], c.attention_scale)
             else:
-                attn = np.empty((n, c.n_head * c.value_dim), np.float32)
-                for (_, cache, _), a, b, pos in zip(segments, bounds, bounds[1:], seg_positions):
-                    cache.write(i, k[a:b], v[a:b])
-                    attn[a:b] = ops.attention(q[a:b], cache.attention_inputs(i), pos, cache.start(i),
-                                              self.layer_window[i], c.attention_scale)
+                attn = b.empty((n, c.n_head * c.value_dim))
+                for (_, cache, _), lo, hi, pos in zip(segments, bounds, bounds[1:], seg_positions):
+                    b.kv_write(cache, i, b.slice_rows(k, lo, hi), b.slice_rows(v, lo, hi))
+                    b.attention(b.slice_rows(q, lo, hi), cache, i, pos, self.layer_window[i], c.attention_scale,
+                                out=b.slice_rows(attn, lo, hi))
             if observe is not None:
-                observe(self.matmul_names[i][3:4], attn)
-            o = ops.matmul(L.wo, attn, precise=precise)
+                observe(self.matmul_names[i][3:4], b.to_host(attn))
+            o = b.matmul(L.wo, attn, precise=precise)
             if tr.post_norms:
-                o = rms_norm(o, L.attn_post_norm, c.rms_eps)
-            x = x + o
+                o = b.rms_norm(o, L.attn_post_norm, c.rms_eps)
+            x = b.add(x, o)
 
-            h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            h = b.rms_norm(x, L.ffn_norm, c.rms_eps)
             if observe is not None:
-                observe(self.matmul_names[i][4:6], h)
-            gate, up = L.gate_up(h, precise=precise)
-            act = ops.gated_activation(gate, up, tr.activation)
+                observe(self.matmul_names[i][4:6], b.to_host(h))
+            gate, up = b.group_matmul(L.gate_up, h, precise=precise)
+            act = b.gated_activation(gate, up, tr.activation)
             if observe is not None:
-                observe(self.matmul_names[i][6:], act)
-            d = ops.matmul(L.ffn_down, act, precise=precise)
+                observe(self.matmul_names[i][6:], b.to_host(act))
+            d = b.matmul(L.ffn_down, act, precise=precise)
             if tr.post_norms:
-                d = rms_norm(d, L.ffn_post_norm, c.rms_eps)
-            x = x + d
+                d = b.rms_norm(d, L.ffn_post_norm, c.rms_eps)
+            x = b.add(x, d)
         for _, cache, _ in segments:
             cache.commit()
 
-        rows = np.concatenate([a + (np.array([b - a - 1]) if out_rows is None else np.asarray(out_rows, np.int64))
-                               for (_, _, out_rows), a, b in zip(segments, bounds, bounds[1:])])
+        rows = np.concatenate([lo + (np.array([hi - lo - 1]) if out_rows is None else np.asarray(out_rows, np.int64))
+                               for (_, _, out_rows), lo, hi in zip(segments, bounds, bounds[1:])])
         if len(rows) == 0:
             logits = np.empty((0, c.vocab_size), np.float32)
         else:
-            out = np.ascontiguousarray(rms_norm(x[rows], self.output_norm, c.rms_eps), dtype=np.float32)
+            out = b.rms_norm(b.rows(x, rows), self.output_norm, c.rms_eps)
             if observe is not None:
-                observe((self.output_name,), out)
-            logits = ops.matmul(self.output, out, precise=precise)
+                observe((self.output_name,), b.to_host(out))
+            logits = b.to_host(b.matmul(self.output, out, precise=precise))
         counts = [1 if out_rows is None else len(out_rows) for _, _, out_rows in segments]
         return np.split(logits, np.cumsum(counts)[:-1])

@@ -1,0 +1,123 @@
+"""The backend interface the model's forward is written against (ggml's backends are the model).
+
+A backend owns device tensors (opaque handles: numpy arrays on the CPU, device buffers on a GPU) and the
+operations a decoder needs. `Transformer.forward_batch` (localllm/architectures/transformer.py) calls only these,
+so a backend that implements them runs every architecture; a backend may also offer a whole-forward override
+(the CPU's fused forward), which must give bitwise the logits of the op-by-op forward on the same backend
+(tests/test_fused_forward.py).
+
+Conventions every backend keeps:
+* Activations are float32 (rows, width) tensors; `reshape` views them as (rows, heads, head_dim) without copy.
+* Ops that say "in place" write into their first argument; the others return a new tensor.
+* Each op computes each row alone, so a row's result never depends on the other rows in the call (batch
+  invariance: a sequence's logits are the same, bit for bit, whatever else is in the batch).
+* Only `to_host` moves data to the host; KV writes and attention go through the backend too.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+Tensor = Any  # a backend's device tensor
+Matrix = Any  # a backend's weight matrix (any format of kernels/formats.py), uploaded once
+
+
+class Backend(ABC):
+    name: str = "?"
+    # From this many rows on, `precise=True` products take a path the whole-forward override does not have (the
+    # CPU: tiled BLAS with float32 activations), so such a forward runs op by op.
+    precise_min_rows: int = 1 << 30
+
+    # -- weights ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def matrix(self, gguf_file, name: str) -> Matrix:
+        """The GGUF tensor `name` (rows, cols in any format of the table), uploaded once; `.rows`/`.cols`."""
+
+    @abstractmethod
+    def vector(self, values: np.ndarray) -> Tensor:
+        """A float32 vector (norm weights, biases), uploaded once."""
+
+    @abstractmethod
+    def group(self, matrices: Sequence[Matrix]) -> Any:
+        """Matrices that always take the same input (Q/K/V, gate/up), for `group_matmul`."""
+
+    # -- operations ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, w: Matrix, ids: np.ndarray) -> Tensor:
+        """Rows `ids` of `w`, dequantized: (len(ids), cols)."""
+
+    @abstractmethod
+    def matmul(self, w: Matrix, x: Tensor, precise: bool = False) -> Tensor:
+        """x @ w.T: (n, rows). `precise`: float32 activations (scoring), may give up batch invariance."""
+
+    @abstractmethod
+    def group_matmul(self, group, x: Tensor, precise: bool = False) -> list[Tensor]:
+        """[x @ w.T for w in group], bitwise what separate `matmul` calls give."""
+
+    @abstractmethod
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        """a + b (the residual stream)."""
+
+    @abstractmethod
+    def add_bias(self, x: Tensor, bias: Tensor) -> None:
+        """x += bias, broadcast over rows, in place."""
+
+    @abstractmethod
+    def scale(self, x: Tensor, s: float) -> None:
+        """x *= s (float32), in place."""
+
+    @abstractmethod
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm over the last axis (any leading shape), times `weight`."""
+
+    @abstractmethod
+    def rope(self, x: Tensor, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> None:
+        """Rotate x (n, heads, head_dim) in place; cos/sin (n, rope_dim // 2) from the host's table."""
+
+    @abstractmethod
+    def gated_activation(self, gate: Tensor, up: Tensor, kind: str) -> Tensor:
+        """act(gate) * up; kind "silu" or "gelu_tanh"."""
+
+    @abstractmethod
+    def reshape(self, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A view of x with another shape (same elements, same order)."""
+
+    @abstractmethod
+    def rows(self, x: Tensor, rows: np.ndarray) -> Tensor:
+        """x[rows], contiguous."""
+
+    @abstractmethod
+    def slice_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x[start:stop] (a view where the backend can)."""
+
+    @abstractmethod
+    def empty(self, shape: tuple[int, ...]) -> Tensor:
+        """An uninitialised float32 tensor."""
+
+    @abstractmethod
+    def kv_write(self, cache, layer: int, k: Tensor, v: Tensor) -> None:
+        """Append k (n, n_head_kv, head_dim) and v to `cache`'s storage for `layer` (reserved beforehand)."""
+
+    @abstractmethod
+    def attention(self, q: Tensor, cache, layer: int, positions: np.ndarray, window: int, scale: float,
+                  out: Tensor | None = None) -> Tensor:
+        """Causal grouped-query attention of q (n, n_head, head_dim) at `positions` over `cache`'s keys and
+        values for `layer`; window > 0 limits each query to the last `window` positions. (n, n_head*value_dim),
+        written into `out` when given."""
+
+    @abstractmethod
+    def to_host(self, x: Tensor) -> np.ndarray:
+        """x as a host float32 array (the one transfer a decode step ends with: the logits it needs)."""
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    def whole_forward(self, model) -> Callable | None:
+        """An optional override of the op-by-op forward for one sequence (None: none)."""
+        return None
+
+    def warm_up_calls(self, weights) -> list[tuple[str, Callable[[], None]]]:
+        """(label, thunk) pairs compiling and warming the kernels these weights need (`prepare()` runs them
+        with progress: localllm/warmup.py)."""
+        return []
