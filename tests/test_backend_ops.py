@@ -198,6 +198,16 @@ def test_opencl_embed_gives_the_cpu_backends_dequantized_rows_bit_for_bit(dev, o
     assert np.array_equal(_bits(ops.to_host(ops.embed(w, ops.to_device(ids[:2], np.int64)))), _bits(want[:2]))
 
 
+@pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_opencl_matmul_on_device_arrays_gives_the_matvec_bits(dev, ops, qtype):
+    raw = random_blocks(qtype, 37, cols_for(qtype), seed=17, moderate_scales=True)
+    w = cl_formats.DeviceWeight(dev, raw, qtype)
+    x = np.random.default_rng(18).standard_normal((3, w.cols)).astype(np.float32)
+    got = ops.to_host(ops.matmul(w, ops.to_device(x)))
+    assert np.array_equal(_bits(got), _bits(cl_formats.matvec(w, x)))  # the same kernel
+    assert nmse(got, reference.matmul(raw, qtype, x)) <= MATVEC_NMSE[qtype]
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 128), (2, 256), (4, 576), (3, 1000), (1, 1536)])
 def test_opencl_rms_norm_matches_the_reference_on_rows_of_any_width(ops, shape):
     rng = np.random.default_rng(shape[-1])
@@ -281,6 +291,27 @@ def test_opencl_attention_matches_the_reference(ops, case):
     assert nmse(got, want) <= OPS_NMSE["attention"], f"NMSE {nmse(got, want):.3g}"
 
 
+def test_opencl_kv_write_fills_a_cache_that_attention_reads_up_to_its_length(ops):
+    rng = np.random.default_rng(19)
+    n_kv, cap, d, n_head = 2, 40, 64, 6
+    k_rows = rng.standard_normal((30, n_kv, d)).astype(np.float32)  # the projections' layout (t, n_kv, d)
+    v_rows = rng.standard_normal((30, n_kv, d)).astype(np.float32)
+    keys, values = ops.to_device(np.full((n_kv, cap, d), np.nan, np.float32)), ops.empty((n_kv, cap, d))
+    for a, b in ((0, 1), (1, 25), (25, 30)):  # a decode step, a prompt chunk, another chunk
+        ops.kv_write(keys, ops.to_device(k_rows[a:b]), a)
+        ops.kv_write(values, ops.to_device(v_rows[a:b]), a)
+    cached = ops.to_host(keys)
+    assert np.array_equal(cached[:, :30], k_rows.transpose(1, 0, 2)) and np.isnan(cached[:, 30:]).all()
+    q = rng.standard_normal((3, n_head, d)).astype(np.float32)
+    positions = np.arange(27, 30)
+    got = ops.to_host(ops.attention(ops.to_device(q), keys, values, positions, 0.125, 0, length=30))
+    want = reference.attention(q, k_rows.transpose(1, 0, 2).copy(), v_rows.transpose(1, 0, 2).copy(), positions,
+                               0.125, 0)
+    assert nmse(got, want) <= OPS_NMSE["attention"]  # the rows past `length` (NaN) are never read
+    with pytest.raises(ValueError, match="cannot write"):
+        ops.kv_write(keys, ops.to_device(k_rows[:11]), 30)
+
+
 def test_opencl_argmax_finds_the_first_largest_value_of_each_row(ops):
     rng = np.random.default_rng(13)
     x = rng.standard_normal((5, 50001)).astype(np.float32)  # a vocabulary, not a multiple of the work-group
@@ -293,8 +324,9 @@ def test_opencl_argmax_finds_the_first_largest_value_of_each_row(ops):
 
 
 def test_a_chain_of_opencl_ops_reads_nothing_back_until_to_host(dev, ops, monkeypatch):
-    """embed -> norm -> qk-norm -> rope -> attention -> residual add -> argmax: uploads of host inputs only,
-    then one read of the token ids; the result is the numpy reference's."""
+    """A one-layer decoder step, embed -> norm -> Q/K/V matmuls -> qk-norm -> rope -> KV-cache write ->
+    attention -> output matmul -> residual -> gated FFN -> residual -> norm -> logits -> argmax: uploads of
+    host inputs only, then one read of the token ids, which are the numpy reference's."""
     import pyopencl
 
     reads = []
@@ -307,32 +339,57 @@ def test_a_chain_of_opencl_ops_reads_nothing_back_until_to_host(dev, ops, monkey
 
     monkeypatch.setattr(pyopencl, "enqueue_copy", counting_copy)
     rng = np.random.default_rng(14)
-    n, n_head, n_kv, hd, n_embd = 4, 4, 2, 64, 256
-    raw = random_blocks(T.Q8_0, 50, n_embd, seed=15, moderate_scales=True)
+    n, n_head, n_kv, hd, n_embd, n_ff, vocab = 4, 4, 2, 64, 256, 512, 300
+    mats = {name: random_blocks(T.Q8_0, rows, cols, seed=i, moderate_scales=True) for i, (name, rows, cols) in
+            enumerate([("embd", vocab, n_embd), ("q", n_head * hd, n_embd), ("k", n_kv * hd, n_embd),
+                       ("v", n_kv * hd, n_embd), ("o", n_embd, n_head * hd), ("gate", n_ff, n_embd),
+                       ("up", n_ff, n_embd), ("down", n_embd, n_ff)])}
     ids = np.array([3, 17, 17, 42])
     norm_w = (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
     qk_w = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
     angles = np.arange(n)[:, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    keys = rng.standard_normal((n_kv, n, hd)).astype(np.float32)
-    values = rng.standard_normal((n_kv, n, n_embd // n_head)).astype(np.float32)
+    ws = {name: cl_formats.DeviceWeight(dev, raw, T.Q8_0) for name, raw in mats.items()}
+    reads.clear()
 
-    w = cl_formats.DeviceWeight(dev, raw, T.Q8_0)
-    x = ops.embed(w, ids)
+    x = ops.embed(ws["embd"], ids)
     h = ops.rms_norm(x, norm_w, 1e-6)
-    q = ops.rms_norm(h.reshape(n, n_head, hd), qk_w, 1e-6)
+    q = ops.rms_norm(ops.matmul(ws["q"], h).reshape(n, n_head, hd), qk_w, 1e-6)
+    k = ops.rms_norm(ops.matmul(ws["k"], h).reshape(n, n_kv, hd), qk_w, 1e-6)
+    v = ops.matmul(ws["v"], h).reshape(n, n_kv, hd)
     ops.rope(q, cos, sin, hd, True)
-    attn = ops.attention(q, ops.to_device(keys), ops.to_device(values), np.arange(n), hd**-0.5, 0)
-    tokens = ops.argmax(ops.add(x, attn, out=x))
+    ops.rope(k, cos, sin, hd, True)
+    keys, values = ops.empty((n_kv, 16, hd)), ops.empty((n_kv, 16, hd))  # a cache with room for 16 tokens
+    ops.kv_write(keys, k, 0)
+    ops.kv_write(values, v, 0)
+    attn = ops.attention(q, keys, values, np.arange(n), hd**-0.5, 0, length=n)
+    ops.add(x, ops.matmul(ws["o"], attn), out=x)
+    h = ops.rms_norm(x, norm_w, 1e-6)
+    act = ops.gated_activation(ops.matmul(ws["gate"], h), ops.matmul(ws["up"], h), "silu")
+    ops.add(x, ops.matmul(ws["down"], act), out=x)
+    tokens = ops.argmax(ops.matmul(ws["embd"], ops.rms_norm(x, norm_w, 1e-6)))
     assert reads == []
     got = ops.to_host(tokens)
     assert reads == [(n,)]
 
-    xr = reference.embed(raw, T.Q8_0, ids)
-    qr = reference.rms_norm(reference.rms_norm(xr, norm_w, 1e-6).reshape(n, n_head, hd), qk_w, 1e-6)
-    qr = reference.rope(qr, cos, sin, hd, True)
-    want = np.argmax(xr + reference.attention(qr, keys, values, np.arange(n), hd**-0.5, 0), axis=1)
-    assert got.tolist() == want.tolist()
+    def mm(name, a):
+        return reference.matmul(mats[name], T.Q8_0, a).astype(np.float32)
+
+    xr = reference.embed(mats["embd"], T.Q8_0, ids)
+    hr = reference.rms_norm(xr, norm_w, 1e-6)
+    qr = reference.rope(reference.rms_norm(mm("q", hr).reshape(n, n_head, hd), qk_w, 1e-6), cos, sin, hd, True)
+    kr = reference.rope(reference.rms_norm(mm("k", hr).reshape(n, n_kv, hd), qk_w, 1e-6), cos, sin, hd, True)
+    vr = mm("v", hr).reshape(n, n_kv, hd)
+    attn_r = reference.attention(qr, kr.transpose(1, 0, 2).copy(), vr.transpose(1, 0, 2).copy(), np.arange(n),
+                                 hd**-0.5, 0)
+    xr = xr + mm("o", attn_r)
+    hr = reference.rms_norm(xr, norm_w, 1e-6)
+    with np.errstate(over="ignore"):  # exp(-x) of large negative gates: inf, and silu -0, as intended
+        xr = xr + mm("down", reference.silu(mm("gate", hr)) * mm("up", hr))
+    logits = mm("embd", reference.rms_norm(xr, norm_w, 1e-6))
+    assert got.tolist() == np.argmax(logits, axis=1).tolist()
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(top2[:, 1])).all()  # not decided by rounding
 
 
 def test_opencl_ops_refuse_mismatched_shapes_with_a_clear_message(dev, ops):

@@ -86,9 +86,19 @@ kernel void scale(global const float *x, global float *out, uint count, float s)
     out[i] = x[i] * s;
 }
 
-// attention(q, k, v, pos, out, n_head, n_kv, T, d, dv, key_start, window, scale): causal grouped-query
-// attention of n queries q (n, n_head, d) at positions pos (n) over keys k (n_kv, T, d) and values
-// v (n_kv, T, dv) at positions key_start .. key_start + T - 1. Query head h reads KV head h / (n_head / n_kv).
+// kv_write(src, cache, n_kv, cap, d, at, count): cache[h, at + t, :] = src[t, h, :] for the count rows of src
+// (n, n_kv, d), the projections' layout, into a cache (n_kv, cap, d), one head's keys contiguous for attention.
+kernel void kv_write(global const float *src, global float *cache, uint n_kv, uint cap, uint d, uint at, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    uint j = i % d, h = (i / d) % n_kv, t = i / (d * n_kv);
+    cache[((ulong)h * cap + at + t) * d + j] = src[i];
+}
+
+// attention(q, k, v, pos, out, n_head, n_kv, T, cap, d, dv, key_start, window, scale): causal grouped-query
+// attention of n queries q (n, n_head, d) at positions pos (n) over the first T keys of k (n_kv, cap, d) and
+// values v (n_kv, cap, dv), at positions key_start .. key_start + T - 1. Query head h reads KV head
+// h / (n_head / n_kv).
 // A query at p sees keys at positions <= p, and with window > 0 only those > p - window. out (n, n_head * dv).
 //
 // One work-group per (head, query), global size (n_head * ATT_WG, n). The visible keys are walked in tiles of
@@ -97,8 +107,8 @@ kernel void scale(global const float *x, global float *out, uint count, float s)
 // exponentiated above the running maximum, so nothing overflows), and adds p_t * v_t for the output elements
 // it owns (j = lid, lid + ATT_WG, ...: at most ATT_MAX_D / ATT_WG per item, in registers).
 kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
-                      global float *out, uint n_head, uint n_kv, uint T, uint d, uint dv, int key_start, int window,
-                      float scale) {
+                      global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
+                      int window, float scale) {
     local float qs[ATT_MAX_D];
     local float ps[ATT_WG];
     uint h = get_group_id(0), i = get_global_id(1), lid = get_local_id(0);
@@ -109,8 +119,8 @@ kernel void attention(global const float *q, global const float *k, global const
     int p = pos[i];
     int hi = min(p - key_start + 1, (int)T);
     int lo = window > 0 ? max(p - window + 1 - key_start, 0) : 0;
-    global const float *kh = k + (ulong)kvh * T * d;
-    global const float *vh = v + (ulong)kvh * T * dv;
+    global const float *kh = k + (ulong)kvh * cap * d;
+    global const float *vh = v + (ulong)kvh * cap * dv;
     float acc[ATT_MAX_D / ATT_WG];
     for (int m = 0; m < ATT_MAX_D / ATT_WG; m++) acc[m] = 0.0f;
     float run_max = -INFINITY, run_sum = 0.0f;

@@ -1,7 +1,8 @@
 """The decoder's operations on an OpenCL device, activations kept there: thin wrappers over the kernels of
-`ops.cl` (and `formats.cl` for the embedding lookup), each taking and returning `pyopencl.array.Array`s of
-float32 that never leave the device. Nothing here reads device memory back except `to_host`: a forward made of
-these calls downloads only what its caller asks for (the logits, or just the argmax's token ids).
+`ops.cl` (and `formats.cl` for the embedding lookup and the weight matmul), each taking and returning
+`pyopencl.array.Array`s of float32 that never leave the device. Nothing here reads device memory back except
+`to_host`: a forward made of these calls downloads only what its caller asks for (the logits, or just the
+argmax's token ids).
 
 Shapes follow the CPU backend (`kernels/ops.py`) and the reference (`kernels/reference.py`): rows on the first
 axes, the operated-on axis last, C order. Integer inputs that come from the host anyway (token ids, query
@@ -62,7 +63,13 @@ class Ops:
     dev.queue (in-order, so each op sees the previous one's writes without a wait)."""
 
     def __init__(self, dev: Device):
+        import pyopencl.tools as cl_tools
+
         self.dev = dev
+        # Buffers of dropped arrays are kept for the next array of the same size class, not released and
+        # created again per op. Safe on the one in-order queue: a buffer's next user is enqueued after every
+        # kernel that used it before.
+        self.allocator = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(dev.queue))
 
     def _kernel(self, name: str):
         return kernel(self.dev, name)
@@ -71,7 +78,7 @@ class Ops:
 
     def to_device(self, a: np.ndarray, dtype=np.float32):
         """A device copy of a host array (C-contiguous, `dtype`)."""
-        return _array().to_device(self.dev.queue, np.ascontiguousarray(a, dtype=dtype))
+        return _array().to_device(self.dev.queue, np.ascontiguousarray(a, dtype=dtype), allocator=self.allocator)
 
     @staticmethod
     def to_host(a) -> np.ndarray:
@@ -79,7 +86,7 @@ class Ops:
         return a.get()
 
     def empty(self, shape, dtype=np.float32):
-        return _array().empty(self.dev.queue, tuple(shape), dtype)
+        return _array().empty(self.dev.queue, tuple(shape), dtype, allocator=self.allocator)
 
     def _input(self, a, dtype):
         """A device array of `dtype`: uploaded if `a` is a host array."""
@@ -108,6 +115,24 @@ class Ops:
             _formats.kernel(dev, f"dequantize_rows_{w.format.suffix}")(
                 dev.queue, (w.cols // w.format.chunk, ids_d.size), None, w.buffer, ids_d.data, out.data,
                 np.uint32(w.row_bytes), np.uint32(w.cols))
+        return out
+
+    def matmul(self, w: _formats.DeviceWeight, x):
+        """float32 (n, rows) = x (n, cols) @ W.T: formats.cl's dequantize-matvec (float32 accumulation), the
+        same kernel and bits as `formats.matvec`, on a device x and into a device array."""
+        if w.dev is not self.dev:
+            raise ValueError("the weight was uploaded to another device")
+        _check(x, "x", 2)
+        if x.shape[1] != w.cols:
+            raise ValueError(f"x must be (n, {w.cols}), not {x.shape}")
+        dev = self.dev
+        n = x.shape[0]
+        out = self.empty((n, w.rows))
+        if n and w.rows:
+            wg = _formats.MATVEC_WG
+            _formats.kernel(dev, f"matvec_{w.format.suffix}")(
+                dev.queue, (w.rows * wg, n), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
+                np.uint32(w.cols), np.uint32(w.rows))
         return out
 
     def rms_norm(self, x, weight, eps: float):
@@ -179,19 +204,35 @@ class Ops:
                                  np.float32(s))
         return out
 
-    def attention(self, q, keys, values, q_positions, scale: float, window: int, key_start: int = 0):
+    def kv_write(self, cache, x, at: int) -> None:
+        """Store x (n, n_kv, d), a K or V projection's rows, at cache rows at .. at + n - 1 of a cache
+        (n_kv, capacity, d), the layout `attention` reads."""
+        _check(cache, "cache", 3)
+        _check(x, "x", 3)
+        n_kv, cap, d = cache.shape
+        n = x.shape[0]
+        if x.shape[1:] != (n_kv, d) or not 0 <= at <= cap - n:
+            raise ValueError(f"cannot write {x.shape} at row {at} of a cache {cache.shape}")
+        if x.size:
+            self._kernel("kv_write")(self.dev.queue, _groups(x.size), (256,), x.data, cache.data, np.uint32(n_kv),
+                                     np.uint32(cap), np.uint32(d), np.uint32(at), np.uint32(x.size))
+
+    def attention(self, q, keys, values, q_positions, scale: float, window: int, key_start: int = 0,
+                  length: int | None = None):
         """Causal grouped-query attention (`kernels/reference.py` attention): q (n, n_head, d) at q_positions
-        (n ints, host or device int32) over keys (n_kv, T, d) and values (n_kv, T, dv) at positions key_start ..
-        key_start + T - 1; window > 0: a query at p sees only keys after p - window. Returns (n, n_head * dv)."""
+        (n ints, host or device int32) over the first `length` (default: all) rows of keys (n_kv, capacity, d)
+        and values (n_kv, capacity, dv), at positions key_start .. key_start + length - 1; window > 0: a query
+        at p sees only keys after p - window. Returns (n, n_head * dv)."""
         _check(q, "q", 3)
         _check(keys, "keys", 3)
         _check(values, "values", 3)
         dev = self.dev
         n, n_head, d = q.shape
-        n_kv, t, dv = values.shape
-        if keys.shape != (n_kv, t, d) or n_kv == 0 or n_head % n_kv:
+        n_kv, cap, dv = values.shape
+        t = cap if length is None else int(length)
+        if keys.shape != (n_kv, cap, d) or n_kv == 0 or n_head % n_kv or not 0 <= t <= cap:
             raise ValueError(f"keys {keys.shape} and values {values.shape} do not fit q {q.shape} "
-                             "(n_kv heads dividing n_head, as many keys as values)")
+                             f"(n_kv heads dividing n_head, as many keys as values, {t} of them in use)")
         if max(d, dv) > ATT_MAX_D:
             raise ValueError(f"heads wider than {ATT_MAX_D} are not supported by the OpenCL attention ({d}, {dv})")
         pos = self._input(q_positions, np.int32)
@@ -201,8 +242,8 @@ class Ops:
         if n:
             self._kernel("attention")(dev.queue, (n_head * ATT_WG, n), (ATT_WG, 1), q.data, keys.data, values.data,
                                      pos.data, out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t),
-                                     np.uint32(d), np.uint32(dv), np.int32(key_start), np.int32(window),
-                                     np.float32(scale))
+                                     np.uint32(cap), np.uint32(d), np.uint32(dv), np.int32(key_start),
+                                     np.int32(window), np.float32(scale))
         return out
 
     def argmax(self, x):
