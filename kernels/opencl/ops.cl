@@ -18,6 +18,9 @@
 #ifndef ATT_MAX_D
 #define ATT_MAX_D 512  // the widest head (key and value) attention takes; a multiple of ATT_WG
 #endif
+#ifndef ATT_NACC
+#define ATT_NACC (ATT_MAX_D / ATT_WG)  // output sums per work-item
+#endif
 
 // rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
 // The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
@@ -103,9 +106,10 @@ kernel void kv_write(global const float *src, global float *cache, uint n_kv, ui
 //
 // One work-group per (head, query), global size (n_head * ATT_WG, n). The visible keys are walked in tiles of
 // ATT_WG: each work-item scores one key of the tile (q from local memory), then every work-item takes the
-// tile's maximum, rescales its running sums by exp(old max - new max) (the online softmax: no score is ever
-// exponentiated above the running maximum, so nothing overflows), and adds p_t * v_t for the output elements
-// it owns (j = lid, lid + ATT_WG, ...: at most ATT_MAX_D / ATT_WG per item, in registers).
+// tile's maximum and rescales its running sums by exp(old max - new max) (the online softmax: no score is
+// ever exponentiated above the running maximum, so nothing overflows); each work-item turns its key's score
+// into a weight p_t (one exp per key), and every work-item adds p_t * v_t for the output elements it owns
+// (j = lid, lid + ATT_WG, ...: at most ATT_NACC per item, in registers).
 kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
                       global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
                       int window, float scale) {
@@ -121,8 +125,8 @@ kernel void attention(global const float *q, global const float *k, global const
     int lo = window > 0 ? max(p - window + 1 - key_start, 0) : 0;
     global const float *kh = k + (ulong)kvh * cap * d;
     global const float *vh = v + (ulong)kvh * cap * dv;
-    float acc[ATT_MAX_D / ATT_WG];
-    for (int m = 0; m < ATT_MAX_D / ATT_WG; m++) acc[m] = 0.0f;
+    float acc[ATT_NACC];
+    for (int m = 0; m < ATT_NACC; m++) acc[m] = 0.0f;
     float run_max = -INFINITY, run_sum = 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int t0 = lo; t0 < hi; t0 += ATT_WG) {
@@ -139,14 +143,21 @@ kernel void attention(global const float *q, global const float *k, global const
         int n_t = min(hi - t0, ATT_WG);  // >= 1: the tile's first key is visible, so new_max is finite
         float new_max = run_max;
         for (int u = 0; u < n_t; u++) new_max = fmax(new_max, ps[u]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        ps[lid] = exp(sc - new_max);  // each key's weight once (0 for the tile's tail past hi)
         float rescale = exp(run_max - new_max);  // exp(-inf) = 0 on the first tile
         run_sum *= rescale;
-        for (int m = 0; m < ATT_MAX_D / ATT_WG; m++) acc[m] *= rescale;
+        for (int m = 0; m < ATT_NACC; m++) acc[m] *= rescale;
+        barrier(CLK_LOCAL_MEM_FENCE);
         for (int u = 0; u < n_t; u++) {
-            float pu = exp(ps[u] - new_max);
+            float pu = ps[u];
             run_sum += pu;
             global const float *vt = vh + (ulong)(t0 + u) * dv;
-            for (uint j = lid, m = 0; j < dv; j += ATT_WG, m++) acc[m] = fma(pu, vt[j], acc[m]);
+            for (int m = 0; m < ATT_NACC; m++) {  // a constant bound: unrolled, acc stays in registers
+                uint j = lid + (uint)m * ATT_WG;
+                if (j >= dv) break;
+                acc[m] = fma(pu, vt[j], acc[m]);
+            }
         }
         run_max = new_max;
         barrier(CLK_LOCAL_MEM_FENCE);  // ps is rewritten by the next tile
@@ -154,7 +165,10 @@ kernel void attention(global const float *q, global const float *k, global const
     // a query that sees no key (a position before the cache's first) gets zeros rather than 0/0
     float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
     global float *o = out + ((ulong)i * n_head + h) * dv;
-    for (uint j = lid, m = 0; j < dv; j += ATT_WG, m++) o[j] = acc[m] * inv;
+    for (int m = 0; m < ATT_NACC; m++) {
+        uint j = lid + (uint)m * ATT_WG;
+        if (j < dv) o[j] = acc[m] * inv;
+    }
 }
 
 // argmax(x, out, cols): out[r] = the index of the largest x[r, :], the first one on ties (numpy's argmax); NaNs
