@@ -310,6 +310,10 @@ def test_opencl_kv_write_fills_a_cache_that_attention_reads_up_to_its_length(ops
     assert nmse(got, want) <= OPS_NMSE["attention"]  # the rows past `length` (NaN) are never read
     with pytest.raises(ValueError, match="cannot write"):
         ops.kv_write(keys, ops.to_device(k_rows[:11]), 30)
+    # a query before the cache's first key (which a caller should not ask) gets zeros, not NaN from 0/0
+    early = ops.to_host(ops.attention(ops.to_device(q[:1]), keys, values, np.array([9]), 0.125, 0, key_start=10,
+                                      length=30))
+    assert np.array_equal(early, np.zeros_like(early))
 
 
 def test_opencl_argmax_finds_the_first_largest_value_of_each_row(ops):
