@@ -412,6 +412,8 @@ def test_opencl_ops_refuse_mismatched_shapes_with_a_clear_message(dev, ops):
     wide = ops.to_device(np.zeros((1, 1, 576), np.float32))
     with pytest.raises(ValueError, match="wider than 512"):
         ops.attention(wide, wide, wide, np.arange(1), 1.0, 0)
+    with pytest.raises(ValueError, match="x is a host array"):
+        ops.rms_norm(np.zeros((1, 64), np.float32), np.ones(64, np.float32), 1e-6)
     with pytest.raises(ValueError, match="float32 device array"):
         ops.scale(ops.to_device(np.zeros(4, np.int32), np.int32), 2.0)
     w = cl_formats.DeviceWeight(dev, random_blocks(T.Q8_0, 4, 64, seed=16), T.Q8_0)

@@ -24,8 +24,8 @@ from localllm.kernels.opencl.device import Device
 # is as many keys.
 ROW_WG = 64
 ATT_WG = 64
-# The widest head attention takes (key and value dims): 512 covers every model we know (gemma3: 256); each
-# work-item keeps ATT_MAX_D / ATT_WG = 8 output sums in registers.
+# The widest head attention takes (key and value dims): twice the catalog's widest (gemma3-270m: 256). Each
+# work-item has ATT_MAX_D / ATT_WG = 8 output sums in registers and uses as many as the head needs (1 for 64).
 ATT_MAX_D = 512
 
 _OPTIONS = (f"-DROW_WG={ROW_WG}", f"-DATT_WG={ATT_WG}", f"-DATT_MAX_D={ATT_MAX_D}", "-cl-std=CL1.2")
@@ -49,6 +49,8 @@ def _array():
 
 
 def _check(a, what: str, ndim: int | None = None):
+    if isinstance(a, np.ndarray):
+        raise ValueError(f"{what} is a host array; activations are device arrays (Ops.to_device uploads one)")
     if a.dtype != np.float32 or (ndim is not None and a.ndim != ndim) or not a.flags.c_contiguous or a.offset:
         want = f"{ndim}-D " if ndim is not None else ""
         raise ValueError(f"{what} must be a {want}C-contiguous float32 device array, not {a.dtype} {a.shape}")
