@@ -5,8 +5,9 @@ The OpenCL backend runs on PoCL's CPU device (installed with the project on Linu
 CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac); LOCALLLM_TEST_OPENCL=
 PLATFORM:DEVICE picks another (`localllm devices` lists them). The tests are skipped only where there is no
 OpenCL at all: pyopencl not installed, or no runtime and no PoCL wheel for the platform. Shapes are small:
-PoCL compiles each kernel with LLVM at its first launch (26 kernels: 6-8 s on 2 loaded cores, then cached
-under ~/.cache/localllm/pocl: 0.4 s).
+PoCL compiles each kernel with LLVM at its first launch, then caches it under ~/.cache/localllm/pocl: the
+whole file takes 52 s with empty caches on 2 cores at a load of 3.7 (38 s of it for the weight kernels' tests
+alone), 4 s warm.
 """
 
 from __future__ import annotations
@@ -156,19 +157,288 @@ def test_opencl_matvec_refuses_a_wrong_width(dev):
         cl_formats.DeviceWeight(dev, np.zeros((2, 35), np.uint8), T.Q8_0)
 
 
+# ---- the decoder's other operations (kernels/opencl/ops.py), on device arrays ---------------------------------
+
+# NMSE bounds of the ops with a reduction or a transcendental function, against kernels/reference.py; the
+# others (RoPE, add, bias, scale, embed) are asserted bit-equal, since they do the reference's float32
+# arithmetic in its order (FP_CONTRACT off: no FMA contraction).
+# - rms_norm: float32 sum of squares in a strided-then-tree order where the reference sums in float64; measured
+#   NMSE 0 to 4.4e-15 (about 1 ulp) on the shapes below. 1e-12 is ~200x that, and a norm off by one element
+#   of d=1000 (or a wrong eps) gives NMSE 1e-6 or more.
+# - gated activations: OpenCL's exp and tanh may be off by 3 and 5 ulp (OpenCL 1.2 s7.4); measured 2e-16
+#   (silu) and 8e-16 (gelu_tanh). 1e-12 allows the spec's worst case on every element with room.
+# - attention: float32 dot products of up to 256 terms, scaled scores through exp (an absolute error of the
+#   score is a relative one of its weight), online softmax against the reference's two passes; measured
+#   1.6e-14 to 4.5e-13. 1e-10 is ~200x that, and one key wrongly masked or unmasked among 100 gives ~1e-3.
+# llama.cpp's test-backend-ops uses 1e-7 for most float ops because its backends may run them in fp16.
+OPS_NMSE = {"rms_norm": 1e-12, "gated": 1e-12, "attention": 1e-10}
+
+
+@pytest.fixture(scope="module")
+def ops(dev):
+    from localllm.kernels.opencl import ops as cl_ops
+
+    return cl_ops.Ops(dev)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
+def test_opencl_embed_gives_the_cpu_backends_dequantized_rows_bit_for_bit(dev, ops, qtype):
+    raw = random_blocks(qtype, 9, cols_for(qtype), seed=11)
+    w = cl_formats.DeviceWeight(dev, raw, qtype)
+    ids = np.array([8, 0, 3, 3, 1, 2], np.int64)  # a prompt's tokens: reordered and repeated
+    got = ops.to_host(ops.embed(w, ids))
+    want = np.empty_like(got)
+    cpu_formats.FORMATS[qtype].dequantize_rows(raw, ids, want, 16)
+    assert np.array_equal(_bits(got), _bits(want))
+    # ids already on the device (the token sampled by argmax) give the same rows
+    assert np.array_equal(_bits(ops.to_host(ops.embed(w, ops.to_device(ids[:2], np.int64)))), _bits(want[:2]))
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_opencl_matmul_on_device_arrays_gives_the_matvec_bits(dev, ops, qtype):
+    raw = random_blocks(qtype, 37, cols_for(qtype), seed=17, moderate_scales=True)
+    w = cl_formats.DeviceWeight(dev, raw, qtype)
+    x = np.random.default_rng(18).standard_normal((3, w.cols)).astype(np.float32)
+    got = ops.to_host(ops.matmul(w, ops.to_device(x)))
+    assert np.array_equal(_bits(got), _bits(cl_formats.matvec(w, x)))  # the same kernel
+    assert nmse(got, reference.matmul(raw, qtype, x)) <= MATVEC_NMSE[qtype]
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 128), (2, 256), (4, 576), (3, 1000), (1, 1536)])
+def test_opencl_rms_norm_matches_the_reference_on_rows_of_any_width(ops, shape):
+    rng = np.random.default_rng(shape[-1])
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0] *= 1e3  # rows of very different magnitudes: the normalisation, not the input scale, sets the result
+    x[-1] *= 1e-3
+    w = (1 + 0.5 * rng.standard_normal(shape[-1])).astype(np.float32)
+    got = ops.to_host(ops.rms_norm(ops.to_device(x), w, 1e-6))
+    want = reference.rms_norm(x, w, 1e-6)
+    assert got.shape == shape and nmse(got, want) <= OPS_NMSE["rms_norm"], f"NMSE {nmse(got, want):.3g}"
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "adjacent-pairs"])
+@pytest.mark.parametrize("head_dim,rope_dim", [(64, 64), (128, 128), (256, 256), (128, 64), (80, 32)])
+def test_opencl_rope_rotates_in_place_bit_equal_to_the_reference(ops, neox, head_dim, rope_dim):
+    rng = np.random.default_rng(head_dim + rope_dim)
+    x = rng.standard_normal((3, 5, head_dim)).astype(np.float32)
+    angles = rng.uniform(0, 100, (3, rope_dim // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    xd = ops.to_device(x)
+    assert ops.rope(xd, cos, sin, rope_dim, neox) is None
+    # elements past rope_dim are left as they are (the reference's copy of them)
+    assert np.array_equal(_bits(ops.to_host(xd)), _bits(reference.rope(x, cos, sin, rope_dim, neox)))
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("shape", [(1, 1536), (7, 333), (2, 4864)])
+def test_opencl_gated_activation_matches_the_reference(ops, kind, shape):
+    rng = np.random.default_rng(shape[1])
+    gate = (rng.standard_normal(shape) * 4).astype(np.float32)
+    gate[0, :4] = [-100.0, 100.0, -30.0, 0.0]  # exp(-x) overflowing to inf must give -0, not NaN
+    up = rng.standard_normal(shape).astype(np.float32)
+    got = ops.to_host(ops.gated_activation(ops.to_device(gate), ops.to_device(up), kind))
+    with np.errstate(over="ignore"):
+        want = {"silu": reference.silu, "gelu_tanh": reference.gelu_tanh}[kind](gate) * up
+    assert np.isfinite(got).all()
+    assert nmse(got, want) <= OPS_NMSE["gated"], f"NMSE {nmse(got, want):.3g}"
+
+
+def test_opencl_add_and_scale_are_bit_equal_to_numpy_for_residuals_biases_and_in_place(ops):
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((3, 5, 77)).astype(np.float32)
+    b = rng.standard_normal((3, 5, 77)).astype(np.float32)
+    bias = rng.standard_normal(77).astype(np.float32)
+    ad = ops.to_device(a)
+    assert np.array_equal(_bits(ops.to_host(ops.add(ad, ops.to_device(b)))), _bits(a + b))
+    assert np.array_equal(_bits(ops.to_host(ops.add(ad, bias))), _bits(a + bias))
+    s = np.float32(np.sqrt(640))  # gemma's embedding scale, sqrt(n_embd)
+    assert np.array_equal(_bits(ops.to_host(ops.scale(ad, s))), _bits(a * s))
+    assert ops.add(ad, bias, out=ad) is ad and ops.scale(ad, s, out=ad) is ad
+    assert np.array_equal(_bits(ops.to_host(ad)), _bits((a + bias) * s))
+
+
+# (n queries, n_head, n_kv, d, dv, T cached, window, key_start): the catalog models' head geometries
+# (smollm2-135m 9/3 x 64, qwen2.5 0.5b 14/2 x 64, qwen2.5 1.5b 12/2 x 128, gemma3-270m 4/1 x 256 with its
+# sliding window), caches of more than one 64-key tile and not a multiple of it, and head dims that are not a
+# multiple of the work-group (80), with values narrower than keys.
+ATTENTION_CASES = [
+    (1, 9, 3, 64, 64, 100, 0, 0),  # decode, GQA group 3
+    (5, 14, 2, 64, 64, 70, 0, 0),  # a prompt chunk at the end of the cache, group 7
+    (3, 12, 2, 128, 128, 130, 0, 0),
+    (4, 4, 1, 256, 256, 150, 40, 20),  # sliding window over a cache that dropped its first 20 keys
+    (7, 4, 1, 256, 256, 7, 3, 0),  # a prompt from position 0 with a window: the first query sees one key
+    (2, 4, 4, 80, 48, 65, 0, 0),  # no GQA; d, dv not multiples of the work-group
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "n{}-h{}-kv{}-d{}-dv{}-T{}-w{}-s{}".format(*c))
+def test_opencl_attention_matches_the_reference(ops, case):
+    n, n_head, n_kv, d, dv, t, window, key_start = case
+    rng = np.random.default_rng(sum(case))
+    q = (rng.standard_normal((n, n_head, d)) * 2).astype(np.float32)  # peaked and flat softmaxes both
+    keys = rng.standard_normal((n_kv, t, d)).astype(np.float32)
+    values = rng.standard_normal((n_kv, t, dv)).astype(np.float32)
+    positions = np.arange(key_start + t - n, key_start + t)
+    scale = d**-0.5
+    got = ops.to_host(ops.attention(ops.to_device(q), ops.to_device(keys), ops.to_device(values), positions, scale,
+                                    window, key_start))
+    want = reference.attention(q, keys, values, positions, scale, window, key_start)
+    assert got.shape == (n, n_head * dv)
+    assert nmse(got, want) <= OPS_NMSE["attention"], f"NMSE {nmse(got, want):.3g}"
+
+
+def test_opencl_kv_write_fills_a_cache_that_attention_reads_up_to_its_length(ops):
+    rng = np.random.default_rng(19)
+    n_kv, cap, d, n_head = 2, 40, 64, 6
+    k_rows = rng.standard_normal((30, n_kv, d)).astype(np.float32)  # the projections' layout (t, n_kv, d)
+    v_rows = rng.standard_normal((30, n_kv, d)).astype(np.float32)
+    keys, values = ops.to_device(np.full((n_kv, cap, d), np.nan, np.float32)), ops.empty((n_kv, cap, d))
+    for a, b in ((0, 1), (1, 25), (25, 30)):  # a decode step, a prompt chunk, another chunk
+        ops.kv_write(keys, ops.to_device(k_rows[a:b]), a)
+        ops.kv_write(values, ops.to_device(v_rows[a:b]), a)
+    cached = ops.to_host(keys)
+    assert np.array_equal(cached[:, :30], k_rows.transpose(1, 0, 2)) and np.isnan(cached[:, 30:]).all()
+    q = rng.standard_normal((3, n_head, d)).astype(np.float32)
+    positions = np.arange(27, 30)
+    got = ops.to_host(ops.attention(ops.to_device(q), keys, values, positions, 0.125, 0, length=30))
+    want = reference.attention(q, k_rows.transpose(1, 0, 2).copy(), v_rows.transpose(1, 0, 2).copy(), positions,
+                               0.125, 0)
+    assert nmse(got, want) <= OPS_NMSE["attention"]  # the rows past `length` (NaN) are never read
+    with pytest.raises(ValueError, match="cannot write"):
+        ops.kv_write(keys, ops.to_device(k_rows[:11]), 30)
+    # a query before the cache's first key (which a caller should not ask) gets zeros, not NaN from 0/0
+    early = ops.to_host(ops.attention(ops.to_device(q[:1]), keys, values, np.array([9]), 0.125, 0, key_start=10,
+                                      length=30))
+    assert np.array_equal(early, np.zeros_like(early))
+
+
+def test_opencl_argmax_finds_the_first_largest_value_of_each_row(ops):
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 50001)).astype(np.float32)  # a vocabulary, not a multiple of the work-group
+    x[1, [7, 40000, 40001]] = 50.0  # a tie: the first index wins, as numpy's argmax
+    x[2, 50000] = 50.0  # the last column
+    x[3, :] = -np.inf  # a row masked entirely: index 0, as numpy
+    x[4, [0, 9]] = np.nan, 50.0  # NaNs are passed over (numpy would return the NaN's index)
+    got = ops.to_host(ops.argmax(ops.to_device(x)))
+    assert got.dtype == np.int32 and got.tolist() == [int(np.argmax(x[0])), 7, 50000, 0, 9]
+
+
+def test_a_chain_of_opencl_ops_reads_nothing_back_until_to_host(dev, ops, monkeypatch):
+    """A one-layer decoder step, embed -> norm -> Q/K/V matmuls -> qk-norm -> rope -> KV-cache write ->
+    attention -> output matmul -> residual -> gated FFN -> residual -> norm -> logits -> argmax: uploads of
+    host inputs only, then one read of the token ids, which are the numpy reference's."""
+    import pyopencl
+
+    reads = []
+    real_copy = pyopencl.enqueue_copy
+
+    def counting_copy(queue, dest, src, **kwargs):
+        if isinstance(dest, np.ndarray) and not isinstance(src, np.ndarray):
+            reads.append(dest.shape)
+        return real_copy(queue, dest, src, **kwargs)
+
+    monkeypatch.setattr(pyopencl, "enqueue_copy", counting_copy)
+    rng = np.random.default_rng(14)
+    n, n_head, n_kv, hd, n_embd, n_ff, vocab = 4, 4, 2, 64, 256, 512, 300
+    mats = {name: random_blocks(T.Q8_0, rows, cols, seed=i, moderate_scales=True) for i, (name, rows, cols) in
+            enumerate([("embd", vocab, n_embd), ("q", n_head * hd, n_embd), ("k", n_kv * hd, n_embd),
+                       ("v", n_kv * hd, n_embd), ("o", n_embd, n_head * hd), ("gate", n_ff, n_embd),
+                       ("up", n_ff, n_embd), ("down", n_embd, n_ff)])}
+    ids = np.array([3, 17, 17, 42])
+    norm_w = (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
+    qk_w = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
+    angles = np.arange(n)[:, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    ws = {name: cl_formats.DeviceWeight(dev, raw, T.Q8_0) for name, raw in mats.items()}
+    reads.clear()
+
+    x = ops.embed(ws["embd"], ids)
+    h = ops.rms_norm(x, norm_w, 1e-6)
+    q = ops.rms_norm(ops.matmul(ws["q"], h).reshape(n, n_head, hd), qk_w, 1e-6)
+    k = ops.rms_norm(ops.matmul(ws["k"], h).reshape(n, n_kv, hd), qk_w, 1e-6)
+    v = ops.matmul(ws["v"], h).reshape(n, n_kv, hd)
+    ops.rope(q, cos, sin, hd, True)
+    ops.rope(k, cos, sin, hd, True)
+    keys, values = ops.empty((n_kv, 16, hd)), ops.empty((n_kv, 16, hd))  # a cache with room for 16 tokens
+    ops.kv_write(keys, k, 0)
+    ops.kv_write(values, v, 0)
+    attn = ops.attention(q, keys, values, np.arange(n), hd**-0.5, 0, length=n)
+    ops.add(x, ops.matmul(ws["o"], attn), out=x)
+    h = ops.rms_norm(x, norm_w, 1e-6)
+    act = ops.gated_activation(ops.matmul(ws["gate"], h), ops.matmul(ws["up"], h), "silu")
+    ops.add(x, ops.matmul(ws["down"], act), out=x)
+    tokens = ops.argmax(ops.matmul(ws["embd"], ops.rms_norm(x, norm_w, 1e-6)))
+    assert reads == []
+    got = ops.to_host(tokens)
+    assert reads == [(n,)]
+
+    def mm(name, a):
+        return reference.matmul(mats[name], T.Q8_0, a).astype(np.float32)
+
+    xr = reference.embed(mats["embd"], T.Q8_0, ids)
+    hr = reference.rms_norm(xr, norm_w, 1e-6)
+    qr = reference.rope(reference.rms_norm(mm("q", hr).reshape(n, n_head, hd), qk_w, 1e-6), cos, sin, hd, True)
+    kr = reference.rope(reference.rms_norm(mm("k", hr).reshape(n, n_kv, hd), qk_w, 1e-6), cos, sin, hd, True)
+    vr = mm("v", hr).reshape(n, n_kv, hd)
+    attn_r = reference.attention(qr, kr.transpose(1, 0, 2).copy(), vr.transpose(1, 0, 2).copy(), np.arange(n),
+                                 hd**-0.5, 0)
+    xr = xr + mm("o", attn_r)
+    hr = reference.rms_norm(xr, norm_w, 1e-6)
+    with np.errstate(over="ignore"):  # exp(-x) of large negative gates: inf, and silu -0, as intended
+        xr = xr + mm("down", reference.silu(mm("gate", hr)) * mm("up", hr))
+    logits = mm("embd", reference.rms_norm(xr, norm_w, 1e-6))
+    assert got.tolist() == np.argmax(logits, axis=1).tolist()
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(top2[:, 1])).all()  # not decided by rounding
+
+
+def test_opencl_ops_refuse_mismatched_shapes_with_a_clear_message(dev, ops):
+    x = ops.to_device(np.zeros((2, 3, 64), np.float32))
+    with pytest.raises(ValueError, match="even and within the head"):
+        ops.rope(x, np.zeros((2, 33), np.float32), np.zeros((2, 33), np.float32), 66, True)
+    with pytest.raises(ValueError, match=r"cos/sin must be \(2, 16\)"):
+        ops.rope(x, np.zeros((1, 16), np.float32), np.zeros((1, 16), np.float32), 32, True)
+    with pytest.raises(ValueError, match="norm weight has 32 elements"):
+        ops.rms_norm(x, np.ones(32, np.float32), 1e-6)
+    with pytest.raises(ValueError, match="unknown gate 'relu'"):
+        ops.gated_activation(x, x, "relu")
+    with pytest.raises(ValueError, match="do not fit q"):
+        kv = ops.to_device(np.zeros((2, 5, 64), np.float32))
+        ops.attention(x, kv, kv, np.arange(2), 1.0, 0)  # 3 query heads over 2 KV heads
+    wide = ops.to_device(np.zeros((1, 1, 576), np.float32))
+    with pytest.raises(ValueError, match="wider than 512"):
+        ops.attention(wide, wide, wide, np.arange(1), 1.0, 0)
+    with pytest.raises(ValueError, match="x is a host array"):
+        ops.rms_norm(np.zeros((1, 64), np.float32), np.ones(64, np.float32), 1e-6)
+    with pytest.raises(ValueError, match="float32 device array"):
+        ops.scale(ops.to_device(np.zeros(4, np.int32), np.int32), 2.0)
+    w = cl_formats.DeviceWeight(dev, random_blocks(T.Q8_0, 4, 64, seed=16), T.Q8_0)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 4\)"):
+        ops.embed(w, np.array([4]))
+
+
 # ---- static limits and the device layer ------------------------------------------------------------------------
 
 
 def test_opencl_kernels_stay_within_the_portable_floor(dev):
     """OpenCL C 1.2 with no fp64, no fp16 arithmetic and no vectors (PoCL miscompiles float vectors wider
     than 8 here); local memory within 32 KiB and work-groups within 256 (Apple's limits)."""
-    src = re.sub(r"//[^\n]*", "", cl_formats.source())
-    assert not re.search(r"\bdouble\b|\bhalf\b|cl_khr_fp(16|64)", src)
-    assert not re.search(r"\b(float|int|uint|uchar|char|short|ushort)(2|3|4|8|16)\b", src)
-    assert cl_formats.MATVEC_WG <= 256 and cl_formats.MATVEC_WG & (cl_formats.MATVEC_WG - 1) == 0
+    from localllm.kernels.opencl import ops as cl_ops
+
+    for source in (cl_formats.source(), cl_ops.source()):
+        src = re.sub(r"//[^\n]*", "", source)
+        assert not re.search(r"\bdouble\b|\bhalf\b|cl_khr_fp(16|64)", src)
+        assert not re.search(r"\b(float|int|uint|uchar|char|short|ushort)(2|3|4|8|16)\b", src)
+    for wg in (cl_formats.MATVEC_WG, cl_ops.ROW_WG, cl_ops.ATT_WG):
+        assert wg <= 256 and wg & (wg - 1) == 0
     cl = dev.cl
-    for qtype in ALL_FORMATS:
-        k = cl_formats.kernel(dev, f"matvec_{cl_formats.FORMATS[qtype].suffix}")
+    kernels = [cl_formats.kernel(dev, f"matvec_{cl_formats.FORMATS[qtype].suffix}") for qtype in ALL_FORMATS]
+    kernels += [cl_ops.kernel(dev, name) for name in ("rms_norm", "attention", "argmax")]  # those with local memory
+    for k in kernels:
         assert k.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, dev.device) <= 32 * 1024
 
 

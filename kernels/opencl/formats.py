@@ -3,8 +3,8 @@ names of its kernels in `formats.cl` and the elements each work-item decodes (`c
 kernel tables sit beside `type_traits`.
 
 `DeviceWeight` uploads a weight matrix once (the GGUF bytes as stored); `dequantize_rows` and `matvec` run on
-it. Results are read back here because these are the first operations of the backend and tests call them;
-the backend interface will keep activations on the device.
+it. These two read their results back (tests call them with host arrays); `ops.py` runs the same kernels on
+device arrays (`Ops.embed`, `Ops.matmul`), where activations stay.
 """
 
 from __future__ import annotations

@@ -1,0 +1,205 @@
+// The decoder's operations other than the weight kernels (formats.cl), on float32 activations that stay on the
+// device: RMSNorm, RoPE, gated activations, residual add / bias add / scale, attention, argmax. OpenCL C 1.2.
+//
+// Floor as formats.cl: no fp64, no fp16 arithmetic, no vector types, work-groups <= 256, local memory well
+// under 32 KiB (attention: 4 * (ATT_MAX_D + ATT_WG) = 2.3 KiB; the row kernels: 8 * ROW_WG = 512 bytes).
+// FP_CONTRACT is off so that `a * c - b * s` is rounded as numpy rounds it (the reference): RoPE, add and
+// scale are then bit-equal to kernels/reference.py; the reductions (RMSNorm's sum of squares, attention's dot
+// products and softmax) differ only by float32 summation order, exp/tanh by their few-ulp error.
+
+#pragma OPENCL FP_CONTRACT OFF
+
+#ifndef ROW_WG
+#define ROW_WG 64  // work-group of the row kernels (rms_norm, argmax): a power of two <= 256
+#endif
+#ifndef ATT_WG
+#define ATT_WG 64  // attention: keys scored at once per work-group, a power of two <= 256
+#endif
+#ifndef ATT_MAX_D
+#define ATT_MAX_D 512  // the widest head (key and value) attention takes; a multiple of ATT_WG
+#endif
+#ifndef ATT_NACC
+#define ATT_NACC (ATT_MAX_D / ATT_WG)  // output sums per work-item
+#endif
+
+// rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
+// The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
+kernel void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
+    local float part[ROW_WG];
+    uint r = get_group_id(0), lid = get_local_id(0);
+    global const float *xr = x + (ulong)r * d;
+    float acc = 0.0f;
+    for (uint i = lid; i < d; i += ROW_WG) acc = fma(xr[i], xr[i], acc);
+    part[lid] = acc;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = ROW_WG / 2; s > 0; s >>= 1) {
+        if (lid < s) part[lid] += part[lid + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float scale = 1.0f / sqrt(part[0] / (float)d + eps);
+    global float *o = out + (ulong)r * d;
+    for (uint i = lid; i < d; i += ROW_WG) o[i] = (xr[i] * scale) * w[i];
+}
+
+// rope(x, cos, sin, heads, head_dim, rope_dim, neox): rotate x (n, heads, head_dim) in place by the angles of
+// each row, cos/sin (n, rope_dim / 2). NeoX pairs element i with i + rope_dim/2, otherwise 2i with 2i + 1;
+// elements from rope_dim on are left as they are. Global size (n * heads, rope_dim / 2): one pair per item.
+kernel void rope(global float *x, global const float *cos_, global const float *sin_, uint heads, uint head_dim,
+                 uint rope_dim, uint neox) {
+    uint row = get_global_id(0), i = get_global_id(1);
+    uint half_ = rope_dim / 2;
+    uint t = row / heads;
+    float c = cos_[(ulong)t * half_ + i], s = sin_[(ulong)t * half_ + i];
+    global float *xr = x + (ulong)row * head_dim;
+    uint ia = neox ? i : 2 * i, ib = neox ? i + half_ : 2 * i + 1;
+    float a = xr[ia], b = xr[ib];
+    xr[ia] = a * c - b * s;
+    xr[ib] = a * s + b * c;
+}
+
+// gated_silu / gated_gelu_tanh(gate, up, out, count): out = act(gate) * up elementwise.
+kernel void gated_silu(global const float *gate, global const float *up, global float *out, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    float g = gate[i];
+    out[i] = (g / (1.0f + exp(-g))) * up[i];
+}
+
+// ggml_gelu: the tanh approximation, sqrt(2/pi) rounded to float32 as the reference does
+kernel void gated_gelu_tanh(global const float *gate, global const float *up, global float *out, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    float g = gate[i];
+    float a = 0.5f * g * (1.0f + tanh(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+    out[i] = a * up[i];
+}
+
+// add(a, b, out, count, b_count): out[i] = a[i] + b[i % b_count]: the residual add (b_count == count) and the
+// bias add (b a row vector broadcast over the rows of a).
+kernel void add(global const float *a, global const float *b, global float *out, uint count, uint b_count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    out[i] = a[i] + b[i % b_count];
+}
+
+// scale(x, out, count, s): out = x * s (gemma's embedding scale by sqrt(n_embd))
+kernel void scale(global const float *x, global float *out, uint count, float s) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    out[i] = x[i] * s;
+}
+
+// kv_write(src, cache, n_kv, cap, d, at, count): cache[h, at + t, :] = src[t, h, :] for the count rows of src
+// (n, n_kv, d), the projections' layout, into a cache (n_kv, cap, d), one head's keys contiguous for attention.
+kernel void kv_write(global const float *src, global float *cache, uint n_kv, uint cap, uint d, uint at, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    uint j = i % d, h = (i / d) % n_kv, t = i / (d * n_kv);
+    cache[((ulong)h * cap + at + t) * d + j] = src[i];
+}
+
+// attention(q, k, v, pos, out, n_head, n_kv, T, cap, d, dv, key_start, window, scale): causal grouped-query
+// attention of n queries q (n, n_head, d) at positions pos (n) over the first T keys of k (n_kv, cap, d) and
+// values v (n_kv, cap, dv), at positions key_start .. key_start + T - 1. Query head h reads KV head
+// h / (n_head / n_kv).
+// A query at p sees keys at positions <= p, and with window > 0 only those > p - window. out (n, n_head * dv).
+//
+// One work-group per (head, query), global size (n_head * ATT_WG, n). The visible keys are walked in tiles of
+// ATT_WG: each work-item scores one key of the tile (q from local memory), then every work-item takes the
+// tile's maximum and rescales its running sums by exp(old max - new max) (the online softmax: no score is
+// ever exponentiated above the running maximum, so nothing overflows); each work-item turns its key's score
+// into a weight p_t (one exp per key), and every work-item adds p_t * v_t for the output elements it owns
+// (j = lid, lid + ATT_WG, ...: at most ATT_NACC per item, in registers).
+kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
+                      global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
+                      int window, float scale) {
+    local float qs[ATT_MAX_D];
+    local float ps[ATT_WG];
+    uint h = get_group_id(0), i = get_global_id(1), lid = get_local_id(0);
+    uint kvh = h / (n_head / n_kv);
+    global const float *qi = q + ((ulong)i * n_head + h) * d;
+    for (uint j = lid; j < d; j += ATT_WG) qs[j] = qi[j];
+    // visible keys: cache rows lo .. hi - 1
+    int p = pos[i];
+    int hi = min(p - key_start + 1, (int)T);
+    int lo = window > 0 ? max(p - window + 1 - key_start, 0) : 0;
+    global const float *kh = k + (ulong)kvh * cap * d;
+    global const float *vh = v + (ulong)kvh * cap * dv;
+    float acc[ATT_NACC];
+    for (int m = 0; m < ATT_NACC; m++) acc[m] = 0.0f;
+    float run_max = -INFINITY, run_sum = 0.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int t0 = lo; t0 < hi; t0 += ATT_WG) {
+        int t = t0 + (int)lid;
+        float sc = -INFINITY;
+        if (t < hi) {
+            global const float *kt = kh + (ulong)t * d;
+            float dot = 0.0f;
+            for (uint j = 0; j < d; j++) dot = fma(qs[j], kt[j], dot);
+            sc = dot * scale;
+        }
+        ps[lid] = sc;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        int n_t = min(hi - t0, ATT_WG);  // >= 1: the tile's first key is visible, so new_max is finite
+        float new_max = run_max;
+        for (int u = 0; u < n_t; u++) new_max = fmax(new_max, ps[u]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        ps[lid] = exp(sc - new_max);  // each key's weight once (0 for the tile's tail past hi)
+        float rescale = exp(run_max - new_max);  // exp(-inf) = 0 on the first tile
+        run_sum *= rescale;
+        for (int m = 0; m < ATT_NACC; m++) acc[m] *= rescale;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int u = 0; u < n_t; u++) {
+            float pu = ps[u];
+            run_sum += pu;
+            global const float *vt = vh + (ulong)(t0 + u) * dv;
+            for (int m = 0; m < ATT_NACC; m++) {  // a constant bound: unrolled, acc stays in registers
+                uint j = lid + (uint)m * ATT_WG;
+                if (j >= dv) break;
+                acc[m] = fma(pu, vt[j], acc[m]);
+            }
+        }
+        run_max = new_max;
+        barrier(CLK_LOCAL_MEM_FENCE);  // ps is rewritten by the next tile
+    }
+    // a query that sees no key (a position before the cache's first) gets zeros rather than 0/0
+    float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+    global float *o = out + ((ulong)i * n_head + h) * dv;
+    for (int m = 0; m < ATT_NACC; m++) {
+        uint j = lid + (uint)m * ATT_WG;
+        if (j < dv) o[j] = acc[m] * inv;
+    }
+}
+
+// argmax(x, out, cols): out[r] = the index of the largest x[r, :], the first one on ties (numpy's argmax); NaNs
+// are passed over. One work-group per row.
+kernel void argmax(global const float *x, global int *out, uint cols) {
+    local float best_v[ROW_WG];
+    local int best_i[ROW_WG];
+    uint r = get_group_id(0), lid = get_local_id(0);
+    global const float *xr = x + (ulong)r * cols;
+    float bv = -INFINITY;
+    int bi = -1;
+    for (uint c = lid; c < cols; c += ROW_WG) {
+        float val = xr[c];
+        if (val > bv || bi < 0 && !isnan(val)) {  // strictly greater: a work-item's earlier index wins ties
+            bv = val;
+            bi = (int)c;
+        }
+    }
+    best_v[lid] = bv;
+    best_i[lid] = bi;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = ROW_WG / 2; s > 0; s >>= 1) {
+        if (lid < s) {
+            float ov = best_v[lid + s];
+            int oi = best_i[lid + s];
+            if (oi >= 0 && (best_i[lid] < 0 || ov > best_v[lid] || ov == best_v[lid] && oi < best_i[lid])) {
+                best_v[lid] = ov;
+                best_i[lid] = oi;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid == 0) out[r] = best_i[0] < 0 ? 0 : best_i[0];
+}

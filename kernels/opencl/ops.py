@@ -1,0 +1,262 @@
+"""The decoder's operations on an OpenCL device, activations kept there: thin wrappers over the kernels of
+`ops.cl` (and `formats.cl` for the embedding lookup and the weight matmul), each taking and returning
+`pyopencl.array.Array`s of float32 that never leave the device. Nothing here reads device memory back except
+`to_host`: a forward made of these calls downloads only what its caller asks for (the logits, or just the
+argmax's token ids).
+
+Shapes follow the CPU backend (`kernels/ops.py`) and the reference (`kernels/reference.py`): rows on the first
+axes, the operated-on axis last, C order. Integer inputs that come from the host anyway (token ids, query
+positions, RoPE's cos/sin tables) may be numpy arrays: they are uploaded (host to device), never read back.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+
+import numpy as np
+
+from localllm.kernels.opencl import formats as _formats
+from localllm.kernels.opencl.device import Device
+
+# Work-group sizes (powers of two within every device's limit we target; Apple: 256). 64 fits the narrowest
+# rows the catalog models normalise (head_dim 64, qk-norm) without idle work-items, and the attention tile
+# is as many keys.
+ROW_WG = 64
+ATT_WG = 64
+# The widest head attention takes (key and value dims): twice the catalog's widest (gemma3-270m: 256). Each
+# work-item has ATT_MAX_D / ATT_WG = 8 output sums in registers and uses as many as the head needs (1 for 64).
+ATT_MAX_D = 512
+
+_OPTIONS = (f"-DROW_WG={ROW_WG}", f"-DATT_WG={ATT_WG}", f"-DATT_MAX_D={ATT_MAX_D}", "-cl-std=CL1.2")
+
+GATES = ("silu", "gelu_tanh")
+
+
+@cache
+def source() -> str:
+    return resources.files("localllm.kernels.opencl").joinpath("ops.cl").read_text()
+
+
+def kernel(dev: Device, name: str):
+    return dev.kernel(source(), _OPTIONS, name)
+
+
+def _array():
+    import pyopencl.array as cl_array  # imported with pyopencl, when a device is in use
+
+    return cl_array
+
+
+def _check(a, what: str, ndim: int | None = None):
+    if isinstance(a, np.ndarray):
+        raise ValueError(f"{what} is a host array; activations are device arrays (Ops.to_device uploads one)")
+    if a.dtype != np.float32 or (ndim is not None and a.ndim != ndim) or not a.flags.c_contiguous or a.offset:
+        want = f"{ndim}-D " if ndim is not None else ""
+        raise ValueError(f"{what} must be a {want}C-contiguous float32 device array, not {a.dtype} {a.shape}")
+
+
+def _groups(count: int, wg: int = 256) -> tuple[int]:
+    return (-(-count // wg) * wg,)
+
+
+class Ops:
+    """The operations on one device: `Ops(dev).rms_norm(x, w, eps)`; arrays are pyopencl arrays on
+    dev.queue (in-order, so each op sees the previous one's writes without a wait)."""
+
+    def __init__(self, dev: Device):
+        import pyopencl.tools as cl_tools
+
+        self.dev = dev
+        # Buffers of dropped arrays are kept for the next array of the same size class, not released and
+        # created again per op. Safe on the one in-order queue: a buffer's next user is enqueued after every
+        # kernel that used it before.
+        self.allocator = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(dev.queue))
+
+    def _kernel(self, name: str):
+        return kernel(self.dev, name)
+
+    # ---- transfers ---------------------------------------------------------------------------------------------
+
+    def to_device(self, a: np.ndarray, dtype=np.float32):
+        """A device copy of a host array (C-contiguous, `dtype`)."""
+        return _array().to_device(self.dev.queue, np.ascontiguousarray(a, dtype=dtype), allocator=self.allocator)
+
+    @staticmethod
+    def to_host(a) -> np.ndarray:
+        """The device array's values on the host: the one read-back of this module."""
+        return a.get()
+
+    def empty(self, shape, dtype=np.float32):
+        return _array().empty(self.dev.queue, tuple(shape), dtype, allocator=self.allocator)
+
+    def _input(self, a, dtype):
+        """A device array of `dtype`: uploaded if `a` is a host array."""
+        if isinstance(a, np.ndarray):
+            return self.to_device(a, dtype)
+        if a.dtype != dtype or not a.flags.c_contiguous or a.offset:
+            raise ValueError(f"expected a C-contiguous {np.dtype(dtype).name} device array, "
+                             f"not {a.dtype} {a.shape}")
+        return a
+
+    # ---- operations --------------------------------------------------------------------------------------------
+
+    def embed(self, w: _formats.DeviceWeight, ids) -> object:
+        """float32 (len(ids), cols): rows `ids` of the weight, decoded by formats.cl's dequantize kernels
+        (bit-equal to the CPU's dequantization)."""
+        if w.dev is not self.dev:
+            raise ValueError("the weight was uploaded to another device")
+        dev = self.dev
+        if isinstance(ids, np.ndarray):
+            ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+            if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
+                raise ValueError(f"token ids must lie in [0, {w.rows}), got {ids.min()}..{ids.max()}")
+        ids_d = self._input(ids, np.int64)
+        out = self.empty((ids_d.size, w.cols))
+        if ids_d.size:
+            _formats.kernel(dev, f"dequantize_rows_{w.format.suffix}")(
+                dev.queue, (w.cols // w.format.chunk, ids_d.size), None, w.buffer, ids_d.data, out.data,
+                np.uint32(w.row_bytes), np.uint32(w.cols))
+        return out
+
+    def matmul(self, w: _formats.DeviceWeight, x):
+        """float32 (n, rows) = x (n, cols) @ W.T: formats.cl's dequantize-matvec (float32 accumulation), the
+        same kernel and bits as `formats.matvec`, on a device x and into a device array."""
+        if w.dev is not self.dev:
+            raise ValueError("the weight was uploaded to another device")
+        _check(x, "x", 2)
+        if x.shape[1] != w.cols:
+            raise ValueError(f"x must be (n, {w.cols}), not {x.shape}")
+        dev = self.dev
+        n = x.shape[0]
+        out = self.empty((n, w.rows))
+        if n and w.rows:
+            wg = _formats.MATVEC_WG
+            _formats.kernel(dev, f"matvec_{w.format.suffix}")(
+                dev.queue, (w.rows * wg, n), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
+                np.uint32(w.cols), np.uint32(w.rows))
+        return out
+
+    def rms_norm(self, x, weight, eps: float):
+        """RMSNorm over the last axis (any leading shape), with a weight of that axis's length; a new array."""
+        _check(x, "x")
+        dev = self.dev
+        d = x.shape[-1]
+        w = self._input(weight, np.float32)
+        if w.size != d:
+            raise ValueError(f"the norm weight has {w.size} elements, the rows {d}")
+        out = self.empty(x.shape)
+        rows = x.size // d if d else 0
+        if rows:
+            self._kernel("rms_norm")(dev.queue, (rows * ROW_WG,), (ROW_WG,), x.data, w.data, out.data, np.uint32(d),
+                                    np.float32(eps))
+        return out
+
+    def rope(self, x, cos, sin, rope_dim: int, neox: bool) -> None:
+        """Rotate x (n, heads, head_dim) in place by cos/sin (n, rope_dim // 2) of each row's position: NeoX
+        halves or adjacent pairs; elements from rope_dim on are left as they are."""
+        _check(x, "x", 3)
+        dev = self.dev
+        n, heads, head_dim = x.shape
+        if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+            raise ValueError(f"rope_dim {rope_dim} must be even and within the head ({head_dim})")
+        c, s = self._input(cos, np.float32), self._input(sin, np.float32)
+        if c.shape != (n, rope_dim // 2) or s.shape != c.shape:
+            raise ValueError(f"cos/sin must be ({n}, {rope_dim // 2}), not {c.shape} and {s.shape}")
+        if n * heads:
+            self._kernel("rope")(dev.queue, (n * heads, rope_dim // 2), None, x.data, c.data, s.data, np.uint32(heads),
+                                np.uint32(head_dim), np.uint32(rope_dim), np.uint32(bool(neox)))
+
+    def gated_activation(self, gate, up, kind: str):
+        """act(gate) * up elementwise, act SiLU ("silu") or the tanh GELU ("gelu_tanh"); a new array."""
+        if kind not in GATES:
+            raise ValueError(f"unknown gate {kind!r} (there is: {', '.join(GATES)})")
+        _check(gate, "gate")
+        _check(up, "up")
+        if gate.shape != up.shape:
+            raise ValueError(f"gate {gate.shape} and up {up.shape} differ")
+        dev = self.dev
+        out = self.empty(gate.shape)
+        if gate.size:
+            self._kernel(f"gated_{kind}")(dev.queue, _groups(gate.size), (256,), gate.data, up.data, out.data,
+                                         np.uint32(gate.size))
+        return out
+
+    def add(self, a, b, out=None):
+        """a + b, b either of a's shape (the residual) or a row vector of a's last axis (a bias), broadcast over
+        the rows; into `out` (which may be a) or a new array."""
+        _check(a, "a")
+        dev = self.dev
+        b = self._input(b, np.float32)
+        if b.shape != a.shape and not (b.size == a.shape[-1] and b.ndim == 1):
+            raise ValueError(f"cannot add {b.shape} to {a.shape} (same shape, or a row of {a.shape[-1]})")
+        out = self.empty(a.shape) if out is None else out
+        if a.size:
+            self._kernel("add")(dev.queue, _groups(a.size), (256,), a.data, b.data, out.data, np.uint32(a.size),
+                               np.uint32(b.size))
+        return out
+
+    def scale(self, x, s: float, out=None):
+        """x * s, into `out` (which may be x) or a new array."""
+        _check(x, "x")
+        dev = self.dev
+        out = self.empty(x.shape) if out is None else out
+        if x.size:
+            self._kernel("scale")(dev.queue, _groups(x.size), (256,), x.data, out.data, np.uint32(x.size),
+                                 np.float32(s))
+        return out
+
+    def kv_write(self, cache, x, at: int) -> None:
+        """Store x (n, n_kv, d), a K or V projection's rows, at cache rows at .. at + n - 1 of a cache
+        (n_kv, capacity, d), the layout `attention` reads."""
+        _check(cache, "cache", 3)
+        _check(x, "x", 3)
+        n_kv, cap, d = cache.shape
+        n = x.shape[0]
+        if x.shape[1:] != (n_kv, d) or not 0 <= at <= cap - n:
+            raise ValueError(f"cannot write {x.shape} at row {at} of a cache {cache.shape}")
+        if x.size:
+            self._kernel("kv_write")(self.dev.queue, _groups(x.size), (256,), x.data, cache.data, np.uint32(n_kv),
+                                     np.uint32(cap), np.uint32(d), np.uint32(at), np.uint32(x.size))
+
+    def attention(self, q, keys, values, q_positions, scale: float, window: int, key_start: int = 0,
+                  length: int | None = None):
+        """Causal grouped-query attention (`kernels/reference.py` attention): q (n, n_head, d) at q_positions
+        (n ints, host or device int32) over the first `length` (default: all) rows of keys (n_kv, capacity, d)
+        and values (n_kv, capacity, dv), at positions key_start .. key_start + length - 1; window > 0: a query
+        at p sees only keys after p - window. Returns (n, n_head * dv)."""
+        _check(q, "q", 3)
+        _check(keys, "keys", 3)
+        _check(values, "values", 3)
+        dev = self.dev
+        n, n_head, d = q.shape
+        n_kv, cap, dv = values.shape
+        t = cap if length is None else int(length)
+        if keys.shape != (n_kv, cap, d) or n_kv == 0 or n_head % n_kv or not 0 <= t <= cap:
+            raise ValueError(f"keys {keys.shape} and values {values.shape} do not fit q {q.shape} "
+                             f"(n_kv heads dividing n_head, as many keys as values, {t} of them in use)")
+        if max(d, dv) > ATT_MAX_D:
+            raise ValueError(f"heads wider than {ATT_MAX_D} are not supported by the OpenCL attention ({d}, {dv})")
+        pos = self._input(q_positions, np.int32)
+        if pos.size != n:
+            raise ValueError(f"{pos.size} positions for {n} queries")
+        out = self.empty((n, n_head * dv))
+        if n:
+            self._kernel("attention")(dev.queue, (n_head * ATT_WG, n), (ATT_WG, 1), q.data, keys.data, values.data,
+                                     pos.data, out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t),
+                                     np.uint32(cap), np.uint32(d), np.uint32(dv), np.int32(key_start),
+                                     np.int32(window), np.float32(scale))
+        return out
+
+    def argmax(self, x):
+        """int32 (rows,): the index of each row's largest value (the first on ties; NaNs passed over), on the
+        device: greedy sampling downloads one int per row, not the logits."""
+        _check(x, "x", 2)
+        dev = self.dev
+        rows, cols = x.shape
+        out = self.empty((rows,), np.int32)
+        if rows and cols:
+            self._kernel("argmax")(dev.queue, (rows * ROW_WG,), (ROW_WG,), x.data, out.data, np.uint32(cols))
+        return out
+
+
