@@ -44,7 +44,6 @@ def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> di
     """A chat's next turn: time to first token with the conversation's cache reused, against the same
     history processed cold (a fresh KV pool, so nothing is found cached), and time per output token."""
     from localllm.engine import GenerationParams
-    from localllm.kv_cache import KVPool
     from localllm.sampling import SamplingParams
 
     tokens = _tokens(engine, history + new, seed=2)
@@ -58,7 +57,7 @@ def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> di
     rest = list(events)
     tpot = (time.perf_counter() - t - ttft) / max(len(rest), 1)
     warm_pool = engine.kv_pool
-    engine.kv_pool = KVPool.for_model(engine.config, warm_pool.budget_bytes, kv_type=warm_pool.kv_type)
+    engine.kv_pool = engine.model.new_pool(budget_bytes=warm_pool.budget_bytes, kv_type=warm_pool.kv_type)
     try:
         t = time.perf_counter()
         cold = next(engine.generate(tokens, GenerationParams(max_tokens=1, sampling=greedy)))

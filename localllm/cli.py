@@ -154,7 +154,7 @@ def cmd_serve(args) -> int:
           api_key=args.api_key or os.environ.get("LOCALLLM_API_KEY") or None, parallel=args.parallel,
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
           max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args),
-          allowed_hosts=args.allowed_host)
+          allowed_hosts=args.allowed_host, device=args.device)
     return 0
 
 
@@ -294,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also answer requests that call this server HOST (repeatable; '*' for any name). Default: "
                         "only IP addresses, localhost and this machine's host name, against DNS rebinding")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    cli_generate.add_device_option(p)
     cli_generate.add_speculation_options(p)
     p.set_defaults(func=cmd_serve)
 

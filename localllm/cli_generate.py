@@ -69,6 +69,13 @@ def add_kv_type_option(p) -> None:
     p.add_argument("--kv-type", choices=["f32", "q8_0"], default="f32",
                    help="KV cache element type: f32, or q8_0 (8-bit, 3.6x smaller; see README for its measured "
                         "perplexity cost) (default f32)")
+    add_device_option(p)
+
+
+def add_device_option(p) -> None:
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where the model runs: cpu (Numba kernels, the default) or opencl[:PLATFORM:DEVICE] "
+                        "(an OpenCL GPU or CPU device, by name substrings; `localllm devices` lists them)")
 
 
 def generation_params(args):
@@ -118,7 +125,7 @@ def add_overflow_options(p, default: str, why: str) -> None:
 def load_engine(args):
     from localllm.engine import Engine
 
-    return Engine.load(args.model, ctx=args.ctx, kv_type=args.kv_type)
+    return Engine.load(args.model, ctx=args.ctx, kv_type=args.kv_type, device=args.device)
 
 
 # ---- run -------------------------------------------------------------------------------------------------
@@ -386,7 +393,7 @@ def cmd_bench(args) -> int:
     results = []
     for name in names:
         engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.chat_turn + 64, 512 + 16),
-                             quiet=args.json, kv_type=args.kv_type)
+                             quiet=args.json, kv_type=args.kv_type, device=args.device)
         result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r)
         if machine_bandwidth is not None:
             result["machine_bandwidth_gbs"] = machine_bandwidth
@@ -416,7 +423,7 @@ def bench_speculative(args, names, spec) -> int:
     prompt = read_text_file(args.prompt_file) if args.prompt_file else bench.SPEC_PROMPT
     results = []
     for name in names:
-        engine = Engine.load(name, ctx=args.ctx, quiet=args.json, kv_type=args.kv_type)
+        engine = Engine.load(name, ctx=args.ctx, quiet=args.json, kv_type=args.kv_type, device=args.device)
         results.append(bench.speculative(engine, engine.tokenize_prompt(prompt), spec, n_gen=args.n, reps=args.r))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))

@@ -24,7 +24,7 @@ from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KV_TYPES, KVCache, KVPool
+from localllm.kv_cache import KV_TYPES, KVCache
 from localllm.sampling import Sampler, SamplingParams
 from localllm.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
 from localllm.stop import StopMatcher
@@ -156,6 +156,7 @@ class Sequence:
 class Engine:
     def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
                  backend: str = "cpu"):
+        """`backend`: where the model runs, as `--device` names it ("cpu", "opencl[:PLATFORM:DEVICE]")."""
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         meta = self.gguf.metadata
@@ -163,7 +164,11 @@ class Engine:
         self.config = load_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.from_metadata(meta, model_name=self.path.stem)
-        self.model = Transformer(self.gguf, self.config, backends.get(backend))
+        device = backends.get(backend)
+        if kv_type not in device.kv_storage().kv_types:
+            raise LocalLLMError(f"KV cache type {kv_type!r} is not available on {device.name} "
+                                f"(it has: {', '.join(device.kv_storage().kv_types)})")
+        self.model = Transformer(self.gguf, self.config, device)
         self.ctx = int(ctx) if ctx else min(self.config.context_length, DEFAULT_CTX)
         if self.ctx < 8:
             raise LocalLLMError(f"context size {self.ctx} is too small")
@@ -174,24 +179,26 @@ class Engine:
         if kv_type == "q8_0" and (self.config.head_dim % 32 or self.config.value_dim % 32):
             raise LocalLLMError(f"a q8_0 KV cache needs head sizes that are multiples of 32; this model's are "
                                 f"{self.config.head_dim} and {self.config.value_dim} (use --kv-type f32)")
-        self.kv_pool = KVPool.for_model(self.config, kv_type=kv_type)
+        self.kv_pool = self.model.new_pool(kv_type=kv_type)
         self.kv_pool.budget_bytes = self.ctx * self.kv_pool.bytes_per_token
         self.kv_type = kv_type
+        self.device = backend
         self._draft_engines: dict[str, Engine] = {}
         warm_up(self.model.backend.warm_up_calls(self.model.weights()) + self.model.warm_up_calls(kv_type),
                 quiet=quiet)
 
     @classmethod
-    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32") -> "Engine":
+    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
+             device: str = "cpu") -> "Engine":
         from localllm import store
 
-        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type)
+        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type, backend=device)
 
     def draft_engine(self, name_or_path: str) -> "Engine":
         """A draft model for speculative decoding (loaded once, same context size and KV type)."""
         key = str(name_or_path)
         if key not in self._draft_engines:
-            draft = Engine.load(key, ctx=self.ctx, quiet=True, kv_type=self.kv_type)
+            draft = Engine.load(key, ctx=self.ctx, quiet=True, kv_type=self.kv_type, device=self.device)
             check_draft_engine(self, draft)
             self._draft_engines[key] = draft
         return self._draft_engines[key]

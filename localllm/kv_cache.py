@@ -17,6 +17,9 @@ Design (vLLM-style paged attention with prefix caching, kept small):
   sequences allocate in turn (or cached blocks are recycled), tables fragment. Attention reads through the
   block table either way (kernels/cpu/attention.py), so neither layout copies keys; only `keys()` (sessions,
   tests) gathers. Nothing outside this module sees which of the two it got.
+* Storage apart from bookkeeping: the arrays live where the model's backend keeps them (`KVStorage`,
+  localllm/backends/base.py: host arrays on the CPU, device buffers on a GPU); everything here is integers
+  (tables, names, refcounts, the LRU) and asks the storage for each change to the stored values.
 * Prefix caching: each full block is named by a hash of its tokens chained with its parent block's hash, so a
   name stands for the whole prefix up to it. Blocks are refcounted; a sequence whose prompt starts with named
   blocks attaches them (refcount + 1) instead of recomputing them, so two sequences sharing a prefix hold it
@@ -26,7 +29,8 @@ Design (vLLM-style paged attention with prefix caching, kept small):
 * Sliding-window layers (gemma3) form their own layer group with their own tables: blocks that the next query
   can no longer see are released, so those layers hold about `window` tokens whatever the sequence length.
 * Element type (`kv_type`): float32, or `q8_0` (int8 with a scale per 32 values, as ggml's block_q8_0),
-  about 3.6x smaller. Attention reads either directly (kernels/cpu/attention.py, through `attention_inputs`);
+  about 3.6x smaller (on backends whose storage has it). Attention reads either directly (through
+  `attention_inputs`);
   `keys()` / `values()` always return float32 (dequantized), for saving sessions and for tests.
 """
 
@@ -37,9 +41,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from localllm.kernels.cpu import attention as _kernels
-
-BLOCK = _kernels.BLOCK  # tokens per block: sharing and trimming waste little, the kernels' loops stay long
+BLOCK = 16  # tokens per block: sharing and trimming waste little, the kernels' loops stay long
+Q8_BLOCK = 32  # values per scale of a q8_0 KV cache (ggml's block_q8_0)
 KV_TYPES = ("f32", "q8_0")
 GROWTH_BLOCKS = 16  # storage grows 256 tokens at a time
 
@@ -58,19 +61,21 @@ class _Group:
     """Storage and block bookkeeping for layers that share block tables (all of them, or gemma3's global and
     sliding layers separately, since only the sliding ones drop old blocks)."""
 
-    def __init__(self, layers: list[int], window: int, n_kv: int, head_dim: int, value_dim: int, kv_type: str):
-        self.layers, self.window = layers, window
+    def __init__(self, layers: list[int], window: int, n_kv: int, head_dim: int, value_dim: int, kv_type: str,
+                 storage):
+        self.layers, self.window, self.storage = layers, window, storage
         quantized = kv_type == "q8_0"
         dtype = np.int8 if quantized else np.float32
 
-        def empty(dim: int, scales: bool) -> list[np.ndarray]:
+        def empty(dim: int, scales: bool) -> list:
             if scales:  # float32 storage has no scales: a last axis of 0 tells the kernels so
-                return [np.empty((n_kv, 0, dim // _kernels.QBLOCK if quantized else 0), np.float32) for _ in layers]
-            return [np.empty((n_kv, 0, dim), dtype) for _ in layers]
+                return [storage.new(n_kv, dim // Q8_BLOCK if quantized else 0, np.float32) for _ in layers]
+            return [storage.new(n_kv, dim, dtype) for _ in layers]
 
         self.k, self.k_scale = empty(head_dim, False), empty(head_dim, True)
         self.v, self.v_scale = empty(value_dim, False), empty(value_dim, True)
-        per_token = sum(a[0].itemsize * a[0].shape[2] for a in (self.k, self.k_scale, self.v, self.v_scale))
+        per_token = (np.dtype(dtype).itemsize * (head_dim + value_dim)
+                     + (4 * (head_dim + value_dim) // Q8_BLOCK if quantized else 0))
         self.block_bytes = BLOCK * n_kv * per_token * len(layers)
         self.refs = np.zeros(0, np.int64)  # sequences holding each block
         self.version = 0  # bumped whenever storage arrays are replaced (growth)
@@ -88,15 +93,13 @@ class _Group:
         n = self.n_blocks
         for store in self.stores:
             for i, old in enumerate(store):
-                new = np.empty((old.shape[0], (n + GROWTH_BLOCKS) * BLOCK, old.shape[2]), old.dtype)
-                new[:, : old.shape[1]] = old
-                store[i] = new
+                store[i] = self.storage.grown(old, (n + GROWTH_BLOCKS) * BLOCK)
         self.refs = np.concatenate([self.refs, np.zeros(GROWTH_BLOCKS, np.int64)])
         self.free.update(range(n, n + GROWTH_BLOCKS))
         self.version += 1
 
     @property
-    def stores(self) -> tuple[list[np.ndarray], ...]:
+    def stores(self) -> tuple[list, ...]:
         return self.k, self.k_scale, self.v, self.v_scale
 
     def forget(self, b: int) -> None:
@@ -109,13 +112,19 @@ class _Group:
 
 class KVPool:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int, windows=None,
-                 budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32"):
+                 budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32", storage=None):
         """windows[i] > 0 marks layer i as sliding-window. budget_bytes caps growth while idle cached blocks
-        could be recycled instead (live sequences always get the blocks they need)."""
-        if kv_type not in KV_TYPES:
-            raise ValueError(f"KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")
-        if kv_type == "q8_0" and (head_dim % _kernels.QBLOCK or value_dim % _kernels.QBLOCK):
-            raise ValueError(f"a q8_0 KV cache needs head sizes that are multiples of {_kernels.QBLOCK}")
+        could be recycled instead (live sequences always get the blocks they need). `storage`: where the
+        blocks live (the model's backend's `kv_storage()`; default the CPU's)."""
+        if storage is None:
+            from localllm import backends
+
+            storage = backends.get("cpu").kv_storage()
+        self.storage = storage
+        if kv_type not in KV_TYPES or kv_type not in storage.kv_types:
+            raise ValueError(f"KV cache type {kv_type!r}: use one of {', '.join(storage.kv_types)}")
+        if kv_type == "q8_0" and (head_dim % Q8_BLOCK or value_dim % Q8_BLOCK):
+            raise ValueError(f"a q8_0 KV cache needs head sizes that are multiples of {Q8_BLOCK}")
         self.kv_type = kv_type
         windows = list(windows) if windows is not None else [0] * n_layers
         if not trim_windows:
@@ -123,7 +132,7 @@ class KVPool:
         by_window: dict[int, list[int]] = {}
         for i, w in enumerate(windows):
             by_window.setdefault(w, []).append(i)
-        self.groups = [_Group(layers, w, n_kv_heads, head_dim, value_dim, kv_type)
+        self.groups = [_Group(layers, w, n_kv_heads, head_dim, value_dim, kv_type, storage)
                        for w, layers in sorted(by_window.items())]
         self.where = {layer: (gi, slot) for gi, g in enumerate(self.groups) for slot, layer in enumerate(g.layers)}
         self.budget_bytes = budget_bytes
@@ -136,27 +145,13 @@ class KVPool:
         self._parent_of: dict[bytes, bytes] = {}
         for g in self.groups:
             g.on_forget = self._forgotten
-        self._layer_lists = None  # (versions, typed lists) for compiled whole-forward kernels
-
-    def layer_arrays(self) -> tuple:
-        """Per layer, in layer order: (keys, key scales, values, value scales) as Numba typed lists, for a compiled
-        forward that visits every layer in one call. Rebuilt only when storage grew."""
-        versions = tuple(g.version for g in self.groups)
-        if self._layer_lists is None or self._layer_lists[0] != versions:
-            import numba.typed  # only the compiled forward needs it
-
-            per_layer = [self.groups[gi].stores for gi, _ in (self.where[i] for i in range(len(self.where)))]
-            slots = [self.where[i][1] for i in range(len(self.where))]
-            lists = tuple(numba.typed.List([stores[s][slot] for stores, slot in zip(per_layer, slots)])
-                          for s in range(4))
-            self._layer_lists = (versions, lists)
-        return self._layer_lists[1]
 
     @classmethod
-    def for_model(cls, config, budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32") -> "KVPool":
+    def for_model(cls, config, budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32",
+                  storage=None) -> "KVPool":
         windows = [config.sliding_window if config.layer_is_sliding(i) else 0 for i in range(config.n_layers)]
         return cls(config.n_layers, config.n_head_kv, config.head_dim, config.value_dim, windows, budget_bytes,
-                   trim_windows, kv_type)
+                   trim_windows, kv_type, storage)
 
     def new_cache(self, max_tokens: int) -> "KVCache":
         return KVCache(self, max_tokens)
@@ -280,12 +275,12 @@ class KVCache:
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
         cols = self._write_columns[gi]
-        _kernels.write_rows(g.k[slot], g.k_scale[slot], cols, k)
-        _kernels.write_rows(g.v[slot], g.v_scale[slot], cols, v)
+        self.pool.storage.write_rows(g.k[slot], g.k_scale[slot], cols, k)
+        self.pool.storage.write_rows(g.v[slot], g.v_scale[slot], cols, v)
 
     def attention_inputs(self, layer: int) -> tuple:
-        """What kernels.cpu.attention.attend reads for `layer` during a forward: (keys, key scales, values,
-        value scales, block table from the first held block, that block's index)."""
+        """What a backend's attention reads for `layer` during a forward: (keys, key scales, values, value
+        scales, block table from the first held block, that block's index)."""
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
         return g.k[slot], g.k_scale[slot], g.v[slot], g.v_scale[slot], self._block_arrays[gi], self.first[gi]
@@ -314,15 +309,21 @@ class KVCache:
         g = self.pool.groups[gi]
         return self._read(g.v[slot], g.v_scale[slot], gi, self.start(layer), self.length + self._pending)
 
-    def _read(self, store: np.ndarray, scales: np.ndarray, gi: int, start: int, end: int) -> np.ndarray:
+    def _read(self, store, scales, gi: int, start: int, end: int) -> np.ndarray:
         cols = self._columns(gi, start, end)
-        if store.dtype == np.float32:
-            # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
-            return store[:, cols] if isinstance(cols, slice) else np.take(store, cols, axis=1)
-        cols = self._column_array(gi, start, end)
-        out = np.empty((store.shape[0], len(cols), store.shape[2]), np.float32)
-        _kernels.read_rows(store, scales, cols, out)
-        return out
+        if isinstance(store, np.ndarray) and store.dtype == np.float32 and isinstance(cols, slice):
+            return store[:, cols]  # a view, no copy
+        return self.pool.storage.read_rows(store, scales, self._column_array(gi, start, end))
+
+    def column_map(self, layer: int) -> np.ndarray:
+        """int64 storage columns of positions start(layer) .. length + pending - 1 for `layer` (after reserve):
+        the block table spelled out, for kernels that read keys through a column list."""
+        gi = self.pool.where[layer][0]
+        return self._column_array(gi, self.first[gi] * BLOCK, self.length + self._pending)
+
+    def write_columns(self, layer: int) -> np.ndarray:
+        """int64 storage columns of the tokens being written (after reserve), for `layer`."""
+        return self._write_columns[self.pool.where[layer][0]]
 
     def commit(self) -> None:
         self.length += self._pending
@@ -366,15 +367,16 @@ class KVCache:
         for gi, g in enumerate(self.pool.groups):
             for j in range(n_keep // BLOCK, -(-new_len // BLOCK)):
                 self._own(gi, j)  # contents change: copy shared blocks, un-name our own
-            src = self._columns(gi, n_keep + n_discard, self.length)
+            src = self._column_array(gi, n_keep + n_discard, self.length)
             dst = self._column_array(gi, n_keep, new_len)
+            storage = self.pool.storage
             for slot, layer in enumerate(g.layers):
                 keys = np.ascontiguousarray(
                     self._read(g.k[slot], g.k_scale[slot], gi, n_keep + n_discard, self.length).transpose(1, 0, 2))
                 rotate(layer, keys, -n_discard)
-                _kernels.write_rows(g.k[slot], g.k_scale[slot], dst, keys)
+                storage.write_rows(g.k[slot], g.k_scale[slot], dst, keys)
                 for store in (g.v[slot], g.v_scale[slot]):  # values move as stored
-                    store[:, dst] = store[:, src].copy()  # source and destination may overlap
+                    storage.move_columns(store, src, dst)
         del self.names[n_keep // BLOCK :]
         self.name_limit = n_keep // BLOCK if self.name_limit is None else min(self.name_limit, n_keep // BLOCK)
         self.truncate(new_len)
@@ -438,7 +440,7 @@ class KVCache:
                 new = self.pool.allocate(gi, self.tables[gi][-1] + 1 if m > self.first[gi] else None)
                 for store in g.stores:
                     for arr in store:
-                        arr[:, new * BLOCK : (new + 1) * BLOCK] = arr[:, src * BLOCK : (src + 1) * BLOCK]
+                        self.pool.storage.copy_columns(arr, src * BLOCK, new * BLOCK, BLOCK)
                 self.tables[gi].append(new)
         self.names = names
         self.length = m * BLOCK + k
@@ -470,10 +472,10 @@ class KVCache:
             cols = self._column_array(gi, start, length)
             for slot, layer in enumerate(g.layers):
                 keys, values = kv[layer]
-                _kernels.write_rows(g.k[slot], g.k_scale[slot], cols,
-                                    np.ascontiguousarray(keys.transpose(1, 0, 2), dtype=np.float32))
-                _kernels.write_rows(g.v[slot], g.v_scale[slot], cols,
-                                    np.ascontiguousarray(values.transpose(1, 0, 2), dtype=np.float32))
+                self.pool.storage.write_rows(g.k[slot], g.k_scale[slot], cols,
+                                             np.ascontiguousarray(keys.transpose(1, 0, 2), dtype=np.float32))
+                self.pool.storage.write_rows(g.v[slot], g.v_scale[slot], cols,
+                                             np.ascontiguousarray(values.transpose(1, 0, 2), dtype=np.float32))
         self.length = length
 
     def release(self) -> None:
@@ -518,7 +520,7 @@ class KVCache:
             new = self.pool.allocate(gi)
             for store in g.stores:
                 for arr in store:
-                    arr[:, new * BLOCK : (new + 1) * BLOCK] = arr[:, b * BLOCK : (b + 1) * BLOCK]
+                    self.pool.storage.copy_columns(arr, b * BLOCK, new * BLOCK, BLOCK)
             self.pool.unref(gi, b)
             self.tables[gi][j] = new
         else:

@@ -198,14 +198,20 @@ def test_opencl_embed_gives_the_cpu_backends_dequantized_rows_bit_for_bit(dev, o
     assert np.array_equal(_bits(ops.to_host(ops.embed(w, ops.to_device(ids[:2], np.int64)))), _bits(want[:2]))
 
 
-@pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
-def test_opencl_matmul_on_device_arrays_gives_the_matvec_bits(dev, ops, qtype):
+@pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype):
+    # the tiled kernel (8 x rows per work-group) for n > 1: every row's sum in matvec's order, so a token's
+    # result does not depend on how many others share its forward or where its tile starts (batch invariance)
     raw = random_blocks(qtype, 37, cols_for(qtype), seed=17, moderate_scales=True)
     w = cl_formats.DeviceWeight(dev, raw, qtype)
-    x = np.random.default_rng(18).standard_normal((3, w.cols)).astype(np.float32)
-    got = ops.to_host(ops.matmul(w, ops.to_device(x)))
-    assert np.array_equal(_bits(got), _bits(cl_formats.matvec(w, x)))  # the same kernel
-    assert nmse(got, reference.matmul(raw, qtype, x)) <= MATVEC_NMSE[qtype]
+    x = np.random.default_rng(18).standard_normal((19, w.cols)).astype(np.float32)
+    one = cl_formats.matvec(w, x)  # one work-group per (row, token)
+    for n in (1, 3, 8, 9, 19):
+        got = ops.to_host(ops.matmul(w, ops.to_device(x[:n])))
+        assert np.array_equal(_bits(got), _bits(one[:n])), n
+    got = ops.to_host(ops.matmul(w, ops.to_device(x[5:16])))  # tiles that start elsewhere
+    assert np.array_equal(_bits(got), _bits(one[5:16]))
+    assert nmse(one, reference.matmul(raw, qtype, x)) <= MATVEC_NMSE[qtype]
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 128), (2, 256), (4, 576), (3, 1000), (1, 1536)])
@@ -314,6 +320,34 @@ def test_opencl_kv_write_fills_a_cache_that_attention_reads_up_to_its_length(ops
     early = ops.to_host(ops.attention(ops.to_device(q[:1]), keys, values, np.array([9]), 0.125, 0, key_start=10,
                                       length=30))
     assert np.array_equal(early, np.zeros_like(early))
+
+
+def test_opencl_attention_reads_a_paged_cache_through_its_column_map_as_a_contiguous_one(ops):
+    # the KV pool's blocks of 16 columns in any order (fragmented tables), a sliding window over a trimmed start
+    rng = np.random.default_rng(23)
+    n_kv, n_head, d, t, key_start, window = 2, 6, 64, 45, 16, 20
+    blocks = rng.permutation(8)[:3]  # 3 blocks of 16 for 45 keys, out of a storage of 8 blocks
+    cols = (blocks[:, None] * 16 + np.arange(16)).ravel()[:t]
+    k_rows = rng.standard_normal((t, n_kv, d)).astype(np.float32)
+    v_rows = rng.standard_normal((t, n_kv, d)).astype(np.float32)
+    keys, values = (ops.to_device(np.full((n_kv, 128, d), np.nan, np.float32)) for _ in range(2))
+    for a, b in ((0, 40), (40, 44), (44, 45)):  # a prompt, a verify of 4, a decode step
+        ops.kv_write(keys, ops.to_device(k_rows[a:b]), cols=cols[a:b])
+        ops.kv_write(values, ops.to_device(v_rows[a:b]), cols=cols[a:b])
+    q = rng.standard_normal((5, n_head, d)).astype(np.float32)
+    positions = np.arange(key_start + t - 5, key_start + t)
+    got = ops.to_host(ops.attention(ops.to_device(q), keys, values, positions, 0.125, window, key_start, cols=cols))
+    want = reference.attention(q, k_rows.transpose(1, 0, 2).copy(), v_rows.transpose(1, 0, 2).copy(), positions,
+                               0.125, window, key_start)
+    assert nmse(got, want) <= OPS_NMSE["attention"]  # the NaN columns of other blocks are never read
+    with pytest.raises(ValueError, match="storage columns"):
+        ops.kv_write(keys, ops.to_device(k_rows[:1]), cols=np.array([128]))
+
+
+def test_opencl_gather_rows_takes_the_rows_asked_for(ops):
+    x = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)
+    idx = np.array([4, 0, 4, 2])
+    assert np.array_equal(ops.to_host(ops.gather_rows(ops.to_device(x), idx)), x[idx])
 
 
 def test_opencl_argmax_finds_the_first_largest_value_of_each_row(ops):

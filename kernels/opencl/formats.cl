@@ -21,6 +21,9 @@
 #ifndef WG
 #define WG 64  // matvec work-group size; a power of two <= 256
 #endif
+#ifndef NT
+#define NT 8  // x rows per work-group of matmul: each weight chunk is decoded once for NT tokens
+#endif
 
 float f16_bits(uint h) {
     // IEEE half bits -> float, exactly (kernels/cpu/dequant.py f16_to_f32; ggml_compute_fp16_to_fp32)
@@ -243,6 +246,10 @@ void dq_q6_k(global const uchar *b, uint c, float *y) {
 // matvec_<fmt>(w, x, y, row_bytes, cols, rows): y[k, r] = sum_c W[r, c] x[k, c], float32 accumulation.
 //   global size (rows * WG, n), local size (WG, 1): one work-group per (row, x row); the work-items stride
 //   over the row's chunks and meet in a tree reduction in local memory.
+// matmul_<fmt>(w, x, y, row_bytes, cols, rows, n): the same products for n x rows, NT at a time per work-group
+//   (global size (rows * WG, ceil(n / NT))): each chunk of W is decoded once for NT tokens. Every x row's sum is
+//   accumulated in matvec's order and reduced by the same tree, so a row's result is matvec's, bit for bit,
+//   whatever n is and wherever the row falls in a tile (batch invariance).
 
 #define KERNELS(fmt, FMT)                                                                                       \
 kernel void dequantize_rows_##fmt(global const uchar *w, global const long *row_ids, global float *out,       \
@@ -277,6 +284,35 @@ kernel void matvec_##fmt(global const uchar *w, global const float *x, global fl
         barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
     }                                                                                                           \
     if (lid == 0) y[(ulong)k * rows + r] = part[0];                                                            \
+}                                                                                                               \
+kernel void matmul_##fmt(global const uchar *w, global const float *x, global float *y,                      \
+                         uint row_bytes, uint cols, uint rows, uint n) {                                        \
+    local float part[WG * NT];                                                                                  \
+    uint r = get_group_id(0), k0 = get_group_id(1) * NT, lid = get_local_id(0);                               \
+    uint per_block = FMT##_QB / FMT##_QC;                                                                      \
+    uint n_chunks = cols / FMT##_QC;                                                                           \
+    uint nt = min((uint)NT, n - k0);                                                                           \
+    global const uchar *row = w + (ulong)r * row_bytes;                                                        \
+    float acc[NT];                                                                                              \
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;                                                               \
+    for (uint i = lid; i < n_chunks; i += WG) {                                                                \
+        float v[FMT##_QC];                                                                                      \
+        dq_##fmt(row + (i / per_block) * FMT##_TS, i % per_block, v);                                         \
+        for (uint t = 0; t < nt; t++) {                                                                         \
+            global const float *xx = x + (ulong)(k0 + t) * cols + i * FMT##_QC;                                \
+            float a = acc[t];                                                                                   \
+            for (int l = 0; l < FMT##_QC; l++) a = fma(v[l], xx[l], a);                                        \
+            acc[t] = a;                                                                                         \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (uint t = 0; t < NT; t++) part[t * WG + lid] = acc[t];                                                 \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
+    for (uint s = WG / 2; s > 0; s >>= 1) {                                                                    \
+        if (lid < s)                                                                                            \
+            for (uint t = 0; t < NT; t++) part[t * WG + lid] += part[t * WG + lid + s];                        \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }                                                                                                           \
+    if (lid < nt) y[(ulong)(k0 + lid) * rows + r] = part[lid * WG];                                            \
 }
 
 KERNELS(f32, F32)

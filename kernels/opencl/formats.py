@@ -46,7 +46,10 @@ def source() -> str:
     return resources.files("localllm.kernels.opencl").joinpath("formats.cl").read_text()
 
 
-_OPTIONS = (f"-DWG={MATVEC_WG}", "-cl-std=CL1.2")
+# x rows per work-group of matmul (prompts, verifies, batches): W is read once per MATMUL_NT tokens; 8 keeps
+# 8 accumulators in registers and 64 * 8 * 4 = 2 KiB of local memory.
+MATMUL_NT = 8
+_OPTIONS = (f"-DWG={MATVEC_WG}", f"-DNT={MATMUL_NT}", "-cl-std=CL1.2")
 
 
 def kernel(dev: Device, name: str):

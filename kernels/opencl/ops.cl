@@ -89,19 +89,29 @@ kernel void scale(global const float *x, global float *out, uint count, float s)
     out[i] = x[i] * s;
 }
 
-// kv_write(src, cache, n_kv, cap, d, at, count): cache[h, at + t, :] = src[t, h, :] for the count rows of src
-// (n, n_kv, d), the projections' layout, into a cache (n_kv, cap, d), one head's keys contiguous for attention.
-kernel void kv_write(global const float *src, global float *cache, uint n_kv, uint cap, uint d, uint at, uint count) {
+// kv_write(src, cache, cols, n_kv, cap, d, count): cache[h, cols[t], :] = src[t, h, :] for the count values of
+// src (n, n_kv, d), the projections' layout, into a cache (n_kv, cap, d) at storage columns cols (n): the KV
+// pool's blocks (column = block * 16 + offset), one head's keys contiguous within a block for attention.
+kernel void kv_write(global const float *src, global float *cache, global const int *cols, uint n_kv, uint cap,
+                     uint d, uint count) {
     uint i = get_global_id(0);
     if (i >= count) return;
     uint j = i % d, h = (i / d) % n_kv, t = i / (d * n_kv);
-    cache[((ulong)h * cap + at + t) * d + j] = src[i];
+    cache[((ulong)h * cap + (uint)cols[t]) * d + j] = src[i];
 }
 
-// attention(q, k, v, pos, out, n_head, n_kv, T, cap, d, dv, key_start, window, scale): causal grouped-query
-// attention of n queries q (n, n_head, d) at positions pos (n) over the first T keys of k (n_kv, cap, d) and
-// values v (n_kv, cap, dv), at positions key_start .. key_start + T - 1. Query head h reads KV head
-// h / (n_head / n_kv).
+// gather_rows(x, idx, out, cols, count): out[r, :] = x[idx[r], :] (count = rows * cols values).
+kernel void gather_rows(global const float *x, global const int *idx, global float *out, uint cols, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    uint r = i / cols, j = i % cols;
+    out[i] = x[(ulong)(uint)idx[r] * cols + j];
+}
+
+// attention(q, k, v, pos, cols, out, n_head, n_kv, T, cap, d, dv, key_start, window, scale): causal grouped-query
+// attention of n queries q (n, n_head, d) at positions pos (n) over T keys of k (n_kv, cap, d) and values
+// v (n_kv, cap, dv) at positions key_start .. key_start + T - 1, key t stored in column cols[t] (the KV pool's
+// block table spelled out; 0, 1, 2, ... for a contiguous cache). Query head h reads KV head h / (n_head / n_kv).
 // A query at p sees keys at positions <= p, and with window > 0 only those > p - window. out (n, n_head * dv).
 //
 // One work-group per (head, query), global size (n_head * ATT_WG, n). The visible keys are walked in tiles of
@@ -111,7 +121,7 @@ kernel void kv_write(global const float *src, global float *cache, uint n_kv, ui
 // into a weight p_t (one exp per key), and every work-item adds p_t * v_t for the output elements it owns
 // (j = lid, lid + ATT_WG, ...: at most ATT_NACC per item, in registers).
 kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
-                      global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
+                      global const int *cols, global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
                       int window, float scale) {
     local float qs[ATT_MAX_D];
     local float ps[ATT_WG];
@@ -133,7 +143,7 @@ kernel void attention(global const float *q, global const float *k, global const
         int t = t0 + (int)lid;
         float sc = -INFINITY;
         if (t < hi) {
-            global const float *kt = kh + (ulong)t * d;
+            global const float *kt = kh + (ulong)(uint)cols[t] * d;
             float dot = 0.0f;
             for (uint j = 0; j < d; j++) dot = fma(qs[j], kt[j], dot);
             sc = dot * scale;
@@ -152,7 +162,7 @@ kernel void attention(global const float *q, global const float *k, global const
         for (int u = 0; u < n_t; u++) {
             float pu = ps[u];
             run_sum += pu;
-            global const float *vt = vh + (ulong)(t0 + u) * dv;
+            global const float *vt = vh + (ulong)(uint)cols[t0 + u] * dv;
             for (int m = 0; m < ATT_NACC; m++) {  // a constant bound: unrolled, acc stays in registers
                 uint j = lid + (uint)m * ATT_WG;
                 if (j >= dv) break;

@@ -132,9 +132,15 @@ class Ops:
         out = self.empty((n, w.rows))
         if n and w.rows:
             wg = _formats.MATVEC_WG
-            _formats.kernel(dev, f"matvec_{w.format.suffix}")(
-                dev.queue, (w.rows * wg, n), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
-                np.uint32(w.cols), np.uint32(w.rows))
+            if n == 1:
+                _formats.kernel(dev, f"matvec_{w.format.suffix}")(
+                    dev.queue, (w.rows * wg, n), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
+                    np.uint32(w.cols), np.uint32(w.rows))
+            else:  # bit-equal to matvec per row (formats.cl), W decoded once per MATMUL_NT rows of x
+                tiles = -(-n // _formats.MATMUL_NT)
+                _formats.kernel(dev, f"matmul_{w.format.suffix}")(
+                    dev.queue, (w.rows * wg, tiles), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
+                    np.uint32(w.cols), np.uint32(w.rows), np.uint32(n))
         return out
 
     def rms_norm(self, x, weight, eps: float):
@@ -206,44 +212,72 @@ class Ops:
                                  np.float32(s))
         return out
 
-    def kv_write(self, cache, x, at: int) -> None:
-        """Store x (n, n_kv, d), a K or V projection's rows, at cache rows at .. at + n - 1 of a cache
-        (n_kv, capacity, d), the layout `attention` reads."""
+    def kv_write(self, cache, x, at: int | None = None, cols=None) -> None:
+        """Store x (n, n_kv, d), a K or V projection's rows, into a cache (n_kv, capacity, d), the layout
+        `attention` reads: at rows at .. at + n - 1, or at storage columns `cols` (n ints, host or device: the
+        KV pool's blocks)."""
         _check(cache, "cache", 3)
         _check(x, "x", 3)
         n_kv, cap, d = cache.shape
         n = x.shape[0]
-        if x.shape[1:] != (n_kv, d) or not 0 <= at <= cap - n:
-            raise ValueError(f"cannot write {x.shape} at row {at} of a cache {cache.shape}")
+        if cols is None:
+            if at is None or not 0 <= at <= cap - n:
+                raise ValueError(f"cannot write {x.shape} at row {at} of a cache {cache.shape}")
+            cols = np.arange(at, at + n, dtype=np.int32)
+        elif isinstance(cols, np.ndarray) and cols.size and (cols.min() < 0 or cols.max() >= cap):
+            raise ValueError(f"storage columns must lie in [0, {cap}), got {cols.min()}..{cols.max()}")
+        cols_d = self._input(cols, np.int32)
+        if x.shape[1:] != (n_kv, d) or cols_d.size != n:
+            raise ValueError(f"cannot write {x.shape} to {cols_d.size} columns of a cache {cache.shape}")
         if x.size:
-            self._kernel("kv_write")(self.dev.queue, _groups(x.size), (256,), x.data, cache.data, np.uint32(n_kv),
-                                     np.uint32(cap), np.uint32(d), np.uint32(at), np.uint32(x.size))
+            self._kernel("kv_write")(self.dev.queue, _groups(x.size), (256,), x.data, cache.data, cols_d.data,
+                                     np.uint32(n_kv), np.uint32(cap), np.uint32(d), np.uint32(x.size))
+
+    def gather_rows(self, x, idx):
+        """x[idx] for a 2-D x and row indices (host or device ints): a new array."""
+        _check(x, "x", 2)
+        idx_d = self._input(idx, np.int32)
+        out = self.empty((idx_d.size, x.shape[1]))
+        if out.size:
+            self._kernel("gather_rows")(self.dev.queue, _groups(out.size), (256,), x.data, idx_d.data, out.data,
+                                        np.uint32(x.shape[1]), np.uint32(out.size))
+        return out
 
     def attention(self, q, keys, values, q_positions, scale: float, window: int, key_start: int = 0,
-                  length: int | None = None):
+                  length: int | None = None, cols=None):
         """Causal grouped-query attention (`kernels/reference.py` attention): q (n, n_head, d) at q_positions
         (n ints, host or device int32) over the first `length` (default: all) rows of keys (n_kv, capacity, d)
         and values (n_kv, capacity, dv), at positions key_start .. key_start + length - 1; window > 0: a query
-        at p sees only keys after p - window. Returns (n, n_head * dv)."""
+        at p sees only keys after p - window. `cols` (host or device ints): key t's storage column, for a
+        paged cache (`length` is then len(cols)); by default key t is row t. Returns (n, n_head * dv)."""
         _check(q, "q", 3)
         _check(keys, "keys", 3)
         _check(values, "values", 3)
         dev = self.dev
         n, n_head, d = q.shape
         n_kv, cap, dv = values.shape
-        t = cap if length is None else int(length)
+        if cols is not None:
+            t = len(cols) if isinstance(cols, np.ndarray) else cols.size
+            if isinstance(cols, np.ndarray) and t and (cols.min() < 0 or cols.max() >= cap):
+                raise ValueError(f"storage columns must lie in [0, {cap}), got {cols.min()}..{cols.max()}")
+        else:
+            t = cap if length is None else int(length)
+            if not 0 <= t <= cap:
+                raise ValueError(f"{t} keys in use of a cache of {cap}")
+            cols = np.arange(t, dtype=np.int32)
         if keys.shape != (n_kv, cap, d) or n_kv == 0 or n_head % n_kv or not 0 <= t <= cap:
             raise ValueError(f"keys {keys.shape} and values {values.shape} do not fit q {q.shape} "
                              f"(n_kv heads dividing n_head, as many keys as values, {t} of them in use)")
         if max(d, dv) > ATT_MAX_D:
             raise ValueError(f"heads wider than {ATT_MAX_D} are not supported by the OpenCL attention ({d}, {dv})")
+        cols_d = self._input(cols, np.int32) if t else None
         pos = self._input(q_positions, np.int32)
         if pos.size != n:
             raise ValueError(f"{pos.size} positions for {n} queries")
         out = self.empty((n, n_head * dv))
         if n:
             self._kernel("attention")(dev.queue, (n_head * ATT_WG, n), (ATT_WG, 1), q.data, keys.data, values.data,
-                                     pos.data, out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t),
+                                     pos.data, cols_d.data if t else pos.data, out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t),
                                      np.uint32(cap), np.uint32(d), np.uint32(dv), np.int32(key_start),
                                      np.int32(window), np.float32(scale))
         return out

@@ -158,7 +158,8 @@ class Transformer:
         self._layer_rope_index = np.array([self._ropes.index(t) for t in self.layer_rope], np.int64)
         self._layer_window = np.array(self.layer_window, np.int64)
         # The backend's override of the same forward for one sequence (decode, speculative verify, prompt
-        # chunks): on the CPU one compiled call per step. None or `.available` False: the op-by-op forward.
+        # chunks), called as fused(tokens, cache, output_rows) -> logits: on the CPU one compiled call per step,
+        # bitwise the op-by-op forward's logits. None or `.available` False: the op-by-op forward.
         self.fused = b.whole_forward(self)
 
     @property
@@ -178,13 +179,17 @@ class Transformer:
             return []
 
         def run():
-            self.forward([0], KVPool.for_model(self.config, kv_type=kv_type).new_cache(4))
+            self.forward([0], self.new_pool(kv_type=kv_type).new_cache(4))
 
         return [(f"whole forward {kv_type}", run)]
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""
-        return KVPool.for_model(self.config).new_cache(max_tokens)
+        return self.new_pool().new_cache(max_tokens)
+
+    def new_pool(self, **kwargs) -> KVPool:
+        """A KV pool for this model whose blocks live in its backend's storage (KVPool.for_model's options)."""
+        return KVPool.for_model(self.config, storage=self.backend.kv_storage(), **kwargs)
 
     @property
     def can_shift(self) -> bool:
@@ -217,29 +222,6 @@ class Transformer:
         """
         return self.forward_batch([(tokens, cache, output_rows)], precise, observe)[0]
 
-    def _forward_fused(self, tokens, cache: KVCache, output_rows) -> np.ndarray:
-        """forward_batch for one sequence through the backend's whole-forward override (the CPU's fused forward:
-        kernels/cpu/fused_forward.py): bitwise the same logits."""
-        c = self.config
-        tokens = np.asarray(tokens, dtype=np.int64)
-        n = len(tokens)
-        positions = np.arange(cache.length, cache.length + n)
-        cache.reserve(n)
-        x = self.backend.embed(self.token_embd, tokens)
-        if c.traits.scale_embeddings:
-            x *= np.float32(math.sqrt(c.n_embd))
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        angles = [table.get(positions) for table in self._ropes]
-        cos = np.stack([a[0] for a in angles])
-        sin = np.stack([a[1] for a in angles])
-        rows = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
-        pool = cache.pool
-        tables, first_blocks, write_cols = cache.kernel_tables()
-        logits = self.fused(x, pool.layer_arrays(), pool.layer_group, self._layer_window, self._layer_rope_index,
-                            tables, first_blocks, write_cols, positions, cos, sin, rows.astype(np.int64))
-        cache.commit()
-        return logits
-
     def forward_batch(self, segments: list, precise: bool = False, observe=None) -> list[np.ndarray]:
         """One forward for several sequences: segments are (tokens, cache, output_rows or None). The matrix
         products run once over all rows (each weight read once per step, whatever the batch); RoPE, the cache
@@ -252,7 +234,7 @@ class Transformer:
         so a forward without it pays nothing for the hook."""
         if (observe is None and len(segments) == 1 and self._fused_available and len(segments[0][0]) > 0
                 and not (precise and len(segments[0][0]) >= self.backend.precise_min_rows)):
-            return [self._forward_fused(*segments[0])]
+            return [self.fused(*segments[0])]
         c = self.config
         tr = c.traits
         b = self.backend
@@ -293,11 +275,12 @@ class Transformer:
                 b.kv_write(cache, i, k, v)
                 attn = b.attention(q, cache, i, positions, self.layer_window[i], c.attention_scale)
             else:
-                attn = b.empty((n, c.n_head * c.value_dim))
+                parts = []
                 for (_, cache, _), lo, hi, pos in zip(segments, bounds, bounds[1:], seg_positions):
                     b.kv_write(cache, i, b.slice_rows(k, lo, hi), b.slice_rows(v, lo, hi))
-                    b.attention(b.slice_rows(q, lo, hi), cache, i, pos, self.layer_window[i], c.attention_scale,
-                                out=b.slice_rows(attn, lo, hi))
+                    parts.append(b.attention(b.slice_rows(q, lo, hi), cache, i, pos, self.layer_window[i],
+                                             c.attention_scale))
+                attn = b.concat_rows(parts)
             if observe is not None:
                 observe(self.matmul_names[i][3:4], b.to_host(attn))
             o = b.matmul(L.wo, attn, precise=precise)

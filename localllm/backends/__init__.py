@@ -9,18 +9,26 @@ from __future__ import annotations
 from localllm.backends.base import Backend
 from localllm.errors import LocalLLMError
 
-NAMES = ("cpu",)
+NAMES = ("cpu", "opencl")
 _instances: dict[str, Backend] = {}
 
 
 def get(name: str = "cpu") -> Backend:
-    """The backend called `name` (one instance per process: its compiled kernels and caches are shared)."""
-    if name not in NAMES:
-        raise LocalLLMError(f"unknown backend {name!r}; available: {', '.join(NAMES)}")
+    """The backend a `--device` value names: "cpu", or "opencl" / "opencl:PLATFORM:DEVICE" (substrings of the
+    names `localllm devices` lists; plain "opencl" takes the preferred device, GPUs first). One instance per
+    name and process: its compiled kernels, device context and caches are shared."""
+    kind, _, spec = name.partition(":")
+    if kind not in NAMES:
+        raise LocalLLMError(f"unknown device {name!r}; use cpu or opencl[:PLATFORM:DEVICE] (see `localllm devices`)")
     if name not in _instances:
-        from localllm.backends.cpu import CpuBackend
+        if kind == "cpu":
+            from localllm.backends.cpu import CpuBackend
 
-        _instances[name] = CpuBackend()
+            _instances[name] = CpuBackend()
+        else:
+            from localllm.backends.opencl import OpenCLBackend
+
+            _instances[name] = OpenCLBackend(spec)
     return _instances[name]
 
 

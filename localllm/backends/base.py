@@ -94,6 +94,10 @@ class Backend(ABC):
         """x[start:stop] (a view where the backend can)."""
 
     @abstractmethod
+    def concat_rows(self, parts: Sequence[Tensor]) -> Tensor:
+        """The parts' rows one after another (each sequence's attention output, in batch order)."""
+
+    @abstractmethod
     def empty(self, shape: tuple[int, ...]) -> Tensor:
         """An uninitialised float32 tensor."""
 
@@ -102,15 +106,17 @@ class Backend(ABC):
         """Append k (n, n_head_kv, head_dim) and v to `cache`'s storage for `layer` (reserved beforehand)."""
 
     @abstractmethod
-    def attention(self, q: Tensor, cache, layer: int, positions: np.ndarray, window: int, scale: float,
-                  out: Tensor | None = None) -> Tensor:
+    def attention(self, q: Tensor, cache, layer: int, positions: np.ndarray, window: int, scale: float) -> Tensor:
         """Causal grouped-query attention of q (n, n_head, head_dim) at `positions` over `cache`'s keys and
-        values for `layer`; window > 0 limits each query to the last `window` positions. (n, n_head*value_dim),
-        written into `out` when given."""
+        values for `layer`; window > 0 limits each query to the last `window` positions. (n, n_head*value_dim)."""
 
     @abstractmethod
     def to_host(self, x: Tensor) -> np.ndarray:
         """x as a host float32 array (the one transfer a decode step ends with: the logits it needs)."""
+
+    @abstractmethod
+    def kv_storage(self) -> "KVStorage":
+        """Where this backend keeps KV blocks (a KVPool made for a model on this backend stores through it)."""
 
     # -- life cycle ---------------------------------------------------------------------------------------
     def whole_forward(self, model) -> Callable | None:
@@ -121,3 +127,39 @@ class Backend(ABC):
         """(label, thunk) pairs compiling and warming the kernels these weights need (`prepare()` runs them
         with progress: localllm/warmup.py)."""
         return []
+
+
+class KVStorage(ABC):
+    """Where a KV pool's blocks live: the backend's memory. The pool's bookkeeping (localllm/kv_cache.py: block
+    tables, names, refcounts, LRU) is integers only and calls these for every change to the stored values.
+
+    Per layer one array (n_kv_heads, columns, dim) of keys and one of values, and for a quantized element type
+    one of scales each (n_kv_heads, columns, dim // 32); float32 storage has scale arrays whose last axis is 0.
+    Column c of block b is b * BLOCK + c. `cols` are int64 host arrays of columns."""
+
+    kv_types: tuple[str, ...] = ("f32",)
+
+    @abstractmethod
+    def new(self, n_kv: int, dim: int, dtype) -> Any:
+        """An array (n_kv, 0, dim) of `dtype` (np.float32, or np.int8 for q8_0 values)."""
+
+    @abstractmethod
+    def grown(self, old, columns: int) -> Any:
+        """A new array of `columns` columns holding old's columns at the start."""
+
+    @abstractmethod
+    def copy_columns(self, arr, src: int, dst: int, n: int) -> None:
+        """arr[:, dst:dst+n] = arr[:, src:src+n] (a block copied on write, or part of one)."""
+
+    @abstractmethod
+    def write_rows(self, store, scales, cols: np.ndarray, x) -> None:
+        """Store rows x (n, n_kv, dim), float32 (host, or the backend's tensor), at columns cols (quantizing
+        for an int8 store)."""
+
+    @abstractmethod
+    def read_rows(self, store, scales, cols: np.ndarray) -> np.ndarray:
+        """float32 host (n_kv, len(cols), dim): the stored rows at cols, dequantized."""
+
+    @abstractmethod
+    def move_columns(self, arr, src: np.ndarray, dst: np.ndarray) -> None:
+        """arr[:, dst] = arr[:, src] as stored (the ranges may overlap: a context shift)."""

@@ -3,10 +3,17 @@ and the fused whole-forward (`kernels/cpu/fused_forward.py`) as its override for
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from localllm.backends.base import Backend
+from localllm import kv_cache
+from localllm.backends.base import Backend, KVStorage
 from localllm.kernels import ops
+from localllm.kernels.cpu import attention as _attention
+
+# The pool's block geometry is the attention kernels' (they index columns as block * BLOCK + offset).
+assert _attention.BLOCK == kv_cache.BLOCK and _attention.QBLOCK == kv_cache.Q8_BLOCK
 
 _F32 = np.float32
 
@@ -63,27 +70,91 @@ class CpuBackend(Backend):
     def slice_rows(self, x, start, stop):
         return x[start:stop]
 
+    def concat_rows(self, parts):
+        return np.concatenate(parts)
+
     def empty(self, shape):
         return np.empty(shape, _F32)
 
     def kv_write(self, cache, layer, k, v):
         cache.write(layer, k, v)
 
-    def attention(self, q, cache, layer, positions, window, scale, out=None):
-        a = ops.attention(q, cache.attention_inputs(layer), positions, cache.start(layer), window, scale)
-        if out is None:
-            return a
-        out[...] = a
-        return out
+    def attention(self, q, cache, layer, positions, window, scale):
+        return ops.attention(q, cache.attention_inputs(layer), positions, cache.start(layer), window, scale)
 
     def to_host(self, x):
         return x
 
+    def kv_storage(self):
+        return _STORAGE
+
     def whole_forward(self, model):
         """The fused forward (one compiled call per step for one sequence); `.available` is False where some
         weight's format has no integer kernel."""
+        return _WholeForward(model)
+
+    def warm_up_calls(self, weights):
+        return ops.warm_up_calls(weights)
+
+
+class CpuKVStorage(KVStorage):
+    """KV blocks in host numpy arrays, written and read by kernels/cpu/attention.py (its attention reads them
+    in place through the block tables)."""
+
+    kv_types = ("f32", "q8_0")
+
+    def new(self, n_kv, dim, dtype):
+        return np.empty((n_kv, 0, dim), dtype)
+
+    def grown(self, old, columns):
+        new = np.empty((old.shape[0], columns, old.shape[2]), old.dtype)
+        new[:, : old.shape[1]] = old
+        return new
+
+    def copy_columns(self, arr, src, dst, n):
+        arr[:, dst : dst + n] = arr[:, src : src + n]
+
+    def write_rows(self, store, scales, cols, x):
+        _attention.write_rows(store, scales, cols, x)
+
+    def read_rows(self, store, scales, cols):
+        if store.dtype == np.float32:
+            # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
+            return np.take(store, cols, axis=1)
+        out = np.empty((store.shape[0], len(cols), store.shape[2]), np.float32)
+        _attention.read_rows(store, scales, cols, out)
+        return out
+
+    def move_columns(self, arr, src, dst):
+        arr[:, dst] = arr[:, src].copy()  # source and destination may overlap
+
+    def layer_arrays(self, pool) -> tuple:
+        """Per layer, in layer order: (keys, key scales, values, value scales) as Numba typed lists, for the
+        fused forward that visits every layer in one call. Rebuilt only when storage grew."""
+        versions = tuple(g.version for g in pool.groups)
+        cached = getattr(pool, "_cpu_layer_lists", None)
+        if cached is None or cached[0] != versions:
+            import numba.typed
+
+            per_layer = [pool.groups[gi].stores for gi, _ in (pool.where[i] for i in range(len(pool.where)))]
+            slots = [pool.where[i][1] for i in range(len(pool.where))]
+            lists = tuple(numba.typed.List([stores[s][slot] for stores, slot in zip(per_layer, slots)])
+                          for s in range(4))
+            cached = pool._cpu_layer_lists = (versions, lists)
+        return cached[1]
+
+
+_STORAGE = CpuKVStorage()
+
+
+class _WholeForward:
+    """Transformer.forward_batch for one sequence as one compiled call (kernels/cpu/fused_forward.py), bitwise
+    the same logits: fused(tokens, cache, output_rows)."""
+
+    def __init__(self, model):
         c, tr = model.config, model.config.traits
-        return ops.FusedForward(
+        self.model = model
+        self.kernel = ops.FusedForward(
             [[L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down] for L in model.layers], model.output,
             [[L.attn_norm, L.ffn_norm, L.bq, L.bk, L.bv, L.q_norm, L.k_norm, L.attn_post_norm, L.ffn_post_norm]
              for L in model.layers], model.output_norm,
@@ -91,6 +162,27 @@ class CpuBackend(Backend):
              c.vocab_size),
             (tr.rope_style == "neox", tr.qk_norm, tr.post_norms, ops.GATES[tr.activation]), c.rms_eps,
             c.attention_scale)
+        self.available = self.kernel.available
 
-    def warm_up_calls(self, weights):
-        return ops.warm_up_calls(weights)
+    def __call__(self, tokens, cache, output_rows) -> np.ndarray:
+        m = self.model
+        c = m.config
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        positions = np.arange(cache.length, cache.length + n)
+        cache.reserve(n)
+        x = ops.embed(m.token_embd, tokens)
+        if c.traits.scale_embeddings:
+            x *= np.float32(math.sqrt(c.n_embd))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        angles = [table.get(positions) for table in m._ropes]
+        cos = np.stack([a[0] for a in angles])
+        sin = np.stack([a[1] for a in angles])
+        rows = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
+        pool = cache.pool
+        tables, first_blocks, write_cols = cache.kernel_tables()
+        logits = self.kernel(x, _STORAGE.layer_arrays(pool), pool.layer_group, m._layer_window,
+                             m._layer_rope_index, tables, first_blocks, write_cols, positions, cos, sin,
+                             rows.astype(np.int64))
+        cache.commit()
+        return logits

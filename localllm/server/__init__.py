@@ -54,7 +54,7 @@ def is_loopback(host: str) -> bool:
 def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           parallel: int = 4, ctx: int | None = None, max_tokens: int = 2048, cors_origins: list[str] | None = None,
           max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
-          allowed_hosts: list[str] | None = None) -> None:
+          allowed_hosts: list[str] | None = None, device: str = "cpu") -> None:
     """Serve `model` until Ctrl-C. `speculation` (a SpeculationParams): decode every request speculatively.
     `allowed_hosts`: names clients may call the server by beyond localhost, IP addresses and this machine's
     host name (see asgi.LocalNames; '*': any)."""
@@ -74,7 +74,7 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
     sock = bind(host, port)  # before loading: a taken port fails fast
     try:
         path = store.resolve(model)
-        engine = Engine.load(model, ctx=ctx)
+        engine = Engine.load(model, ctx=ctx, device=device)
         if speculation is not None:
             speculation.validated()
             if speculation.mode == "draft":

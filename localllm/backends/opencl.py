@@ -1,0 +1,196 @@
+"""The OpenCL backend: weights, activations and the KV cache on an OpenCL device (kernels/opencl/), the forward
+of localllm/architectures/transformer.py run op by op there.
+
+What crosses to the device per forward: the token ids, the positions, the RoPE rows of those positions, and per
+layer group the KV storage columns of the new tokens and of the keys attention reads (the block table spelled
+out; small ints, uploaded once per group, not per layer); what comes back: only the logits rows asked for
+(`to_host`). Weights are uploaded once, as stored in the GGUF.
+
+KV storage is the pool's blocks in device arrays (n_kv, columns, dim), float32; the pool's bookkeeping (block
+tables, prefix names, LRU) stays on the host as integers, so prefix reuse, speculative rollback and sliding
+windows work as on the CPU. Every op computes each row alone (batch invariance within this backend); results
+differ from the CPU backend's in the last bits (float32 accumulation order), within the tolerances of
+tests/test_backend_ops.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from localllm.backends.base import Backend, KVStorage
+from localllm.errors import LocalLLMError
+
+
+class OpenCLKVStorage(KVStorage):
+    """KV blocks in device arrays (float32; q8_0 KV is the CPU backend's)."""
+
+    kv_types = ("f32",)
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.cl = ops.dev.cl
+
+    def new(self, n_kv, dim, dtype):
+        return self.ops.empty((n_kv, 0, dim), np.dtype(dtype))
+
+    def grown(self, old, columns):
+        n_kv, cols, dim = old.shape
+        new = self.ops.empty((n_kv, columns, dim), old.dtype)
+        row = old.dtype.itemsize * dim
+        if old.size and new.size:
+            for h in range(n_kv):  # each head's columns are one run of bytes in both
+                self.cl.enqueue_copy(self.ops.dev.queue, new.data, old.data, byte_count=cols * row,
+                                     src_offset=h * cols * row, dst_offset=h * columns * row)
+        return new
+
+    def copy_columns(self, arr, src, dst, n):
+        n_kv, cols, dim = arr.shape
+        row = arr.dtype.itemsize * dim
+        if arr.size and n:
+            for h in range(n_kv):
+                self.cl.enqueue_copy(self.ops.dev.queue, arr.data, arr.data, byte_count=n * row,
+                                     src_offset=(h * cols + src) * row, dst_offset=(h * cols + dst) * row)
+
+    def write_rows(self, store, scales, cols, x):
+        if store.size == 0 or len(cols) == 0:
+            return
+        x = self.ops.to_device(x) if isinstance(x, np.ndarray) else x
+        self.ops.kv_write(store, x, cols=np.asarray(cols, np.int32))
+
+    def read_rows(self, store, scales, cols):
+        if store.size == 0:
+            return np.empty((store.shape[0], len(cols), store.shape[2]), np.float32)
+        return np.take(store.get(), cols, axis=1)  # sessions and tests only: one download of the layer
+
+    def move_columns(self, arr, src, dst):
+        if arr.size == 0:
+            return
+        host = arr.get()  # a context shift (rare): through the host
+        host[:, dst] = host[:, src].copy()
+        arr.set(np.ascontiguousarray(host))
+
+
+class OpenCLBackend(Backend):
+    def __init__(self, spec: str | None = None):
+        from localllm.kernels.opencl import device as cl_device
+        from localllm.kernels.opencl.ops import Ops
+
+        try:
+            self.dev = cl_device.Device(spec or None)
+        except cl_device.OpenCLUnavailable as e:
+            raise LocalLLMError(f"OpenCL: {e}") from None
+        self.name = f"opencl:{self.dev.info.spec}"
+        self.ops = Ops(self.dev)
+        self._storage = OpenCLKVStorage(self.ops)
+        # Host arrays the forward passes to every layer (positions, RoPE rows, column maps), uploaded once:
+        # id -> (the host array, kept alive so its id stays unique, its device copy).
+        self._uploads: dict[int, tuple] = {}
+
+    def _upload(self, a: np.ndarray, dtype):
+        hit = self._uploads.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1]
+        if len(self._uploads) > 64:
+            self._uploads.clear()
+        d = self.ops.to_device(a, dtype)
+        self._uploads[id(a)] = (a, d)
+        return d
+
+    def _columns(self, cache, layer: int, which: str):
+        """The device copy of cache.column_map / write_columns for this layer's group, uploaded once per step."""
+        gi = cache.pool.where[layer][0]
+        cols = (cache.column_map if which == "read" else cache.write_columns)(layer)
+        key = (id(cache), gi, which)
+        hit = self._uploads.get(key)
+        if hit is not None and hit[0].shape == cols.shape and np.array_equal(hit[0], cols):
+            return hit[1]
+        d = self.ops.to_device(cols, np.int32)
+        self._uploads[key] = (cols, d)
+        return d
+
+    # -- weights --
+    def matrix(self, gguf_file, name):
+        from localllm.kernels.opencl.formats import DeviceWeight
+
+        info = gguf_file.tensor_info(name)
+        return DeviceWeight(self.dev, gguf_file.raw(name), info.qtype)
+
+    def vector(self, values):
+        return self.ops.to_device(np.ascontiguousarray(values, np.float32))
+
+    def group(self, matrices):
+        return tuple(matrices)
+
+    # -- operations --
+    def embed(self, w, ids):
+        return self.ops.embed(w, np.asarray(ids, np.int64))
+
+    def matmul(self, w, x, precise=False):
+        return self.ops.matmul(w, x)
+
+    def group_matmul(self, group, x, precise=False):
+        return [self.ops.matmul(w, x) for w in group]
+
+    def add(self, a, b):
+        return self.ops.add(a, b)
+
+    def add_bias(self, x, bias):
+        self.ops.add(x, bias, out=x)
+
+    def scale(self, x, s):
+        self.ops.scale(x, s, out=x)
+
+    def rms_norm(self, x, weight, eps):
+        return self.ops.rms_norm(x, weight, eps)
+
+    def rope(self, x, cos, sin, rope_dim, neox):
+        if isinstance(x, np.ndarray):  # a context shift rotates host keys
+            from localllm.kernels import reference
+
+            x[...] = reference.rope(x, cos, sin, rope_dim, neox)
+            return
+        self.ops.rope(x, self._upload(cos, np.float32), self._upload(sin, np.float32), rope_dim, neox)
+
+    def gated_activation(self, gate, up, kind):
+        return self.ops.gated_activation(gate, up, kind)
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def rows(self, x, rows):
+        return self.ops.gather_rows(x, np.asarray(rows, np.int32))
+
+    def slice_rows(self, x, start, stop):
+        flat = x.reshape(x.shape[0], -1)
+        return self.ops.gather_rows(flat, np.arange(start, stop, dtype=np.int32)).reshape((stop - start,) + x.shape[1:])
+
+    def concat_rows(self, parts):
+        out = self.ops.empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:])
+        offset = 0
+        for p in parts:
+            if p.size:
+                self.dev.cl.enqueue_copy(self.dev.queue, out.data, p.data, byte_count=p.nbytes, dst_offset=offset)
+            offset += p.nbytes
+        return out
+
+    def empty(self, shape):
+        return self.ops.empty(shape)
+
+    def kv_write(self, cache, layer, k, v):
+        gi, slot = cache.pool.where[layer]
+        g = cache.pool.groups[gi]
+        cols = self._columns(cache, layer, "write")
+        self.ops.kv_write(g.k[slot], k, cols=cols)
+        self.ops.kv_write(g.v[slot], v, cols=cols)
+
+    def attention(self, q, cache, layer, positions, window, scale):
+        gi, slot = cache.pool.where[layer]
+        g = cache.pool.groups[gi]
+        return self.ops.attention(q, g.k[slot], g.v[slot], self._upload(positions, np.int32), scale, window,
+                                  cache.start(layer), cols=self._columns(cache, layer, "read"))
+
+    def to_host(self, x):
+        return self.ops.to_host(x)
+
+    def kv_storage(self):
+        return self._storage
