@@ -237,7 +237,7 @@ def cmd_chat(args) -> int:
     from localllm.tui.settings import load_reporting
 
     saved, notices = load_reporting()
-    return run(args.model, chat_settings_overrides(args, saved), notices)
+    return run(args.model, chat_settings_overrides(args, saved), notices, device=args.device)
 
 
 def chat_settings_overrides(args, saved):

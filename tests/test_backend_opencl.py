@@ -134,3 +134,16 @@ def test_opencl_batches_reuses_prefixes_and_rolls_back_exactly(tiny):
     s.truncate(len(c) - 3)
     again = tiny.forward(c[-3:], s.cache, output_rows=np.arange(3))
     assert np.array_equal(bits(again), bits(warm[-3:]))
+
+
+def test_run_on_the_opencl_device_generates_and_a_device_that_is_not_there_is_one_clear_line(capsys):
+    from localllm.cli import main as cli_main
+
+    engines("smollm2-135m-instruct")  # skips where there is no OpenCL device
+    assert cli_main(["run", "smollm2-135m-instruct", "The capital of France is", "-n", "3", "--temp", "0",
+                     "--device", device_spec(), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].strip().startswith("Paris") and len(out["tokens"]) == 3
+    assert cli_main(["run", "smollm2-135m-instruct", "hi", "-n", "1", "--device", "opencl:no-such-device"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no OpenCL device matches 'no-such-device'" in err[0]

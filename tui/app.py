@@ -503,6 +503,11 @@ class ChatApp(App):
         self.exit()
 
 
-def run(model: str | None, chat_settings: ChatSettings | None = None, notices: list[str] | None = None) -> int:
-    ChatApp(model, chat_settings=chat_settings, notices=notices).run()
+def run(model: str | None, chat_settings: ChatSettings | None = None, notices: list[str] | None = None,
+        device: str = "cpu") -> int:
+    """`device`: the backend every model of this session loads on (`--device`)."""
+    from functools import partial
+
+    loader = load_engine if device == "cpu" else partial(load_engine, device=device)
+    ChatApp(model, loader=loader, chat_settings=chat_settings, notices=notices).run()
     return 0

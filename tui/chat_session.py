@@ -18,11 +18,11 @@ from localllm.errors import LocalLLMError
 
 
 def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None,
-                kv_type: str = "f32") -> Engine:
+                kv_type: str = "f32", device: str = "cpu") -> Engine:
     """Load a model quietly (the console progress bars would corrupt the screen), reporting kernel compilation,
     which only happens on a first start, to `on_compile(done, total)`."""
     with warmup.reporting(on_compile):
-        return Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type)
+        return Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type, device=device)
 
 
 @dataclass
