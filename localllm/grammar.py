@@ -143,13 +143,24 @@ class GrammarMatcher:
             raise LocalLLMError(f"the grammar failed: {self._m.get_error()}")
 
 
+def _binding_error(e: BaseException) -> bool:
+    """An error of llguidance's on input it could not take (not Ctrl-C, not an exit): pyo3 turns a Rust panic
+    into PanicException, which derives from BaseException."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
 def _compile(ll_grammar: str, kind: str, tokenizer, n_vocab: int) -> Grammar:
     llg = _llg()
     llt = ll_tokenizer(tokenizer, n_vocab)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(ll_grammar, llt)
+    try:
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(ll_grammar, llt)
+        matcher = None if is_error else llg.LLMatcher(llt, ll_grammar, log_level=0)
+    except BaseException as e:
+        if not _binding_error(e):
+            raise
+        is_error, messages = True, [str(e)]
     if is_error:
         raise LocalLLMError(f"the {_NAMES[kind]} does not compile: {_short(messages[0] if messages else '?')}")
-    matcher = llg.LLMatcher(llt, ll_grammar, log_level=0)
     if matcher.is_error():
         raise LocalLLMError(f"the {_NAMES[kind]} does not compile: {_short(matcher.get_error())}")
     return Grammar(matcher, kind, n_vocab)
@@ -178,7 +189,9 @@ def json_schema_grammar(schema, tokenizer, n_vocab: int) -> Grammar:
     try:
         g = llg.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_pattern": _JSON_WHITESPACE})
-    except Exception as e:  # ValueError for what is not an object; whatever else the binding raises
+    except BaseException as e:  # ValueError for what is not an object; a Rust panic is a BaseException
+        if not _binding_error(e):
+            raise
         raise LocalLLMError(f"the JSON schema does not compile: {_short(str(e))}") from None
     return _compile(g, "json_schema", tokenizer, n_vocab)
 
@@ -191,7 +204,7 @@ def gbnf_grammar(text: str, tokenizer, n_vocab: int) -> Grammar:
 
     try:
         lark = any_to_lark(text)
-    except Exception as e:  # the converter's own error type (GbnfToLarkError) and anything it trips on
+    except Exception as e:  # the converter's own error (GbnfToLarkError) and anything it trips on
         raise LocalLLMError(f"the grammar does not compile: {_short(str(e))}") from None
     return _compile(_llg().LLMatcher.grammar_from_lark(lark), "gbnf", tokenizer, n_vocab)
 
