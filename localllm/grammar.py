@@ -110,18 +110,31 @@ class GrammarMatcher:
     def reset(self) -> None:
         self._m.reset()
 
+    # A panic inside llguidance (pyo3's PanicException, a BaseException) must fail this request only, never the
+    # scheduler's thread: each call below turns one into a LocalLLMError.
+
     def allows(self, token: int) -> bool:
         """Whether `token` may come next (an end-of-generation token: whether the grammar is complete)."""
-        return self._m.validate_tokens([int(token)]) == 1
+        try:
+            return self._m.validate_tokens([int(token)]) == 1
+        except BaseException as e:
+            raise _failed(e) from None
 
     def allowed(self) -> np.ndarray:
         """The full mask: a bool per token id."""
-        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        try:
+            bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        except BaseException as e:
+            raise _failed(e) from None
         self._check()
         return np.unpackbits(bits, bitorder="little", count=self.vocab_size).view(np.bool_)
 
     def consume(self, token: int) -> None:
-        if not self._m.consume_token(int(token)):
+        try:
+            ok = self._m.consume_token(int(token))
+        except BaseException as e:
+            raise _failed(e) from None
+        if not ok:
             self._check()
             raise LocalLLMError(f"token {token} does not fit the grammar")
 
@@ -147,6 +160,12 @@ def _binding_error(e: BaseException) -> bool:
     """An error of llguidance's on input it could not take (not Ctrl-C, not an exit): pyo3 turns a Rust panic
     into PanicException, which derives from BaseException."""
     return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def _failed(e: BaseException) -> BaseException:
+    if not _binding_error(e):
+        return e  # Ctrl-C and exits go on as they were
+    return LocalLLMError(f"the grammar failed: {_short(str(e))}")
 
 
 def _compile(ll_grammar: str, kind: str, tokenizer, n_vocab: int) -> Grammar:

@@ -8,7 +8,7 @@ implement the stages that have parameters here, in this order:
   0. token mask     (`set_token_mask`: disallowed tokens -> -inf)
   0b. grammar       (`Sampler(..., grammar=)`, grammar.py: JSON schema, GBNF, regex), llama.cpp's way: the token
                     is drawn from the chain without the grammar first and kept if the grammar allows it; only
-                    when it does not is the grammar's full mask computed (~0.2 ms on a 49k vocabulary) and
+                    when it does not is the grammar's full mask computed (0.1-0.2 ms on a 49k vocabulary) and
                     applied as stage 0, and the token drawn again. Greedy picks exactly the masked argmax; a
                     sampled token follows llama.cpp's approximation of the masked distribution. With n_probs > 0
                     or a `token` given, the mask is always applied, so reported logprobs are under it.
@@ -139,6 +139,19 @@ def _keep_lowest_ties(cand: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.nd
     return cand[keep], vals[keep]
 
 
+def _top_k_few_finite(x: np.ndarray, k: int) -> np.ndarray | None:
+    """top_k_ids when fewer than k values are finite (a grammar masked all but a few tokens): the finite ones by
+    decreasing value then id, then the lowest ids of the -inf ones. Without it, every -inf token ties at the
+    boundary and the tie-break sorts the whole vocabulary (15 ms a draw on qwen2.5's 152k, measured).
+    None when at least k values are finite."""
+    fin = np.flatnonzero(x > -np.inf)
+    if fin.shape[0] >= k:
+        return None
+    order = np.lexsort((fin, -x[fin].astype(np.float64)))
+    rest = np.flatnonzero(x == -np.inf)[: k - fin.shape[0]]
+    return np.concatenate([fin[order], rest])
+
+
 def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest values of the 1-D array x, by decreasing value then increasing id.
 
@@ -156,6 +169,10 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
             sub = x[::stride]
             m = sub.shape[0]
             t = np.partition(sub, m - k)[m - k]
+            if t == -np.inf:  # mostly banned (a grammar's mask): no partition over the whole vocabulary
+                few = _top_k_few_finite(x, k)
+                if few is not None:
+                    return few
             cand = np.flatnonzero(x >= t)
             if cand.shape[0] > n // 4:  # degenerate (e.g. mostly -inf or constant): plain selection is cheaper
                 cand = None
@@ -165,6 +182,10 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
         else:
             part = np.argpartition(x, n - k)
             kth = x[part[n - k]]
+            if kth == -np.inf:
+                few = _top_k_few_finite(x, k)
+                if few is not None:
+                    return few
             cand = np.flatnonzero(x >= kth)  # ascending ids, includes every tie at the boundary
     cand, vals = _keep_lowest_ties(cand, x[cand], k)
     order = np.lexsort((cand, -vals.astype(np.float64)))

@@ -15,8 +15,8 @@ from starlette.responses import StreamingResponse
 
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, constrain,
-                                 first_item, fix_seed, json_response, off_loop, prompt_tokens, read_json, sampling_from, sse,
-                                 stream_error, stream_events, submit)
+                                 first_item, fix_seed, json_response, off_loop, prompt_tokens, read_json,
+                                 sampling_from, sse, stream_error, stream_events, submit)
 from localllm.server import llamacpp_ext as ext
 from localllm.server.infill import infill_tokens
 
