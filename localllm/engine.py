@@ -374,9 +374,6 @@ class Generation:
         self.engine, self.tokens, self.params, self.seq = engine, tokens, params, seq
         self.n_keep = engine.keep_count(params, tokens) if self.shift else 0
         self.timings = Timings()
-        if params.grammar is not None and params.speculation is not None:
-            raise LocalLLMError("speculative decoding does not work with a grammar or JSON schema yet; "
-                                "leave out --spec")
         self.sampler = Sampler(params.sampling, engine.config.vocab_size, vocab=engine.tokenizer,
                                grammar=params.grammar)
         self.decoder = engine.tokenizer.stream_decoder()

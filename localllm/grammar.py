@@ -138,6 +138,13 @@ class GrammarMatcher:
             self._check()
             raise LocalLLMError(f"token {token} does not fit the grammar")
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order from here, the grammar allows (state unchanged)."""
+        try:
+            return self._m.validate_tokens([int(t) for t in tokens])
+        except BaseException as e:
+            raise _failed(e) from None
+
     def rollback(self, n: int) -> None:
         self._m.rollback(int(n))
 

@@ -244,3 +244,54 @@ def test_run_with_a_json_schema_prints_json_that_validates(tmp_path):
     out = subprocess.run(LOCALLLM + ["run", MODEL, "hi", "--grammar", str(bad)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0 and "nowhere" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---- speculative decoding ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from localllm.engine import Engine
+
+    return Engine.load(MODEL, quiet=True)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_speculative_decoding_under_a_schema_gives_the_same_greedy_answer(engine, mode, monkeypatch):
+    """Drafts are cut where the grammar rejects them, and the target's pick is the grammar's: greedy output with
+    speculation is token for token the plain constrained output (the draft model here is the model itself)."""
+    from localllm.engine import GenerationParams
+    from localllm.grammar import GrammarMatcher
+    from localllm.speculative import SpeculationParams
+
+    cuts = []
+    valid_prefix = GrammarMatcher.valid_prefix
+
+    def counting(self, tokens):
+        n = valid_prefix(self, tokens)
+        cuts.append(n < len(tokens))
+        return n
+
+    monkeypatch.setattr(GrammarMatcher, "valid_prefix", counting)
+
+    g = compile_grammar(engine.tokenizer, engine.config.vocab_size, json_schema=PERSON)
+    prompt = engine.render_chat([{"role": "user", "content": "A JSON record of a librarian named Ann."}])
+    spec = SpeculationParams(mode=mode, draft_model=MODEL if mode == "draft" else None, draft_max=4,
+                             adaptive=False)
+
+    def run(speculation):
+        params = GenerationParams(max_tokens=256, sampling=SamplingParams(temperature=0), grammar=g,
+                                  speculation=speculation)
+        events = list(engine.generate(prompt, params, chat=True))
+        return [e.token for e in events], "".join(e.text for e in events), events[-1]
+
+    plain_tokens, text, _ = run(None)
+    spec_tokens, _, last = run(spec)
+    assert spec_tokens == plain_tokens
+    assert last.timings.draft_n > 0  # it did speculate
+    if mode == "ngram":  # lookup drafts copy the prompt's text, which the schema often rules out
+        assert any(cuts)
+    jsonschema.validate(json.loads(text), PERSON)
+    sampled = GenerationParams(max_tokens=256, sampling=SamplingParams(temperature=0.8, seed=4), grammar=g,
+                               speculation=spec)
+    jsonschema.validate(json.loads("".join(e.text for e in engine.generate(prompt, sampled, chat=True))), PERSON)

@@ -240,8 +240,7 @@ class Scheduler:
             seq = self.engine.new_sequence()
             self.live_sequences += 1
             params = handle.request.params
-            if (self.speculation is not None and params.speculation is None and params.max_tokens != 0
-                    and params.grammar is None):  # constrained requests decode without drafts (not supported yet)
+            if self.speculation is not None and params.speculation is None and params.max_tokens != 0:
                 params = dataclasses.replace(params, speculation=self.speculation)
             try:
                 gen = Generation(self.engine, handle.request.tokens, params, seq)
