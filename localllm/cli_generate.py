@@ -143,7 +143,18 @@ def cmd_run(args) -> int:
     if args.prompt_cache:
         check_prompt_cache_file(args.prompt_cache)
     params = generation_params(args)
+    schema = read_text_file(args.json_schema) if args.json_schema else None
+    gbnf = read_text_file(args.grammar) if args.grammar else None
     engine = load_engine(args)
+    if schema is not None or gbnf is not None:
+        from localllm.grammar import compile_grammar
+
+        where = args.json_schema or args.grammar
+        try:
+            params.grammar = compile_grammar(engine.tokenizer, engine.config.vocab_size, json_schema=schema,
+                                             gbnf=gbnf)
+        except LocalLLMError as e:
+            raise LocalLLMError(f"{where}: {e}") from None
     if args.chat:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
     tokens = engine.tokenize_prompt(prompt, chat=args.chat)
@@ -452,6 +463,12 @@ def add_commands(sub) -> None:
                    help="with --prompt-cache: also save the generated tokens")
     p.add_argument("--prompt-cache-ro", action="store_true",
                    help="with --prompt-cache: only read FILE, never update it")
+    g = p.add_argument_group("structured output (the answer is constrained to match; one of them)")
+    g = g.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="a JSON schema (a .json file): the answer is JSON that validates against it")
+    g.add_argument("--grammar", metavar="FILE",
+                   help="a llama.cpp GBNF grammar (a .gbnf file; its rule 'root' is the answer)")
     add_sampling_options(p)
     add_overflow_options(p, "stop", "a completion never silently loses the start of its prompt")
     add_speculation_options(p)

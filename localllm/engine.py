@@ -51,6 +51,10 @@ class GenerationParams:
     # llama.cpp's t_max_predict_ms (code completion): once this many ms have passed since the prompt was read,
     # the next generated text that holds a newline ends the answer ("length"), so a suggestion stays quick.
     t_max_predict_ms: float | None = None
+    # A compiled constraint (grammar.py: JSON schema, GBNF, regex); each generation gets its own matcher, which
+    # the sampler consults (sampling.py's stage 0b). The answer ends when the grammar is complete and the model
+    # (or, when nothing else fits, the grammar) picks the end of generation.
+    grammar: object | None = None
 
 
 @dataclass
@@ -377,7 +381,8 @@ class Generation:
         self.engine, self.tokens, self.params, self.seq = engine, tokens, params, seq
         self.n_keep = engine.keep_count(params, tokens) if self.shift else 0
         self.timings = Timings()
-        self.sampler = Sampler(params.sampling, engine.config.vocab_size, vocab=engine.tokenizer)
+        self.sampler = Sampler(params.sampling, engine.config.vocab_size, vocab=engine.tokenizer,
+                               grammar=params.grammar)
         self.decoder = engine.tokenizer.stream_decoder()
         self.stops = StopMatcher(params.stop)
         # No max_tokens: until the context is full, or, when shifting, until the model stops (as llama.cpp's -n -1).
@@ -404,7 +409,7 @@ class Generation:
 
     def end_prefill(self) -> None:
         # As llama.cpp's server does: the prompt counts for repetition penalties.
-        self.sampler.accept_many(self.tokens)
+        self.sampler.accept_prompt(self.tokens)
         self._t_gen = time.perf_counter()
 
     def step(self, logits: np.ndarray, token: int | None = None, n_past: int | None = None) -> TokenEvent:
@@ -415,7 +420,8 @@ class Generation:
         picked = self.sampler.sample(logits, token=token)
         self.sampler.accept(picked.id)
         finish = None
-        if self.engine.tokenizer.is_eog(picked.id) and not self.params.ignore_eos:
+        # With a grammar, an end-of-generation token is where the grammar ended: nothing may follow, ignore_eos or not.
+        if self.engine.tokenizer.is_eog(picked.id) and (not self.params.ignore_eos or self.params.grammar is not None):
             text, finish = self.decoder.flush(), "stop"
         else:
             text = self.decoder.feed(picked.id)

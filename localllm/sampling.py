@@ -5,7 +5,13 @@ The stages and their semantics follow llama.cpp (`src/llama-sampling.cpp`), and 
 default is penalties, dry, top-n-sigma, top-k, typical-p, top-p, min-p, xtc, temperature, then dist). We
 implement the stages that have parameters here, in this order:
 
-  0. token mask     (`set_token_mask`; the hook for grammar-constrained output: disallowed tokens -> -inf)
+  0. token mask     (`set_token_mask`: disallowed tokens -> -inf)
+  0b. grammar       (`Sampler(..., grammar=)`, grammar.py: JSON schema, GBNF, regex), llama.cpp's way: the token
+                    is drawn from the chain without the grammar first and kept if the grammar allows it; only
+                    when it does not is the grammar's full mask computed (0.1-0.2 ms on a 49k vocabulary) and
+                    applied as stage 0, and the token drawn again. Greedy picks exactly the masked argmax; a
+                    sampled token follows llama.cpp's approximation of the masked distribution. With n_probs > 0
+                    or a `token` given, the mask is always applied, so reported logprobs are under it.
   1. logit bias     logit[t] += bias[t]; a bias of -inf bans t
   2. penalties      over the last `repeat_last_n` accepted tokens (0 disables, < 0 = all of them), for each
                     token t seen c > 0 times: logit /= repeat_penalty if logit > 0 else logit *= repeat_penalty;
@@ -133,6 +139,19 @@ def _keep_lowest_ties(cand: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.nd
     return cand[keep], vals[keep]
 
 
+def _top_k_few_finite(x: np.ndarray, k: int) -> np.ndarray | None:
+    """top_k_ids when fewer than k values are finite (a grammar masked all but a few tokens): the finite ones by
+    decreasing value then id, then the lowest ids of the -inf ones. Without it, every -inf token ties at the
+    boundary and the tie-break sorts the whole vocabulary (15 ms a draw on qwen2.5's 152k, measured).
+    None when at least k values are finite."""
+    fin = np.flatnonzero(x > -np.inf)
+    if fin.shape[0] >= k:
+        return None
+    order = np.lexsort((fin, -x[fin].astype(np.float64)))
+    rest = np.flatnonzero(x == -np.inf)[: k - fin.shape[0]]
+    return np.concatenate([fin[order], rest])
+
+
 def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest values of the 1-D array x, by decreasing value then increasing id.
 
@@ -150,6 +169,10 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
             sub = x[::stride]
             m = sub.shape[0]
             t = np.partition(sub, m - k)[m - k]
+            if t == -np.inf:  # mostly banned (a grammar's mask): no partition over the whole vocabulary
+                few = _top_k_few_finite(x, k)
+                if few is not None:
+                    return few
             cand = np.flatnonzero(x >= t)
             if cand.shape[0] > n // 4:  # degenerate (e.g. mostly -inf or constant): plain selection is cheaper
                 cand = None
@@ -159,6 +182,10 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
         else:
             part = np.argpartition(x, n - k)
             kth = x[part[n - k]]
+            if kth == -np.inf:
+                few = _top_k_few_finite(x, k)
+                if few is not None:
+                    return few
             cand = np.flatnonzero(x >= kth)  # ascending ids, includes every tie at the boundary
     cand, vals = _keep_lowest_ties(cand, x[cand], k)
     order = np.lexsort((cand, -vals.astype(np.float64)))
@@ -168,11 +195,12 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
 class Sampler:
     """A sampler chain with its state (penalty history, RNG, token mask).
 
-    `sample(logits)` picks a token; it does not record it: call `accept(token)` for every token that enters
-    the context (prompt tokens too, if penalties should see them), as llama.cpp's common_sampler_accept.
+    `sample(logits)` picks a token; it does not record it: call `accept(token)` for every generated token that
+    enters the context, as llama.cpp's common_sampler_accept, and `accept_prompt(tokens)` for the prompt's (if
+    penalties should see them; a grammar does not).
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int, vocab=None):
+    def __init__(self, params: SamplingParams, vocab_size: int, vocab=None, grammar=None):
         if vocab_size <= 0:
             raise ValueError("vocab_size must be positive")
         _check_params(params, vocab_size)
@@ -187,6 +215,8 @@ class Sampler:
         self._history: deque[int] = deque(maxlen=last_n if last_n > 0 else None)
         self._counts: dict[int, int] = {}
         self._disallowed: np.ndarray | None = None
+        # Stage 0b: this sequence's own matcher (a mask never depends on other sequences: batch invariance).
+        self._grammar = grammar.matcher() if grammar is not None else None
         self._buf = np.empty(self.vocab_size, dtype=np.float32)
         self._ebuf = np.empty(self.vocab_size, dtype=np.float32)
         self.seed: int = 0
@@ -203,8 +233,10 @@ class Sampler:
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
 
     def reset(self) -> None:
-        """Forget the penalty history and restart the RNG (same seed if one was given, else fresh entropy).
-        The token mask is kept."""
+        """Forget the penalty history and restart the RNG (same seed if one was given, else fresh entropy) and
+        the grammar. The token mask is kept."""
+        if self._grammar is not None:
+            self._grammar.reset()
         self._history.clear()
         self._counts.clear()
         self._reseed()
@@ -215,12 +247,29 @@ class Sampler:
         other._history = deque(self._history, maxlen=self._history.maxlen)
         other._counts = dict(self._counts)
         other._rng = copy.deepcopy(self._rng)
+        if self._grammar is not None:
+            other._grammar = self._grammar.clone()
         other._buf = np.empty_like(self._buf)
         other._ebuf = np.empty_like(self._ebuf)
         return other
 
     def accept(self, token_id: int) -> None:
-        """Record a token that entered the context (penalty history)."""
+        """Record a generated token that entered the context (penalty history; the grammar advances)."""
+        if self._grammar is not None:
+            self._grammar.consume(token_id)
+        self._record(token_id)
+
+    def accept_prompt(self, token_ids) -> None:
+        """Record prompt tokens (penalty history only: the grammar constrains what is generated)."""
+        for t in token_ids:
+            self._record(t)
+
+    @property
+    def grammar(self):
+        """This sequence's grammar matcher (grammar.GrammarMatcher), or None."""
+        return self._grammar
+
+    def _record(self, token_id: int) -> None:
         if self.params.repeat_last_n == 0:
             return
         token_id = int(token_id)
@@ -396,7 +445,17 @@ class Sampler:
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The final distribution (candidate ids, float64 probabilities summing to 1) that `sample` would draw
         from. Without truncation the candidates are the whole vocabulary (zero-probability tokens included).
-        Does not advance the RNG."""
+        Does not advance the RNG. With a grammar, its full mask applies."""
+        user = self._disallowed
+        if self._grammar is not None:
+            banned = np.logical_not(self._grammar.allowed())
+            self._disallowed = banned if user is None else (banned | user)
+        try:
+            return self._distribution(logits)
+        finally:
+            self._disallowed = user
+
+    def _distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         original = np.asarray(logits)
         x = self._constrained(original)
         if float(x.max()) == -math.inf:
@@ -413,6 +472,22 @@ class Sampler:
         """Pick the next token from the model's raw logits (float32, shape (vocab,)). Does not `accept` it.
         With `token`, no draw: that token (chosen elsewhere, e.g. by speculative decoding's acceptance rule) is
         returned with its logprobs."""
+        g = self._grammar
+        if g is None:
+            return self._sample(logits, token)
+        if token is None and self.params.n_probs == 0:
+            picked = self._sample(logits, None)  # without the grammar first (llama.cpp's trick)
+            if g.allows(picked.id):
+                return picked
+        user = self._disallowed
+        banned = np.logical_not(g.allowed())
+        self._disallowed = banned if user is None else (banned | user)
+        try:
+            return self._sample(logits, token)
+        finally:
+            self._disallowed = user
+
+    def _sample(self, logits: np.ndarray, token: int | None) -> SampledToken:
         original = np.asarray(logits)
         x = self._constrained(original)
         _, lse = self._log_normalizer(x)

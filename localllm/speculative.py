@@ -32,6 +32,9 @@ Pieces, each small:
   plain decoding), truncates the KV cache to what was accepted, and returns the round's events. In draft-model
   mode each round also looks the context up (free) and verifies that draft instead when the controller expects
   more tokens per second of it (a long copy); `SpeculationParams.lookup=False` keeps to the model.
+  Under a grammar (structured output), a draft is cut before its first token the grammar rejects (the target's
+  distribution is masked, so such a token could never be accepted), and a draft model drafts under a copy of
+  the grammar's state (`Sampler.clone`).
 """
 
 from __future__ import annotations
@@ -540,6 +543,11 @@ class SpeculativeRun:
                         ctl.observe_draft(n_eval, seconds)
                 else:
                     draft = Draft()
+        grammar = gen.sampler.grammar
+        if grammar is not None and draft.tokens:
+            # A draft token the grammar rejects can never be accepted (the target's distribution is masked):
+            # verify only the prefix it allows.
+            draft = draft.cut(grammar.valid_prefix(draft.tokens))
         t1 = time.perf_counter()
         n = len(draft.tokens) + 1
         rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))

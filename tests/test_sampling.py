@@ -104,6 +104,17 @@ def test_top_k_ids_degenerate_inputs():
     assert list(top_k_ids(np.zeros(n, dtype=np.float32), 3)) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("n", [1000, 152000])
+def test_top_k_ids_with_fewer_finite_values_than_k_matches_full_sort(n):
+    """A grammar's mask leaves a few finite logits: the -inf rest fill up k by lowest id, as a full sort does."""
+    rng = np.random.default_rng(n)
+    for n_finite in (0, 1, 3, 39):
+        x = np.full(n, -np.inf, dtype=np.float32)
+        x[rng.choice(n, n_finite, replace=False)] = rng.normal(0, 1, n_finite).astype(np.float32)
+        expected = np.lexsort((np.arange(n), -x.astype(np.float64)))[:40]
+        assert list(top_k_ids(x, 40)) == list(expected)
+
+
 # ---------------------------------------------------------------- top-p
 
 @pytest.mark.parametrize("top_p, kept", [(0.45, 1), (0.75, 2), (0.81, 3), (0.99, 4), (1.0, 4)])

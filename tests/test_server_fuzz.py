@@ -42,6 +42,16 @@ sampling = {"temperature": st.floats(0, 2) | st.just(0), "top_p": unit, "top_k":
             "repeat_penalty": st.floats(0.5, 2), "stop": stop}
 options = st.fixed_dictionaries({}, optional={"num_predict": small, **sampling})
 
+# Structured output: JSON schemas built from real keywords with any values, and GBNF-like text.
+schema = st.recursive(
+    st.fixed_dictionaries({}, optional={"type": st.sampled_from(["object", "string", "integer", "array", "frob"])
+                                        | json_any, "enum": st.lists(json_scalars, max_size=3),
+                                        "pattern": text, "minimum": number, "maxLength": small}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object")}, optional={
+        "properties": st.dictionaries(st.text(max_size=6), inner, max_size=3), "required": st.lists(text, max_size=2),
+        "items": inner, "anyOf": st.lists(inner, max_size=2), "$ref": text}), max_leaves=6)
+grammar = st.sampled_from(['root ::= "yes" | "no"', "root ::= x", 'root ::= [a-z]+ "."', "root ::=", ""]) | text
+
 # path -> (required fields, optional fields), each with plausible values
 BODIES = {
     "/v1/completions": ({"prompt": text | token_ids}, {
@@ -51,12 +61,14 @@ BODIES = {
     "/v1/chat/completions": ({"messages": messages}, {
         "model": text, "max_tokens": small, "max_completion_tokens": small, "stream": st.booleans(),
         "logprobs": st.booleans(), "top_logprobs": small, "logit_bias": bias, "tools": st.lists(json_any, max_size=1),
-        "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}), **sampling}),
+        "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
+        | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": text}, optional={"schema": schema, "strict": st.booleans()})}), **sampling}),
     "/completion": ({"prompt": text | token_ids | st.lists(text | st.integers(-1, 49200), max_size=3)}, {
         "n_predict": small, "stream": st.booleans(), "n_probs": small, "ignore_eos": st.booleans(),
         "logit_bias": st.lists(st.tuples(st.integers(-1, 49200) | json_any, st.booleans() | st.floats(-5, 5)
                                          | json_any), max_size=2) | bias,
-        "n_indent": small, **sampling}),
+        "n_indent": small, "json_schema": schema, "grammar": grammar, **sampling}),
     "/infill": ({"input_prefix": text, "input_suffix": text}, {
         "input_extra": st.lists(st.fixed_dictionaries({"filename": text, "text": text}), max_size=2),
         "n_predict": small}),
@@ -64,8 +76,9 @@ BODIES = {
     "/detokenize": ({"tokens": token_ids}, {}),
     "/api/generate": ({"model": text, "prompt": text}, {
         "system": text, "raw": st.booleans(), "stream": st.booleans(), "context": token_ids, "suffix": text,
-        "options": options}),
-    "/api/chat": ({"model": text, "messages": messages}, {"stream": st.booleans(), "options": options}),
+        "options": options, "format": st.just("json") | schema}),
+    "/api/chat": ({"model": text, "messages": messages}, {"stream": st.booleans(), "options": options,
+                                                          "format": st.just("json") | schema}),
     "/api/show": ({"model": text}, {}),
 }
 

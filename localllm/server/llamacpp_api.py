@@ -12,7 +12,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 
 from localllm import __version__
 from localllm.engine import GenerationParams
-from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
+from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, first_item, fix_seed, json_response,
                                  off_loop, prompt_tokens, read_json, sampling_from, sse, stream_error,
                                  stream_events, submit, watching_disconnect)
 from localllm.server import llamacpp_ext as ext
@@ -191,11 +191,24 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+async def grammar(state: ServerState, f: Fields, params: GenerationParams) -> None:
+    """llama.cpp's structured output: `json_schema` (an object) or `grammar` (GBNF text); the schema wins, as
+    in llama.cpp's server."""
+    if f.has("json_schema"):
+        schema = f.data["json_schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "'json_schema' must be a JSON schema (an object)", param="json_schema")
+        await constrain(state, params, "json_schema", json_schema=schema)
+    elif f.get("grammar", str):
+        await constrain(state, params, "grammar", gbnf=f.get("grammar", str))
+
+
 async def completion(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     if "prompt" not in f.data:
         raise ApiError(400, "'prompt' is required", param="prompt")
     params = generation_params(state, f)
+    await grammar(state, f, params)
     return await _run(state, request, f, await off_loop(_prompt_tokens, state, f.data["prompt"]), params)
 
 
@@ -212,6 +225,7 @@ async def infill(state: ServerState, request: Request):
         c.get("filename", str)
         c.get("text", str)
     params = generation_params(state, f)
+    await grammar(state, f, params)
     extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""} for c in extra]
     tokens = await off_loop(infill_tokens, state.engine, prefix, suffix, prompt, extra)
     return await _run(state, request, f, tokens, params)

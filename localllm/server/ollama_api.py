@@ -21,7 +21,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from localllm import __version__
 from localllm.chat_history import fit_messages
 from localllm.engine import GenerationParams
-from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, first_item, fix_seed,
+from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, constrain, first_item, fix_seed,
                                  json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_error,
                                  stream_events, submit)
 from localllm.server.infill import infill_tokens
@@ -113,11 +113,24 @@ def _params(state: ServerState, f: Fields) -> GenerationParams:
         raise ApiError(400, "options.num_predict 0 asks for nothing")
     else:
         max_tokens = n
-    if f.data.get("format") not in (None, ""):
-        raise ApiError(400, "structured output ('format') is not supported")
     if f.get("images", list, []):
         raise ApiError(400, "images are not supported by this model")
     return GenerationParams(max_tokens=max_tokens, stop=opts.stop("stop"), sampling=sampling)
+
+
+async def _format(state: ServerState, f: Fields, params: GenerationParams) -> None:
+    """Ollama's structured output: `format` is "json" (any JSON object) or a JSON schema."""
+    from localllm.grammar import ANY_JSON_OBJECT
+
+    fmt = f.data.get("format")
+    if fmt in (None, ""):
+        return
+    if fmt == "json":
+        fmt = ANY_JSON_OBJECT
+    elif not isinstance(fmt, dict):
+        raise ApiError(400, f"'format' must be \"json\" or a JSON schema object, got {json.dumps(fmt)[:80]}",
+                       param="format")
+    await constrain(state, params, "format", json_schema=fmt)
 
 
 def _durations(final: Final, started: float) -> dict:
@@ -204,6 +217,7 @@ async def generate(state: ServerState, request: Request):
             raise ApiError(400, "a custom 'template' is not supported; use 'raw': true with a formatted prompt")
         raw = True
     params = _params(state, f)
+    await _format(state, f, params)
     if not prompt and not suffix and not context:
         # Ollama answers an empty prompt by loading the model: it is loaded.
         return json_response({"model": f.get("model", str) or state.model_name, "created_at": _now(),
@@ -239,6 +253,7 @@ async def chat(state: ServerState, request: Request):
             raise ApiError(400, "images are not supported by this model")
         clean.append({"role": mf.get("role", str, ""), "content": mf.get("content", str, "")})
     params = _params(state, f)
+    await _format(state, f, params)
     # As Ollama does: a conversation longer than the context loses its oldest turns (the system prompt and the
     # last message stay) rather than failing.
     room = max(1, min(params.max_tokens or state.engine.ctx // 4, state.engine.ctx // 4))

@@ -14,9 +14,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from localllm.engine import GenerationParams
-from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, first_item,
-                                 fix_seed, json_response, off_loop, prompt_tokens, read_json, sampling_from, sse,
-                                 stream_error, stream_events, submit)
+from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, constrain,
+                                 first_item, fix_seed, json_response, off_loop, prompt_tokens, read_json,
+                                 sampling_from, sse, stream_error, stream_events, submit)
 from localllm.server import llamacpp_ext as ext
 from localllm.server.infill import infill_tokens
 
@@ -91,6 +91,38 @@ def _common(state: ServerState, f: Fields, max_key_default: int | None) -> tuple
     return params, {"stream": stream, "include_usage": include_usage}
 
 
+async def _response_format(state: ServerState, f: Fields, params: GenerationParams) -> None:
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+    "schema", "strict"}}), and llama.cpp's extensions on these endpoints: `json_schema` and `grammar` (GBNF)."""
+    from localllm.grammar import ANY_JSON_OBJECT
+
+    fmt = f.get("response_format", dict, None)
+    schema = gbnf = None
+    param = "response_format"
+    if fmt is not None:
+        rf = Fields(fmt, "response_format.")
+        kind = rf.get("type", str, "text")
+        if kind == "json_object":
+            schema = ANY_JSON_OBJECT
+        elif kind == "json_schema":
+            js = Fields(rf.get("json_schema", dict, {}), "response_format.json_schema.")
+            js.get("name", str)
+            js.get("strict", bool)
+            # Without a schema, any JSON object (what llama.cpp's server does too).
+            schema = js.data.get("schema", ANY_JSON_OBJECT)
+            if not isinstance(schema, (dict, bool)):
+                raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                               param="response_format")
+        elif kind != "text":
+            raise ApiError(400, f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
+                                f"{kind!r}", param="response_format")
+    if schema is None and f.has("json_schema"):
+        schema, param = f.get("json_schema", dict), "json_schema"
+    if schema is None and f.get("grammar", str):
+        gbnf, param = f.get("grammar", str), "grammar"
+    await constrain(state, params, param, json_schema=schema, gbnf=gbnf)
+
+
 def _usage(final: Final) -> dict:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
             "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -145,6 +177,7 @@ async def completions(state: ServerState, request: Request):
     if f.get("best_of", int, 1) != 1:
         raise ApiError(400, "only best_of=1 is supported", param="best_of")
     params.sampling.n_probs = n_logprobs or 0
+    await _response_format(state, f, params)
     if f.get("suffix", str):
         # Fill in the middle between prompt and suffix with the model's FIM tokens, as Ollama does (Tabby's
         # openai/completion sends {prompt, suffix}).
@@ -236,9 +269,7 @@ async def chat_completions(state: ServerState, request: Request):
     params.sampling.n_probs = n_top
     if f.get("tools", list, []):
         raise ApiError(400, "tool calls are not supported", param="tools")
-    fmt = f.get("response_format", dict, {"type": "text"})
-    if fmt.get("type", "text") != "text":
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    await _response_format(state, f, params)
     # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
     tokens = await off_loop(chat_prompt, state, f.data["messages"])
     handle = submit(state, tokens, params)
