@@ -23,7 +23,7 @@ test-models: setup
 	$(BIN)/localllm pull $(TEST_MODELS)
 
 test: setup test-models
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: setup
 	$(BIN)/localllm bench --present

@@ -13,10 +13,12 @@ from localllm.engine import Engine
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 REFERENCE = json.loads((DATA / "perplexity.json").read_text())["ppl"]
+# qwen2.5-coder-0.5b's figure is in perplexity.json too (`localllm perplexity` reproduces it); the test leaves it
+# out for time (2 minutes of GPL-3 on 2 cores), as its forward is pinned against llama.cpp token by token
+# (tests/test_reference_llamacpp.py) and its architecture (qwen2) by the golden conversion tests.
 MODELS = {
     "smollm2-135m-instruct": "smollm2-135m-instruct-q4_1",
     "gemma3-270m": "gemma3-270m-q4_k_m",
-    "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct-q4_k_m",
 }
 
 

@@ -262,9 +262,11 @@ def test_greedy_ngram_is_plain_greedy_on_the_reference_prompts_and_the_edit_work
 
 @pytest.mark.slow
 def test_greedy_with_qwen_1_5b_both_drafters_are_plain_greedy_on_the_reference_prompts_and_the_edit_workload():
-    """The target of the speed goals, with the 0.5b drafting for it (one test: the edit prompt's prefill is shared)."""
+    """The target of the speed goals, with the 0.5b drafting for it (one test: the edit prompt's prefill is shared).
+    The reference prompt of 615 tokens is left to the smaller models' test above: three 1.5b prefills of it cost
+    a minute of `make test`, and a long prompt is the same code at any size."""
     e = engine(TARGET)
-    for case in reference_cases(TARGET):
+    for case in (c for c in reference_cases(TARGET) if len(c["prompt_tokens"]) < 100):
         plain = events(e, case["prompt"], max_tokens=10)
         assert events(e, case["prompt"], DRAFT_ALWAYS, max_tokens=10) == plain, case["name"]
         assert events(e, case["prompt"], NGRAM_ALWAYS, max_tokens=10) == plain, case["name"]
