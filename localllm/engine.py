@@ -24,7 +24,7 @@ from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KV_TYPES, KVCache
+from localllm.kv_cache import KV_TYPES, KVCache, KVPool
 from localllm.sampling import Sampler, SamplingParams
 from localllm.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
 from localllm.stop import StopMatcher
@@ -172,10 +172,12 @@ class Engine:
         if kv_type not in device.kv_storage().kv_types:
             raise LocalLLMError(f"KV cache type {kv_type!r} is not available on {device.name} "
                                 f"(it has: {', '.join(device.kv_storage().kv_types)})")
-        self.model = Transformer(self.gguf, self.config, device)
         self.ctx = int(ctx) if ctx else min(self.config.context_length, DEFAULT_CTX)
         if self.ctx < 8:
             raise LocalLLMError(f"context size {self.ctx} is too small")
+        kv_per_token = KVPool.for_model(self.config, kv_type=kv_type, storage=device.kv_storage()).bytes_per_token
+        device.check_fits(sum(t.n_bytes for t in self.gguf.tensors.values()), self.ctx * kv_per_token)
+        self.model = Transformer(self.gguf, self.config, device)
         self.name = self.path.stem
         # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.
         if kv_type not in KV_TYPES:

@@ -147,3 +147,45 @@ def test_run_on_the_opencl_device_generates_and_a_device_that_is_not_there_is_on
     assert cli_main(["run", "smollm2-135m-instruct", "hi", "-n", "1", "--device", "opencl:no-such-device"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no OpenCL device matches 'no-such-device'" in err[0]
+
+
+def test_a_decode_step_uploads_only_small_index_arrays_and_downloads_only_its_logits(tiny, monkeypatch):
+    # Every host<->device copy of a forward goes through pyopencl.enqueue_copy (pyopencl.array's to_device and
+    # get included): count them for one decode step after a prompt, with nothing else running.
+    import pyopencl as cl
+
+    pool = tiny.new_pool()
+    cache = pool.new_cache(64)
+    tiny.forward(list(range(1, 20)), cache)
+    copies = []
+    real = cl.enqueue_copy
+
+    def counting(queue, dest, src, **kw):
+        host_dest = isinstance(dest, np.ndarray)
+        copies.append(("down" if host_dest else "up" if isinstance(src, np.ndarray) else "device",
+                       (dest if host_dest else src).nbytes if isinstance(dest if host_dest else src, np.ndarray)
+                       else kw.get("byte_count", 0), kw.get("wait_for")))
+        return real(queue, dest, src, **kw)
+
+    monkeypatch.setattr(cl, "enqueue_copy", counting)
+    logits = tiny.forward([7], cache)
+    downs = [c for c in copies if c[0] == "down"]
+    ups = [c for c in copies if c[0] == "up"]
+    assert len(downs) == 1 and downs[0][1] == logits.nbytes  # the logits row, nothing else
+    # uploads: the token id, its position, its RoPE row (cos, sin), the KV column maps of the one layer group
+    # (write, read) and the index of the logits row: seven copies of a few hundred bytes in all, each once per
+    # step whatever the layer count, never a weight or an activation
+    assert len(ups) <= 7 and sum(nbytes for _, nbytes, _ in ups) <= 1024, ups
+    assert not [c for c in copies if c[0] == "device"]  # no device-side copies either (no storage growth here)
+
+
+def test_a_model_larger_than_the_device_memory_is_refused_with_the_numbers(monkeypatch):
+    from dataclasses import replace
+
+    _, cl = engines("smollm2-135m-instruct")
+    info = cl.model.backend.dev.info
+    monkeypatch.setattr(cl.model.backend.dev, "info", replace(info, global_mem_bytes=50 * 2**20))
+    from localllm.errors import LocalLLMError
+
+    with pytest.raises(LocalLLMError, match=r"does not fit .*GiB of weights.*0\.05 GiB of device memory"):
+        Engine(model_file("smollm2-135m-instruct"), ctx=512, quiet=True, backend=device_spec())

@@ -118,6 +118,10 @@ class Backend(ABC):
     def kv_storage(self) -> "KVStorage":
         """Where this backend keeps KV blocks (a KVPool made for a model on this backend stores through it)."""
 
+    def check_fits(self, weight_bytes: int, kv_bytes: int) -> None:
+        """Raise a LocalLLMError with the numbers when a model's weights and KV cache cannot fit this backend's
+        memory (default: no limit known)."""
+
     # -- life cycle ---------------------------------------------------------------------------------------
     def whole_forward(self, model) -> Callable | None:
         """An optional override of the op-by-op forward for one sequence (None: none)."""

@@ -108,6 +108,14 @@ class OpenCLBackend(Backend):
         self._uploads[key] = (cols, d)
         return d
 
+    def check_fits(self, weight_bytes, kv_bytes):
+        have = self.dev.info.global_mem_bytes
+        if weight_bytes + kv_bytes > have:
+            raise LocalLLMError(
+                f"the model does not fit {self.dev.info.name}: {weight_bytes / 2**30:.2f} GiB of weights and "
+                f"{kv_bytes / 2**30:.2f} GiB of KV cache at this context, {have / 2**30:.2f} GiB of device memory "
+                "(use a smaller quantization or --ctx, or --device cpu)")
+
     # -- weights --
     def matrix(self, gguf_file, name):
         from localllm.kernels.opencl.formats import DeviceWeight
