@@ -98,6 +98,11 @@ class Weight:
         info = gguf_file.tensor_info(name)
         return cls(gguf_file.raw(name), info.qtype)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the matrix as stored (what a product reads)."""
+        return self.raw.nbytes
+
     def __repr__(self) -> str:
         return f"Weight({self.format.name}, rows={self.rows}, cols={self.cols})"
 

@@ -73,8 +73,8 @@ def weight_bytes_per_token(engine) -> int:
     """Weight bytes a decode step reads: every matrix once, but only one row of the token embedding (unless it
     doubles as the output head, which is read whole)."""
     model = engine.model
-    total = sum(w.raw.nbytes for w in model.weights()[2:])  # the layers' matrices
-    total += model.output.raw.nbytes
+    total = sum(w.nbytes for w in model.weights()[2:])  # the layers' matrices
+    total += model.output.nbytes
     if model.output is not model.token_embd:
         total += model.token_embd.raw.shape[1]
     return total
@@ -104,7 +104,8 @@ def k_token_ratios(engine, ks=(2, 4, 8), context: int = 512, reps: int = 5) -> d
 
 
 def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict:
-    result = {"model": engine.name, "params": sum(w.rows * w.cols for w in engine.model.weights()),
+    result = {"model": engine.name, "device": engine.model.backend.name,
+              "params": sum(w.rows * w.cols for w in engine.model.weights()),
               "size": engine.path.stat().st_size}
     for key, n, fn in (("pp", n_prompt, time_prompt), ("tg", n_gen, time_generation)):
         if n <= 0:

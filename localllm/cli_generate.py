@@ -420,6 +420,8 @@ def cmd_bench(args) -> int:
     else:
         if args.p > 0 or args.n > 0:
             print(bench.format_rows(results, ops.threads()))
+        for device in sorted({r["device"] for r in results} - {"cpu"}):
+            print(f"device: {device} (the threads column is the CPU backend's)")
         for r in results:
             for line in bench.format_extras(r):
                 print(line)

@@ -144,6 +144,10 @@ def test_run_on_the_opencl_device_generates_and_a_device_that_is_not_there_is_on
                      "--device", device_spec(), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].strip().startswith("Paris") and len(out["tokens"]) == 3
+    assert cli_main(["bench", "smollm2-135m-instruct", "-p", "8", "-n", "2", "-r", "1", "--chat-turn", "0",
+                     "--no-k-ratio", "--no-bandwidth", "--device", device_spec(), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"].startswith("opencl:") and result["pp"] > 0 and result["tg"] > 0
     assert cli_main(["run", "smollm2-135m-instruct", "hi", "-n", "1", "--device", "opencl:no-such-device"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no OpenCL device matches 'no-such-device'" in err[0]

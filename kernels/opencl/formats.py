@@ -72,6 +72,7 @@ class DeviceWeight:
         self.rows = int(raw.shape[0])
         self.row_bytes = int(raw.shape[1])
         self.cols = self.row_bytes // fmt.format.type_size * fmt.format.block_size
+        self.nbytes = self.rows * self.row_bytes  # as stored: what a product reads
         cl = dev.cl
         self.buffer = cl.Buffer(dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                                 hostbuf=np.ascontiguousarray(raw))
