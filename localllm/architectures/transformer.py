@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from localllm import backends
 from localllm.architectures.base import ModelConfig
