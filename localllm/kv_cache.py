@@ -115,11 +115,10 @@ class KVPool:
                  budget_bytes: int = 0, trim_windows: bool = True, kv_type: str = "f32", storage=None):
         """windows[i] > 0 marks layer i as sliding-window. budget_bytes caps growth while idle cached blocks
         could be recycled instead (live sequences always get the blocks they need). `storage`: where the
-        blocks live (the model's backend's `kv_storage()`; default the CPU's)."""
+        blocks live, the model's backend's `kv_storage()` (`Transformer.new_pool` passes it; this module sits
+        below the backends and never picks one)."""
         if storage is None:
-            from localllm import backends
-
-            storage = backends.get("cpu").kv_storage()
+            raise TypeError("a KVPool needs storage=: the KV storage of the backend that runs the model")
         self.storage = storage
         if kv_type not in KV_TYPES or kv_type not in storage.kv_types:
             raise ValueError(f"KV cache type {kv_type!r}: use one of {', '.join(storage.kv_types)}")

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from localllm.kernels import ops, reference
+from localllm import backends
 from localllm.kv_cache import BLOCK, KVPool
+
+
+# The CPU backend's KV storage (a pool is always made for a backend's storage)
+CPU_KV = backends.get("cpu").kv_storage()
+
+
+def cpu_pool(*args, **kwargs) -> KVPool:
+    return KVPool(*args, storage=CPU_KV, **kwargs)
 
 N_KV, GROUP, D = 2, 3, 64
 
@@ -36,7 +45,7 @@ def kernel_attention(cache, q, positions, window=0):
 @pytest.mark.parametrize("window", [0, 40])
 def test_kernel_matches_numpy_reference(paged, window):
     rng = np.random.default_rng(1)
-    pool = KVPool(1, N_KV, D, D)
+    pool = cpu_pool(1, N_KV, D, D)
     other = pool.new_cache(4096) if paged else None
     cache = filled_cache(pool, rng, 100, interleave_with=other)
     assert cache.contiguous != paged
@@ -51,7 +60,7 @@ def test_each_query_is_bitwise_independent_of_the_others():
     """Batch invariance: n queries at once give bitwise what each gives alone (prompt chunks, speculative
     verification and server batches all rely on it), also above the threading threshold."""
     rng = np.random.default_rng(2)
-    pool = KVPool(1, N_KV, D, D)
+    pool = cpu_pool(1, N_KV, D, D)
     cache = filled_cache(pool, rng, 600)
     positions = np.arange(600 - 64, 600)
     q = rng.standard_normal((64, N_KV * GROUP, D)).astype(np.float32)
@@ -63,7 +72,7 @@ def test_each_query_is_bitwise_independent_of_the_others():
 
 def test_q8_0_cache_is_close_to_float32_and_smaller():
     rng = np.random.default_rng(3)
-    exact, small = KVPool(1, N_KV, D, D), KVPool(1, N_KV, D, D, kv_type="q8_0")
+    exact, small = cpu_pool(1, N_KV, D, D), cpu_pool(1, N_KV, D, D, kv_type="q8_0")
     a = filled_cache(exact, np.random.default_rng(4), 80)
     b = filled_cache(small, np.random.default_rng(4), 80)
     assert small.nbytes * 3.5 < exact.nbytes  # int8 plus a float32 scale per 32 values: 36 bytes vs 128
@@ -80,7 +89,7 @@ def test_q8_0_cache_is_close_to_float32_and_smaller():
 
 def test_unknown_kv_type_is_a_clear_error():
     with pytest.raises(ValueError, match="q8_0"):
-        KVPool(1, N_KV, D, D, kv_type="q4")
+        cpu_pool(1, N_KV, D, D, kv_type="q4")
 
 
 def test_softmax_exponential_is_within_a_few_ulp_of_libm():
@@ -103,7 +112,7 @@ def test_grouped_query_items_equal_per_head_items_bit_for_bit(window):
     if not kernel.HAVE_AVX2:
         pytest.skip("the grouped items are the AVX2 kernel's")
     rng = np.random.default_rng(3)
-    pool = KVPool(1, N_KV, D, D)
+    pool = cpu_pool(1, N_KV, D, D)
     cache = filled_cache(pool, rng, 700, interleave_with=pool.new_cache(4096))
     cache.reserve(0)
     k, ks, v, vs, table, first_block = cache.attention_inputs(0)

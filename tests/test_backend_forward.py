@@ -19,7 +19,6 @@ from localllm.architectures import load_model_config
 from localllm.architectures.transformer import Transformer
 from localllm.backends.base import Backend
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KVPool
 from localllm.tokenizer.core import Tokenizer
 
 # smollm2: llama; qwen2.5: Q/K/V biases; gemma3: embedding scale, Q/K norms, post norms, sliding windows.
@@ -79,7 +78,7 @@ def models(name: str):
 
 def run(model, config, segments_tokens, observe=None):
     """Two steps of a batch of sequences: each sequence's prompt, then 3 more tokens each (logits for all)."""
-    pool = KVPool.for_model(config)
+    pool = model.new_pool()
     caches = [pool.new_cache(256) for _ in segments_tokens]
     first = model.forward_batch([(t[:-3], c, None) for t, c in zip(segments_tokens, caches)], observe=observe)
     second = model.forward_batch([(t[-3:], c, np.arange(3)) for t, c in zip(segments_tokens, caches)],

@@ -29,7 +29,7 @@ def run(e: Engine, fused: bool, prompt: list[int], steps: list[list[int]], inter
     so both block tables fragment (the paged layout)."""
     e.model.fused.available = fused
     try:
-        e.kv_pool = type(e.kv_pool).for_model(e.config, kv_type=e.kv_type)
+        e.kv_pool = e.model.new_pool(kv_type=e.kv_type)
         e.kv_pool.budget_bytes = e.ctx * e.kv_pool.bytes_per_token
         seq, other = e.new_sequence(), e.new_sequence()
         outs = [e.evaluate(seq, prompt)]

@@ -10,8 +10,17 @@ import pytest
 
 from conftest import english_tokens, model_file, reference_cases
 from localllm.engine import Engine, GenerationParams
+from localllm import backends
 from localllm.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
 from localllm.sampling import SamplingParams
+
+
+# The CPU backend's KV storage (a pool is always made for a backend's storage)
+CPU_KV = backends.get("cpu").kv_storage()
+
+
+def cpu_pool(*args, **kwargs) -> KVPool:
+    return KVPool(*args, storage=CPU_KV, **kwargs)
 
 SMALL = "smollm2-135m-instruct"
 GREEDY = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=0))
@@ -24,7 +33,7 @@ def engine(name: str = SMALL) -> Engine:
 
 def fresh_pool(e: Engine, **kw) -> KVPool:
     """Give the engine an empty pool (nothing cached) and return it."""
-    pool = e.kv_pool = KVPool.for_model(e.config, **kw)
+    pool = e.kv_pool = KVPool.for_model(e.config, storage=CPU_KV, **kw)
     pool.budget_bytes = e.ctx * pool.bytes_per_token
     return pool
 
@@ -55,7 +64,7 @@ def append(cache, n, seed):
 
 
 def test_lone_sequence_is_contiguous_and_interleaved_ones_are_paged_with_the_same_contents():
-    pool, shared = KVPool(1, 2, 4, 3), KVPool(1, 2, 4, 3)
+    pool, shared = cpu_pool(1, 2, 4, 3), cpu_pool(1, 2, 4, 3)
     lone = pool.new_cache(1000)
     a, b = shared.new_cache(1000), shared.new_cache(1000)
     chunks = [(5, 1), (30, 2), (1, 3), (20, 4)]
@@ -70,7 +79,7 @@ def test_lone_sequence_is_contiguous_and_interleaved_ones_are_paged_with_the_sam
 
 
 def test_storage_grows_with_tokens_used_not_with_the_context_size():
-    pool = KVPool(2, 2, 4, 3)
+    pool = cpu_pool(2, 2, 4, 3)
     c = pool.new_cache(1_000_000)
     append(c, 10, 0)
     assert pool.nbytes == GROWTH_BLOCKS * pool.groups[0].block_bytes  # one chunk, whatever max_tokens is
@@ -80,7 +89,7 @@ def test_storage_grows_with_tokens_used_not_with_the_context_size():
 
 
 def test_rollback_inside_a_shared_block_copies_it_first():
-    pool = KVPool(1, 2, 4, 3)
+    pool = cpu_pool(1, 2, 4, 3)
     tokens = list(range(40))
     a = pool.new_cache(100)
     append(a, 40, 1)
@@ -96,7 +105,7 @@ def test_rollback_inside_a_shared_block_copies_it_first():
 
 
 def test_lru_evicts_idle_blocks_oldest_first_under_the_budget():
-    pool = KVPool(1, 2, 4, 3, budget_bytes=GROWTH_BLOCKS * KVPool(1, 2, 4, 3).groups[0].block_bytes)
+    pool = cpu_pool(1, 2, 4, 3, budget_bytes=GROWTH_BLOCKS * cpu_pool(1, 2, 4, 3).groups[0].block_bytes)
     first = list(range(GROWTH_BLOCKS * BLOCK))
     a = pool.new_cache(10_000)
     append(a, len(first), 1)
@@ -112,7 +121,7 @@ def test_lru_evicts_idle_blocks_oldest_first_under_the_budget():
 
 
 def test_without_a_budget_idle_blocks_are_kept_and_the_pool_grows():
-    pool = KVPool(1, 2, 4, 3, budget_bytes=10**9)
+    pool = cpu_pool(1, 2, 4, 3, budget_bytes=10**9)
     a = pool.new_cache(10_000)
     append(a, GROWTH_BLOCKS * BLOCK, 1)
     a.remember(list(range(GROWTH_BLOCKS * BLOCK)))
@@ -197,7 +206,7 @@ def test_a_prompt_that_parts_inside_a_block_reuses_the_positions_before_it_bitwi
 
 
 def test_the_tokens_kept_for_partial_reuse_leave_with_their_blocks():
-    pool = KVPool(1, 2, 4, 3)
+    pool = cpu_pool(1, 2, 4, 3)
     c = pool.new_cache(1000)
     append(c, 40, seed=1)
     c.remember(list(range(40)))
@@ -327,7 +336,7 @@ def test_gemma3_reused_blocks_are_exactly_what_recomputing_them_gives():
 
 
 def test_rollback_below_what_a_sliding_layer_kept_is_refused():
-    pool = KVPool(2, 2, 4, 3, windows=[0, 32])
+    pool = cpu_pool(2, 2, 4, 3, windows=[0, 32])
     c = pool.new_cache(1000)
     c.reserve(200)
     k, v = kv(200, 0)
