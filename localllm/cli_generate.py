@@ -248,7 +248,7 @@ def cmd_chat(args) -> int:
     from localllm.tui.settings import load_reporting
 
     saved, notices = load_reporting()
-    return run(args.model, chat_settings_overrides(args, saved), notices, device=args.device)
+    return run(args.model, chat_settings_overrides(args, saved), notices)
 
 
 def chat_settings_overrides(args, saved):
@@ -274,6 +274,10 @@ def chat_settings_overrides(args, saved):
         changes["speculation"] = args.spec
     if args.draft_model is not None:
         changes["draft_model"] = args.draft_model
+    if args.device is not None:
+        changes["device"] = args.device
+    if args.kv_type is not None:
+        changes["kv_type"] = args.kv_type
     try:
         return replace(saved, **changes).validated()
     except ValueError as e:
@@ -289,6 +293,7 @@ def chat_plain(args) -> int:
 
     if args.model is None:
         args.model = catalog.default_entry().name
+    args.device, args.kv_type = args.device or "cpu", args.kv_type or "f32"
     engine = load_engine(args)
     if args.context_overflow == "shift" and not engine.model.can_shift:
         args.context_overflow = "stop"  # sliding-window layers (gemma3) cannot shift; see Transformer.can_shift
@@ -492,7 +497,8 @@ def add_commands(sub) -> None:
                          "oldest tokens, instead of being cut off mid-sentence; models with sliding-window layers "
                          "stop instead")
     add_speculation_options(p)
-    p.set_defaults(func=cmd_chat, max_tokens=1024, parser_default=p.get_default)
+    # --device and --kv-type not given: the saved settings (F2; cpu and f32 unless changed there)
+    p.set_defaults(func=cmd_chat, max_tokens=1024, device=None, kv_type=None, parser_default=p.get_default)
 
     p = sub.add_parser("perplexity", help="measure perplexity on a text file (llama.cpp's protocol)",
                        description="Perplexity of a model on a text file, as llama-perplexity computes it: "

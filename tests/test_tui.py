@@ -35,12 +35,12 @@ def anyio_backend():
     return "asyncio"
 
 
-def shared_engine(name, ctx, on_compile, kv_type="f32"):
-    """The real engine, loaded once per (model, context, KV type) for the whole file: loading is not what most
-    tests test."""
-    if (name, ctx, kv_type) not in _engines:
-        _engines[name, ctx, kv_type] = load_engine(name, ctx, on_compile, kv_type)
-    return _engines[name, ctx, kv_type]
+def shared_engine(name, ctx, on_compile, kv_type="f32", device="cpu"):
+    """The real engine, loaded once per (model, context, KV type, device) for the whole file: loading is not what
+    most tests test."""
+    if (name, ctx, kv_type, device) not in _engines:
+        _engines[name, ctx, kv_type, device] = load_engine(name, ctx, on_compile, kv_type, device)
+    return _engines[name, ctx, kv_type, device]
 
 
 @pytest.fixture
@@ -384,7 +384,7 @@ class StandInEngine:
         return SimpleNamespace(tokens=[], close=lambda: None)
 
 
-def stand_in(name, ctx, on_compile, kv_type="f32"):
+def stand_in(name, ctx, on_compile, kv_type="f32", device="cpu"):
     return StandInEngine()
 
 
@@ -462,6 +462,53 @@ async def test_a_conversation_id_that_is_a_path_is_never_deleted_or_written(home
             conversations.delete(bad)
         with pytest.raises(conversations.ConversationError):
             conversations.export_markdown(conversations.Conversation(id=bad, messages=[]))
+
+
+@pytest.mark.anyio
+async def test_the_device_setting_offers_each_opencl_device_and_reloads_the_model_there(home):
+    loads = []
+
+    def recording(name, ctx, on_compile, kv_type="f32", device="cpu"):
+        loads.append((name, device))
+        return StandInEngine()
+
+    listed = [{"platform": "Portable Computing Language", "name": "pthread-Some CPU", "type": "CPU"}]
+    app = ChatApp(SMOLLM, loader=recording, chat_settings=ChatSettings())
+    app.opencl_devices = listed  # what `localllm devices` found (the listing itself is tested in test_backend_ops)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot)
+        assert loads == [(SMOLLM, "cpu")]
+        await pilot.press("f2")
+        select = app.screen.query_one("#device")
+        wanted = "opencl:Portable Computing Language:pthread-Some CPU"
+        assert [value for _, value in select._options if value is not None][:2] == ["cpu", wanted]
+        select.value = wanted
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: len(loads) == 2 and app.session is not None and not app.busy,
+                    what="the model reloaded on the OpenCL device")
+    assert loads[1] == (SMOLLM, wanted)
+    assert json.loads(paths.settings_file().read_text())["device"] == wanted  # the next start uses it too
+
+
+def test_a_saved_device_that_is_gone_stays_selectable_and_a_malformed_one_is_refused():
+    from localllm.tui.screens import device_choices
+
+    assert device_choices("opencl:Old:GPU", []) == [("CPU (Numba kernels)", "cpu"), ("opencl:Old:GPU", "opencl:Old:GPU")]
+    assert ChatSettings(device="opencl").validated().device == "opencl"
+    for bad in ("gpu", "/dev/dri", "", "cuda:0"):
+        with pytest.raises(ValueError, match="device must be"):
+            ChatSettings(device=bad).validated()
+
+
+def test_chat_device_and_kv_type_options_override_the_saved_settings_only_when_given():
+    from localllm.cli import build_parser
+    from localllm.cli_generate import chat_settings_overrides
+
+    saved = ChatSettings(device="opencl", kv_type="q8_0")
+    given = chat_settings_overrides(build_parser().parse_args(["chat", "--device", "cpu", "--kv-type", "f32"]), saved)
+    assert (given.device, given.kv_type) == ("cpu", "f32")  # the defaults' values, given: they win
+    kept = chat_settings_overrides(build_parser().parse_args(["chat"]), saved)
+    assert (kept.device, kept.kv_type) == ("opencl", "q8_0")
 
 
 @pytest.mark.anyio

@@ -114,8 +114,8 @@ class TurnDone(Message):
         self.stats, self.error = stats, error
 
 
-# (name, ctx, on_compile, kv_type) -> engine
-EngineLoader = Callable[[str, int | None, Callable[[int, int], None] | None, str], object]
+# (name, ctx, on_compile, kv_type, device) -> engine
+EngineLoader = Callable[[str, int | None, Callable[[int, int], None] | None, str, str], object]
 
 
 class ChatApp(App):
@@ -156,6 +156,7 @@ class ChatApp(App):
         self.answer_stream = None
         self.last_stats: TurnStats | None = None
         self.restore_kv_of: str | None = None  # a conversation whose KV cache the next load adopts
+        self.opencl_devices: list[dict] | None = None  # listed when Settings first opens
 
     # ---- layout -------------------------------------------------------------------------------------------
 
@@ -227,11 +228,14 @@ class ChatApp(App):
 
     @work(thread=True, group="engine")
     def load_worker(self, name: str, ctx: int, restore_kv_of: str | None) -> None:
+        device = self.settings.device
+        where = "this CPU" if device == "cpu" else "this device"
+
         def compiling(done: int, total: int) -> None:
-            self.post_message(LoadProgress("Compiling kernels for this CPU (first run only)", done, total))
+            self.post_message(LoadProgress(f"Compiling kernels for {where} (first run only)", done, total))
 
         try:
-            engine = self.loader(name, ctx, compiling, self.settings.kv_type)
+            engine = self.loader(name, ctx, compiling, self.settings.kv_type, device)
             session = ChatSession(engine)
             restored = session.restore_kv(conversations.kv_path(restore_kv_of)) if restore_kv_of else 0
         except LocalLLMError as e:
@@ -477,11 +481,16 @@ class ChatApp(App):
             old, self.settings = self.settings, new
             settings_store.save(new)
             self.notify("Settings saved")
-            if (new.ctx, new.kv_type) != (old.ctx, old.kv_type) and self.session is not None and not self.busy:
+            reload = (new.ctx, new.kv_type, new.device) != (old.ctx, old.kv_type, old.device)
+            if reload and self.session is not None and not self.busy:
                 self.restore_kv_of = None
                 self.load_model(self.session.engine.name)
 
-        self.push_screen(SettingsScreen(self.settings), saved)
+        if self.opencl_devices is None:
+            from localllm.devices import opencl_devices
+
+            self.opencl_devices = opencl_devices()[0]  # none (and no error shown) where OpenCL is missing
+        self.push_screen(SettingsScreen(self.settings, self.opencl_devices), saved)
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
@@ -503,11 +512,7 @@ class ChatApp(App):
         self.exit()
 
 
-def run(model: str | None, chat_settings: ChatSettings | None = None, notices: list[str] | None = None,
-        device: str = "cpu") -> int:
-    """`device`: the backend every model of this session loads on (`--device`)."""
-    from functools import partial
-
-    loader = load_engine if device == "cpu" else partial(load_engine, device=device)
-    ChatApp(model, loader=loader, chat_settings=chat_settings, notices=notices).run()
+def run(model: str | None, chat_settings: ChatSettings | None = None, notices: list[str] | None = None) -> int:
+    """Models load on `chat_settings.device` (the saved setting, or `--device`)."""
+    ChatApp(model, loader=load_engine, chat_settings=chat_settings, notices=notices).run()
     return 0

@@ -73,14 +73,28 @@ SETTING_LABELS = {
 }
 
 
+def device_choices(current: str, devices: list[dict]) -> list[tuple[str, str]]:
+    """(label, --device value) for the CPU, each OpenCL device (named by platform and device, so that another
+    runtime installed later does not change which one a saved setting means) and the saved value if it is
+    neither (a device that is gone stays visible rather than silently becoming the CPU)."""
+    choices = [("CPU (Numba kernels)", "cpu")]
+    for d in devices:
+        choices.append((f"{d['name']} ({d['platform']}, {d['type']}, OpenCL)", f"opencl:{d['platform']}:{d['name']}"))
+    if current not in {value for _, value in choices}:
+        choices.append((current, current))
+    return choices
+
+
 class SettingsScreen(ModalScreen[ChatSettings | None]):
     """Edit the settings; Ctrl+S (or the Save button) returns them, validated; Esc discards."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: ChatSettings):
+    def __init__(self, settings: ChatSettings, devices: list[dict] | None = None):
+        """`devices`: the OpenCL devices as `localllm devices --json` lists them (the CPU is always offered)."""
         super().__init__()
         self.settings = settings
+        self.devices = devices or []
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -105,6 +119,11 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                                  allow_blank=False, id="kv_type", classes="value", compact=True)
                     yield Label("reloads the model", classes="hint")
                 with Horizontal(classes="row"):
+                    yield Label("Device", classes="name")
+                    yield Select(device_choices(s.device, self.devices), value=s.device, allow_blank=False,
+                                 id="device", classes="value", compact=True)
+                    yield Label("reloads the model", classes="hint")
+                with Horizontal(classes="row"):
                     yield Label("Speculation", classes="name")
                     yield Select([("off", "off"), ("n-gram lookup", "ngram"), ("draft model", "draft")],
                                  value=s.speculation, allow_blank=False, id="speculation", classes="value",
@@ -123,6 +142,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         values = {"system_prompt": self.query_one("#system_prompt", TextArea).text,
                   "context_overflow": self.query_one("#context_overflow", Select).value,
                   "kv_type": self.query_one("#kv_type", Select).value,
+                  "device": self.query_one("#device", Select).value,
                   "speculation": self.query_one("#speculation", Select).value,
                   "draft_model": self.query_one("#draft_model", Input).value.strip()}
         types = {f.name: type(getattr(ChatSettings(), f.name)) for f in fields(ChatSettings)}

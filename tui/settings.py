@@ -40,6 +40,7 @@ class ChatSettings:
     speculation: str = "off"  # speculative decoding: "off", "ngram" (prompt lookup) or "draft" (with draft_model)
     draft_model: str = ""  # the draft model for "draft": same vocabulary, smaller (qwen2.5-coder-0.5b for -1.5b)
     kv_type: str = "f32"  # KV cache elements: "f32", or "q8_0" (8-bit, 3.6x smaller); reloads the model
+    device: str = "cpu"  # where models run: "cpu", or "opencl[:PLATFORM:DEVICE]" (`localllm devices`); reloads
 
     def generation_params(self, can_shift: bool = True) -> GenerationParams:
         sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -71,11 +72,17 @@ class ChatSettings:
             (self.speculation in ("off", "ngram", "draft"), "speculation must be off, ngram or draft"),
             (self.speculation != "draft" or bool(self.draft_model), "speculation with a draft model needs one"),
             (self.kv_type in ("f32", "q8_0"), "KV cache type must be f32 or q8_0"),
+            (valid_device(self.device), "device must be cpu or opencl[:PLATFORM:DEVICE]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         return self
+
+
+def valid_device(spec: object) -> bool:
+    """The form of a `--device` value (whether such a device is here is only known when a model loads on it)."""
+    return isinstance(spec, str) and (spec in ("cpu", "opencl") or spec.startswith("opencl:")) and len(spec) < 512
 
 
 def load() -> ChatSettings:
