@@ -191,7 +191,7 @@ class Engine:
         self.device = backend
         self._draft_engines: dict[str, Engine] = {}
         warm_up(self.model.backend.warm_up_calls(self.model.weights()) + self.model.warm_up_calls(kv_type),
-                quiet=quiet)
+                quiet=quiet, where="this CPU" if self.model.backend.name == "cpu" else self.model.backend.name)
 
     @classmethod
     def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",

@@ -26,7 +26,8 @@ def _build_key() -> str:
     import localllm.kernels as kernels
 
     digest = hashlib.sha256()
-    for src in sorted(Path(kernels.__file__).parent.rglob("*.py")):
+    root = Path(kernels.__file__).parent
+    for src in sorted([*root.rglob("*.py"), *root.rglob("*.cl")]):  # Numba's and OpenCL's kernel sources
         digest.update(src.read_bytes())
     digest.update(numba.__version__.encode())
     digest.update(llvm.get_host_cpu_name().encode())
@@ -49,18 +50,19 @@ def reporting(listener):
 
 
 def _marker(label: str) -> Path:
-    return paths.kernel_cache_dir() / "compiled" / _build_key() / label.replace(" ", "_")
+    return paths.kernel_cache_dir() / "compiled" / _build_key() / label.replace(" ", "_").replace("/", "_")
 
 
-def warm_up(calls, quiet: bool = False) -> int:
+def warm_up(calls, quiet: bool = False, where: str = "this CPU") -> int:
     """Run the (label, thunk) warm-up calls a backend gives for a model (`Backend.warm_up_calls`, then the model's
-    whole-forward ones) that are not yet marked compiled; returns how many ran (0 on a warm start)."""
+    whole-forward ones) that are not yet marked compiled; returns how many ran (0 on a warm start). `where`
+    names the device in the message (labels of a device's calls name the device, so each has its markers)."""
     calls = list(calls)
     cold = [(label, thunk) for label, thunk in calls if not _marker(label).exists()]
     if not cold:
         return 0
     listener = _listener.get()
-    note("Compiling kernels for this CPU (first run only; later runs start in under two seconds)", quiet)
+    note(f"Compiling kernels for {where} (first run only; later runs start in seconds)", quiet)
     with progress_bar("compiling kernels", len(cold), quiet, unit="items") as bar:
         for i, (label, thunk) in enumerate(cold):
             if listener:

@@ -153,6 +153,25 @@ def test_run_on_the_opencl_device_generates_and_a_device_that_is_not_there_is_on
     assert len(err) == 1 and "no OpenCL device matches 'no-such-device'" in err[0]
 
 
+def test_a_first_load_on_a_device_compiles_with_progress_and_the_next_one_compiles_nothing(monkeypatch, tmp_path):
+    from localllm import paths, warmup
+
+    engines("smollm2-135m-instruct")  # skips where there is no OpenCL device
+    monkeypatch.setattr(paths, "kernel_cache_dir", lambda: tmp_path)  # no markers yet: a first start
+    shown = []
+    with warmup.reporting(lambda done, total: shown.append((done, total))):
+        e = Engine(model_file("smollm2-135m-instruct"), ctx=256, quiet=True, backend=device_spec())
+    formats = {w.qtype for w in e.model.weights()}
+    assert shown[-1] == (len(formats) + 1, len(formats) + 1)  # a product per format, then the other kernels
+    assert [done for done, _ in shown] == list(range(len(formats) + 2))
+    labels = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert any("forward_llama" in label for label in labels) and all(label.startswith("opencl:") for label in labels)
+    shown.clear()
+    with warmup.reporting(lambda done, total: shown.append((done, total))):
+        Engine(model_file("smollm2-135m-instruct"), ctx=256, quiet=True, backend=device_spec())
+    assert shown == []
+
+
 def test_a_decode_step_uploads_only_small_index_arrays_and_downloads_only_its_logits(tiny, monkeypatch):
     # Every host<->device copy of a forward goes through pyopencl.enqueue_copy (pyopencl.array's to_device and
     # get included): count them for one decode step after a prompt, with nothing else running.

@@ -173,9 +173,20 @@ class Transformer:
         return mats
 
     def warm_up_calls(self, kv_type: str) -> list:
-        """(label, thunk) compiling the fused forward for this KV type (one compile serves every model)."""
+        """(label, thunk) compiling the fused forward for this KV type (one compile serves every model), or, for a
+        backend without one, its remaining kernels (norms, RoPE, attention...) by a decode step and a 9-token
+        step (the tiled products' path; labelled with the backend and the weights' formats)."""
         if not self._fused_available:
-            return []
+            if self.backend.name == "cpu":
+                return []  # the CPU's op-by-op kernels are its warm_up_calls' (Numba compiles each once)
+
+            def steps():
+                cache = self.new_pool(kv_type=kv_type).new_cache(16)
+                self.forward([0], cache)
+                self.forward([0] * 9, cache)
+
+            formats = "-".join(sorted({w.qtype.name for w in self.weights()}))
+            return [(f"{self.backend.name} forward {self.config.architecture} {formats} {kv_type}", steps)]
 
         def run():
             self.forward([0], self.new_pool(kv_type=kv_type).new_cache(4))

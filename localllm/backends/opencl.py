@@ -200,5 +200,22 @@ class OpenCLBackend(Backend):
     def to_host(self, x):
         return self.ops.to_host(x)
 
+    def warm_up_calls(self, weights):
+        """One product per weight format, of 1 row (decode's kernel) and of 9 (the tiled one, a full tile and a
+        partial one): PoCL compiles a kernel at its first launch (~1-3 s each on 2 cores), so a cold first
+        forward would otherwise sit silent for tens of seconds."""
+        calls, seen = [], set()
+        for w in weights:
+            if w.qtype in seen:
+                continue
+            seen.add(w.qtype)
+
+            def run(w=w):
+                for n in (1, 9):
+                    self.ops.to_host(self.ops.matmul(w, self.ops.to_device(np.zeros((n, w.cols), np.float32))))
+
+            calls.append((f"{self.name} matmul {w.qtype.name}", run))
+        return calls
+
     def kv_storage(self):
         return self._storage
