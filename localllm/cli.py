@@ -140,6 +140,31 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+# ---- embed -----------------------------------------------------------------------------------------------
+
+
+def cmd_embed(args) -> int:
+    from localllm.engine import Engine
+
+    texts = list(args.texts)
+    if args.file:
+        texts += [line for line in read_text_file(args.file).splitlines() if line.strip()]
+    if not texts:
+        raise LocalLLMError("nothing to embed: give texts, or --file with one text per line")
+    engine = Engine.load(args.model, ctx=args.ctx, quiet=args.json, device=args.device)
+    tokens = [engine.tokenize_prompt(t) for t in texts]
+    pooling = args.pooling or engine.pooling
+    vectors = engine.embed(tokens, pooling=pooling, normalize=not args.no_normalize)
+    if args.json:
+        _print_json({"model": engine.name, "pooling": pooling, "normalized": not args.no_normalize,
+                     "dimensions": int(vectors.shape[1]), "tokens": [len(t) for t in tokens],
+                     "embeddings": vectors.tolist()})
+    else:
+        for v in vectors:  # llama-embedding's plain form: one text a line, its values separated by spaces
+            print(" ".join(f"{x:.6f}" for x in v))
+    return 0
+
+
 # ---- serve / bench-serve ---------------------------------------------------------------------------------
 
 
@@ -241,6 +266,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="treat special-token text like <|im_start|> as plain text")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("embed", help="embed texts: one vector per text (as llama-embedding)",
+                       description="One embedding vector per text: the model's final hidden states pooled (the "
+                                   "file's pooling type, else the mean over the text's tokens) and L2-normalized. "
+                                   "Prints a line of values per text, or JSON.")
+    p.add_argument("model", metavar="MODEL", help=DEFAULT_MODEL_HELP)
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed")
+    p.add_argument("--file", help="also embed each non-empty line of this file")
+    p.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
+                   help="how to pool the tokens' states (default: the model file's, else mean)")
+    p.add_argument("--no-normalize", action="store_true", help="leave the vectors unnormalized")
+    from localllm.cli_generate import add_device_option, whole_number
+
+    p.add_argument("--ctx", type=whole_number(0), default=None,
+                   help="context size: the longest text it takes (default: the model's, at most 4096)")
+    add_device_option(p)
+    p.add_argument("--json", action="store_true",
+                   help='print {"model", "pooling", "normalized", "dimensions", "tokens", "embeddings"}')
+    p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("devices", help="list the CPU and the OpenCL devices the kernels could run on",
                        description="List the CPU and every OpenCL device (platform, name, type, global memory, "

@@ -32,6 +32,12 @@ from localllm.tokenizer import Tokenizer
 from localllm.warmup import warm_up
 
 DEFAULT_CTX = 4096
+# llama.cpp's LLAMA_POOLING_TYPE_* values a GGUF may carry in {arch}.pooling_type (0 none and 4 rank are not
+# sentence embeddings: they fall back to the default).
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+# Decoder models carry no pooling type. Mean over the text's tokens, measured on the four catalog models (tests/
+# test_embeddings.py): related sentences score above unrelated ones with mean pooling on all four.
+POOLING_DEFAULT = "mean"
 PROMPT_CHUNK = 256  # tokens per forward while processing a prompt: bounds attention-score memory
 
 
@@ -343,6 +349,73 @@ class Engine:
         return [row[0] for row in logits]
 
     # ---- scoring ---------------------------------------------------------------------------------------
+
+    @property
+    def pooling(self) -> str:
+        """How `embed` pools a text's hidden states: the file's `{arch}.pooling_type` (llama.cpp's enum: 1 mean,
+        2 cls, 3 last) where it names one, else "mean" (decoder models carry none; see POOLING_DEFAULT)."""
+        value = self.gguf.get(f"{self.config.architecture}.pooling_type")
+        return POOLING_TYPES.get(value, POOLING_DEFAULT) if isinstance(value, int) else POOLING_DEFAULT
+
+    def embed(self, texts: list[list[int]], pooling: str | None = None, normalize: bool = True) -> np.ndarray:
+        """One vector (n_embd,) per text (token lists, BOS included as tokenize_prompt gives it): the final
+        hidden states after the output norm, pooled (mean over the text's tokens, its first token's (cls) or its
+        last's), L2-normalized unless `normalize` is False (llama.cpp's embd_normalize 2 and -1). Texts are
+        evaluated several per forward (up to PROMPT_CHUNK tokens); every kernel computes each row alone, so a
+        text's vector is bitwise the same alone or in any batch. Each text must fit the context."""
+        pooling = pooling or self.pooling
+        if pooling not in ("mean", "cls", "last"):
+            raise LocalLLMError(f"pooling {pooling!r}: use mean, cls or last")
+        for tokens in texts:
+            self.check_fits(len(tokens), room=0)
+            self.check_tokens(tokens)
+        out = np.empty((len(texts), self.config.n_embd), np.float32)
+
+        def rows_of(n: int) -> np.ndarray:
+            return np.arange(n) if pooling == "mean" else np.array([0 if pooling == "cls" else n - 1])
+
+        def pooled(h: np.ndarray) -> np.ndarray:
+            v = h.astype(np.float64).mean(axis=0) if pooling == "mean" else h[0].astype(np.float64)
+            if normalize:
+                norm = np.sqrt(np.sum(v * v))
+                v = v / norm if norm > 0 else v
+            return v.astype(np.float32)
+
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        batch: list[int] = []
+
+        def flush() -> None:
+            seqs = [self.new_sequence() for _ in batch]
+            try:
+                segments = [(texts[i], seq.cache, rows_of(len(texts[i]))) for i, seq in zip(batch, seqs)]
+                for i, h in zip(batch, self.model.forward_batch(segments, hidden=True)):
+                    out[i] = pooled(h)
+            finally:
+                for seq in seqs:
+                    seq.close()
+            batch.clear()
+
+        for i in order:
+            n = len(texts[i])
+            if n > PROMPT_CHUNK:  # alone, in chunks: attention-score memory stays bounded
+                seq = self.new_sequence()
+                try:
+                    parts = []
+                    for start in range(0, n, PROMPT_CHUNK):
+                        chunk = texts[i][start:start + PROMPT_CHUNK]
+                        rows = rows_of(n) - start
+                        rows = rows[(rows >= 0) & (rows < len(chunk))]
+                        parts.append(self.model.forward_batch([(chunk, seq.cache, rows)], hidden=True)[0])
+                    out[i] = pooled(np.concatenate(parts))
+                finally:
+                    seq.close()
+                continue
+            if batch and sum(len(texts[j]) for j in batch) + n > PROMPT_CHUNK:
+                flush()
+            batch.append(i)
+        if batch:
+            flush()
+        return out
 
     def log_probs(self, tokens: list[int], positions=None, precise: bool = True) -> np.ndarray:
         """Teacher forcing (scoring, perplexity): log-softmax of the logits at `positions` of `tokens` (default:

@@ -232,7 +232,8 @@ class Transformer:
         """
         return self.forward_batch([(tokens, cache, output_rows)], precise, observe)[0]
 
-    def forward_batch(self, segments: list, precise: bool = False, observe=None) -> list[np.ndarray]:
+    def forward_batch(self, segments: list, precise: bool = False, observe=None,
+                      hidden: bool = False) -> list[np.ndarray]:
         """One forward for several sequences: segments are (tokens, cache, output_rows or None). The matrix
         products run once over all rows (each weight read once per step, whatever the batch); RoPE, the cache
         writes and attention are per sequence. Every kernel computes each row alone, so a sequence's logits
@@ -241,8 +242,12 @@ class Transformer:
         `observe(names, x)`, when given, sees the input x (rows, cols) of every product by a weight matrix
         before it is multiplied, with the GGUF names of the weights that take it (Q, K and V share one x): what
         an importance matrix is made of (localllm/imatrix.py). It runs this op-by-op path, never the fused one,
-        so a forward without it pays nothing for the hook."""
-        if (observe is None and len(segments) == 1 and self._fused_available and len(segments[0][0]) > 0
+        so a forward without it pays nothing for the hook.
+
+        `hidden`: return the selected rows' final hidden states (after the output norm, what the output matrix
+        would take: embeddings) instead of logits; always this op-by-op path, so a text's vectors are the same
+        alone or beside others."""
+        if (observe is None and not hidden and len(segments) == 1 and self._fused_available and len(segments[0][0]) > 0
                 and not (precise and len(segments[0][0]) >= self.backend.precise_min_rows)):
             return [self.fused(*segments[0])]
         c = self.config
@@ -315,7 +320,9 @@ class Transformer:
         rows = np.concatenate([lo + (np.array([hi - lo - 1]) if out_rows is None else np.asarray(out_rows, np.int64))
                                for (_, _, out_rows), lo, hi in zip(segments, bounds, bounds[1:])])
         if len(rows) == 0:
-            logits = np.empty((0, c.vocab_size), np.float32)
+            logits = np.empty((0, c.n_embd if hidden else c.vocab_size), np.float32)
+        elif hidden:
+            logits = b.to_host(b.rms_norm(b.rows(x, rows), self.output_norm, c.rms_eps))
         else:
             out = b.rms_norm(b.rows(x, rows), self.output_norm, c.rms_eps)
             if observe is not None:

@@ -2,7 +2,8 @@
 scheduler that batches concurrent requests on the engine.
 
 Modules: `app` (the Starlette app: auth, limits, errors, request plumbing), `scheduler` (continuous batching in
-the engine's thread), `openai_api`, `llamacpp_api`, `ollama_api` (the routes), `infill` (FIM prompts),
+the engine's thread), `openai_api`, `llamacpp_api`, `ollama_api` (the routes), `embeddings_api` (the three APIs'
+embedding routes), `infill` (FIM prompts),
 `metrics` (Prometheus text).
 """
 

@@ -141,6 +141,7 @@ class Scheduler:
         self._inbox: deque[Handle] = deque()
         self._waiting: deque[Handle] = deque()
         self._running: list[_Running] = []
+        self._tasks: deque[tuple] = deque()  # (fn, future, loop): other engine work (embeddings), between steps
         self._stop = False
         self.live_sequences = 0
         self._thread = threading.Thread(target=self._loop, name="localllm-scheduler", daemon=True)
@@ -166,6 +167,41 @@ class Scheduler:
             self._lock.notify()
         self.metrics.queued = len(self._inbox) + len(self._waiting)
         return handle
+
+    async def run(self, fn):
+        """fn(engine) on the engine thread, between two steps (the running requests pause for it); its result,
+        or its exception, comes back here."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._stop:
+                raise RequestFailed("the server is shutting down", 503)
+            if len(self._tasks) >= self.max_queue:
+                raise RequestFailed(f"the server is busy ({self.max_queue} requests queued); retry later", 503)
+            self._tasks.append((fn, future, loop))
+            self._lock.notify()
+        return await future
+
+    def _run_tasks(self) -> None:  # engine thread
+        while True:
+            with self._lock:
+                if not self._tasks:
+                    return
+                fn, future, loop = self._tasks.popleft()
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # the task's caller gets it; the engine goes on
+                result, error = None, e
+
+            def settle(future=future, result=result, error=error):
+                if future.cancelled():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
 
     def slots(self) -> list[dict]:
         """What each of the `parallel` slots runs now (llama.cpp's GET /slots), read from the event loop: a
@@ -194,12 +230,16 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._inbox and not self._waiting and not self._running:
+                while not self._stop and not self._inbox and not self._waiting and not self._running \
+                        and not self._tasks:
                     self._lock.wait()
                 if self._stop:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
+            self._run_tasks()
+            if not self._waiting and not self._running:
+                continue
             try:
                 self._step()
             except Exception:  # a bug in a step must not stop the server: fail what was running
@@ -212,6 +252,11 @@ class Scheduler:
             self._finish(r, RequestFailed("the server is shutting down", 503))
         for h in list(self._waiting) + list(self._inbox):
             h._put(RequestFailed("the server is shutting down", 503))
+        with self._lock:
+            tasks, self._tasks = list(self._tasks), deque()
+        for _, future, loop in tasks:
+            loop.call_soon_threadsafe(lambda f=future: f.cancelled() or f.set_exception(
+                RequestFailed("the server is shutting down", 503)))
 
     def _publish(self) -> None:
         pool = self.engine.kv_pool
