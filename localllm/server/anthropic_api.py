@@ -5,7 +5,7 @@ A translation layer over the server's chat path:
   Anthropic request --to_chat_request--> the internal chat request, in OpenAI's shape (`messages` with
       `tool_calls` on assistant turns and `role: "tool"` messages with `tool_call_id`; `tools` as OpenAI
       functions; `tool_choice` auto/required/none/a named function; `parallel_tool_calls`)
-  --render_prompt / generated_pieces (the tool-call seam below)--> text pieces and tool calls, then a Final
+  --prompt_text / generated_pieces (the tool-call seam below)--> text pieces and tool calls, then a Final
   --message_body / EventWriter--> Anthropic content blocks, or its SSE events.
 
 Anthropic's rules kept: `max_tokens` is required; `system` is a string or text blocks; consecutive turns of one
@@ -18,8 +18,8 @@ Two departures, both for clients that cannot be told otherwise: a `max_tokens` a
 --max-tokens is capped to it (Claude Code asks for 32000 on every request; the other APIs refuse such a
 request, but there the field is optional), and a system block that is Claude Code's
 `x-anthropic-billing-header: ...; cch=<hash>;` line is dropped: its hash changes on every request, so kept
-first in the prompt it would defeat the reuse of the cached prefix (the whole system prompt and tool list,
-some 20k tokens) on every turn.
+first in the prompt it would defeat the reuse of the cached prefix (the system prompt and the tool list,
+thousands of tokens) on every turn.
 """
 
 from __future__ import annotations
@@ -105,10 +105,9 @@ def _text_of_blocks(blocks, where: str, param: str) -> str:
 def _system(value) -> str | None:
     if value is None:
         return None
+    text = _text_of_blocks(value, "system", "system")  # validated as sent, so errors name the block sent
     if isinstance(value, list):
-        value = [b for b in value if not (isinstance(b, dict) and isinstance(b.get("text"), str)
-                                          and b["text"].startswith(BILLING_HEADER))]
-    text = _text_of_blocks(value, "system", "system")
+        text = "\n".join(b["text"] for b in value if not b["text"].startswith(BILLING_HEADER))
     return text or None
 
 
@@ -256,9 +255,8 @@ def _tool_choice(value, tools: list[dict]) -> tuple[str | dict | None, bool | No
     else:
         raise ApiError(400, f"'tool_choice.type' must be 'auto', 'any', 'tool' or 'none', got {json.dumps(kind)}",
                        param="tool_choice")
-    if choice in ("required",) or isinstance(choice, dict):
-        if not tools:
-            raise ApiError(400, f"'tool_choice' {kind!r} needs 'tools'", param="tool_choice")
+    if (choice == "required" or isinstance(choice, dict)) and not tools:
+        raise ApiError(400, f"'tool_choice' {kind!r} needs 'tools'", param="tool_choice")
     parallel = False if disable_parallel else None
     return choice, parallel
 
@@ -321,16 +319,18 @@ def to_chat_request(data: dict) -> ChatRequest:
 # ToolCall pieces become tool_use blocks and input_json_delta events (message_body, EventWriter), with
 # stop_reason "tool_use". What is missing is the engine that renders tools into the prompt and finds the
 # model's tool calls in its output (localllm/toolcalls.py, under way for the OpenAI and Ollama routes). When
-# it lands: render tools with the template in render_prompt (and whatever constraint tool_choice asks for),
-# and have generated_pieces yield ToolCall(id, name, arguments) where the model calls a tool. Until then a
+# it lands: render tools with the template in prompt_text (and set on params whatever constraint tool_choice
+# asks for), and have generated_pieces yield ToolCall(id, name, arguments) where the model calls a tool. Until then a
 # request with tools gets the same 400 as /v1/chat/completions gives.
 
 
-def render_prompt(state: ServerState, chat: ChatRequest) -> str:
-    """The prompt text for the internal chat request (call off the event loop: templates may take seconds)."""
+async def prompt_text(state: ServerState, chat: ChatRequest, params: GenerationParams | None) -> str:
+    """The prompt text for the internal chat request; `params` (None when only counting tokens) is where a
+    constraint that tool_choice asks for would go."""
     if chat.tools:
         raise ApiError(400, "tool calls are not supported", param="tools")
-    return state.engine.render_chat(chat.messages) + chat.prefill
+    # Off the event loop: a model's template may take its whole render budget (2 s).
+    return await off_loop(state.engine.render_chat, chat.messages) + chat.prefill
 
 
 async def generated_pieces(state: ServerState, chat: ChatRequest, handle, first=None):
@@ -464,9 +464,9 @@ class EventWriter:
 def _params(state: ServerState, f: Fields) -> tuple[GenerationParams, bool]:
     """Generation parameters of a Messages request, and whether to stream."""
     f.get("model", str)
-    if "max_tokens" not in f.data:
-        raise ApiError(400, "'max_tokens' is required", param="max_tokens")
     asked = f.get("max_tokens", int, None, lo=1)
+    if asked is None:
+        raise ApiError(400, "'max_tokens' is required", param="max_tokens")
     # Capped, not refused: see the module's docstring.
     max_tokens = min(asked, state.max_tokens)
     sampling = sampling_from(f, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}, state.engine.config.vocab_size)
@@ -481,7 +481,7 @@ async def messages(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     params, stream = _params(state, f)
     chat = to_chat_request(f.data)
-    text = await off_loop(render_prompt, state, chat)
+    text = await prompt_text(state, chat, params)
     tokens = await off_loop(prompt_tokens, state, text, True)
     handle = submit(state, tokens, params)
     mid, model = _new_id("msg_"), state.model_name
@@ -525,7 +525,7 @@ async def count_tokens(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     f.get("model", str)
     chat = to_chat_request(f.data)
-    text = await off_loop(render_prompt, state, chat)
+    text = await prompt_text(state, chat, None)
     tokens = await off_loop(state.engine.tokenize_prompt, text, True)
     return json_response({"input_tokens": len(tokens)})
 
