@@ -29,6 +29,8 @@ MODEL = "smollm2-135m-instruct"
 KEY = "test-key-anthropic"
 MAX_TOKENS = 32
 QUESTION = [{"role": "user", "content": "Name three colors."}]
+# The SDK (2.x) has no sampling arguments; the API still takes them, and Claude Code sends `temperature`.
+GREEDY = {"extra_body": {"temperature": 0}}
 
 
 # ---- translation: Anthropic request -> the internal chat request (no model) ---------------------------------
@@ -274,7 +276,7 @@ def raw(served, path: str, body: dict, **headers) -> httpx.Response:
 
 
 def test_a_message_answers_with_text_usage_and_end_turn_or_max_tokens(client, served):
-    m = client.messages.create(model="claude-sonnet-4-5", max_tokens=24, temperature=0, system="Be brief.",
+    m = client.messages.create(model=MODEL, max_tokens=24, **GREEDY, system="Be brief.",
                                messages=QUESTION, metadata={"user_id": "u1"})
     assert m.type == "message" and m.role == "assistant" and m.model == MODEL and m.id.startswith("msg_")
     assert [b.type for b in m.content] == ["text"] and m.content[0].text.strip()
@@ -285,24 +287,24 @@ def test_a_message_answers_with_text_usage_and_end_turn_or_max_tokens(client, se
 
 
 def test_max_tokens_and_stop_sequences_set_the_stop_reason(client):
-    short = client.messages.create(model="x", max_tokens=3, temperature=0, messages=QUESTION)
+    short = client.messages.create(model="x", max_tokens=3, **GREEDY, messages=QUESTION)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
 
-    full = client.messages.create(model="x", max_tokens=24, temperature=0, messages=QUESTION).content[0].text
+    full = client.messages.create(model="x", max_tokens=24, **GREEDY, messages=QUESTION).content[0].text
     word = next(w for w in full.split()[2:] if full.index(w) > 0)  # a word inside the answer, not at its start
-    stopped = client.messages.create(model="x", max_tokens=24, temperature=0, messages=QUESTION,
+    stopped = client.messages.create(model="x", max_tokens=24, **GREEDY, messages=QUESTION,
                                      stop_sequences=["never-in-it", word])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert "".join(b.text for b in stopped.content) == full[:full.index(word)]
 
 
 def test_max_tokens_above_the_servers_limit_is_capped_not_refused(client):
-    m = client.messages.create(model="x", max_tokens=32000, temperature=0, messages=QUESTION)
+    m = client.messages.create(model="x", max_tokens=32000, **GREEDY, messages=QUESTION)
     assert 0 < m.usage.output_tokens <= MAX_TOKENS
 
 
 def test_streams_by_the_sdk_helper_and_raw_events_agree_with_the_message(client, served):
-    args = dict(model="x", max_tokens=20, temperature=0, messages=QUESTION)
+    args = dict(model="x", max_tokens=20, **GREEDY, messages=QUESTION)
     whole = client.messages.create(**args)
 
     with client.messages.stream(**args) as stream:
@@ -319,7 +321,8 @@ def test_streams_by_the_sdk_helper_and_raw_events_agree_with_the_message(client,
     assert set(kinds[2:-3]) == {"content_block_delta"}
 
     # On the wire: `event:` names equal the data's type, and a ping comes after message_start.
-    r = raw(served, "/v1/messages", {**args, "stream": True})
+    r = raw(served, "/v1/messages", {"model": "x", "max_tokens": 20, "temperature": 0, "messages": QUESTION,
+                                     "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = parse_sse(r.text)
     assert all(name == data["type"] for name, data in events)
@@ -329,7 +332,7 @@ def test_streams_by_the_sdk_helper_and_raw_events_agree_with_the_message(client,
 def test_a_prefill_is_continued_and_not_repeated(client, served):
     engine = served[1]
     prefill = "The three colors are"
-    m = client.messages.create(model="x", max_tokens=8, temperature=0,
+    m = client.messages.create(model="x", max_tokens=8, **GREEDY,
                                messages=QUESTION + [{"role": "assistant", "content": prefill}])
     prompt = engine.render_chat(QUESTION) + prefill
     assert m.usage.input_tokens == len(engine.tokenize_prompt(prompt, chat=True))
@@ -344,7 +347,7 @@ def test_tool_use_history_renders_with_the_models_template(client, served):
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "now", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "10:42"},
                                      {"type": "text", "text": "So?"}]}]
-    m = client.messages.create(model="x", max_tokens=8, temperature=0, messages=history)
+    m = client.messages.create(model="x", max_tokens=8, **GREEDY, messages=history)
     prompt = engine.render_chat(to_chat_request({"messages": history}).messages)
     assert "10:42" in prompt and prompt.index("10:42") < prompt.index("So?")
     assert m.usage.input_tokens == len(engine.tokenize_prompt(prompt, chat=True))
@@ -357,7 +360,7 @@ def test_errors_have_anthropics_shape_and_status(client, served):
         "type": "invalid_request_error", "message": "'max_tokens' is required"}}
 
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model="x", max_tokens=5, temperature=1.5, messages=QUESTION)
+        client.messages.create(model="x", max_tokens=5, extra_body={"temperature": 1.5}, messages=QUESTION)
     assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
     assert "'temperature' must be in [0, 1]" in e.value.body["error"]["message"]
 
