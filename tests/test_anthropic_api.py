@@ -234,12 +234,16 @@ def test_an_error_in_the_middle_of_a_stream_reaches_the_sdk_as_an_api_error():
     assert "NaN logits" in str(e.value)
 
 
-def test_tool_call_arguments_that_are_not_a_json_object_are_an_error():
-    with pytest.raises(ApiError) as e:
-        message_body("m", MODEL, [ToolCall("t", "f", "[1, 2")], final())
-    assert e.value.status == 500 and "not a JSON object" in e.value.message
-    with pytest.raises(ApiError):
-        EventWriter("m", MODEL, 1).piece(ToolCall("t", "f", "3"))
+def test_a_tool_call_cut_off_by_max_tokens_has_no_input_and_stop_reason_max_tokens():
+    cut = [ToolCall("toolu_c", "get_weather", '{"city": "Par')]
+    body = message_body("m", MODEL, cut, final("length"))
+    assert body["content"] == [{"type": "tool_use", "id": "toolu_c", "name": "get_weather", "input": {}}]
+    assert body["stop_reason"] == "max_tokens"
+    w = EventWriter("m", MODEL, 11)
+    events = parse_sse("".join(w.start() + w.piece(cut[0]) + w.finish(final("length"))))
+    assert [name for name, _ in events] == ["message_start", "ping", "content_block_start", "content_block_stop",
+                                           "message_delta", "message_stop"]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
 
 
 # ---- a real server ------------------------------------------------------------------------------------------

@@ -317,11 +317,16 @@ def to_chat_request(data: dict) -> ChatRequest:
 # Everything Anthropic-specific about tools is done on both sides of this seam: requests are translated into
 # OpenAI-shaped `tools` / `tool_choice` / `parallel_tool_calls` / tool-call history (to_chat_request), and
 # ToolCall pieces become tool_use blocks and input_json_delta events (message_body, EventWriter), with
-# stop_reason "tool_use". What is missing is the engine that renders tools into the prompt and finds the
-# model's tool calls in its output (localllm/toolcalls.py, under way for the OpenAI and Ollama routes). When
-# it lands: render tools with the template in prompt_text (and set on params whatever constraint tool_choice
-# asks for), and have generated_pieces yield ToolCall(id, name, arguments) where the model calls a tool. Until then a
-# request with tools gets the same 400 as /v1/chat/completions gives.
+# stop_reason "tool_use". What is missing is the engine that renders tools into the prompt, constrains the
+# call and finds the model's calls in its output (localllm/toolcalls.py with server/tool_calls.py, being
+# written for the OpenAI and Ollama routes). Plugging it in touches these two functions only:
+#   prompt_text: when the request uses tools (tool_calls.uses_tools(chat.tools, chat.tool_choice,
+#     chat.messages)), plan them (tool_calls.prepare(state, params, chat.tools, chat.tool_choice,
+#     chat.parallel_tool_calls); for count_tokens, plan_tools alone, with no params to constrain), keep the
+#     plan on `chat`, and render with plan.render(state.engine.template, chat.messages) + chat.prefill;
+#   generated_pieces: feed each event's text to chat.plan.parser() (and finish() at the Final); yield a
+#     TextDelta's text as is, and a finished call (CallDelta.done) as ToolCall(id, name, arguments_json).
+# Until then a request with tools gets the same 400 as /v1/chat/completions gives.
 
 
 async def prompt_text(state: ServerState, chat: ChatRequest, params: GenerationParams | None) -> str:
@@ -350,25 +355,25 @@ async def generated_pieces(state: ServerState, chat: ChatRequest, handle, first=
 
 
 def stop_reason(final: Final, called_tools: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence): a tool call, the length limit, a stop sequence, or the model's end."""
-    if called_tools:
-        return "tool_use", None
+    """(stop_reason, stop_sequence): the length limit (first: a call cut short is no call to run), a tool
+    call, a stop sequence, or the model's end."""
     if final.finish_reason == "length":
         return "max_tokens", None
+    if called_tools:
+        return "tool_use", None
     if final.stop_word:
         return "stop_sequence", final.stop_word
     return "end_turn", None
 
 
-def _tool_input(call: ToolCall) -> dict:
+def _tool_input(call: ToolCall) -> dict | None:
+    """A call's arguments as an object; None when they are not one: a call cut off by max_tokens (the call
+    grammar allows nothing else), which is then given with no input and stop_reason max_tokens."""
     try:
         value = json.loads(call.arguments)
     except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise ApiError(500, f"the model's call of the tool {call.name!r} has arguments that are not a JSON "
-                            f"object: {call.arguments[:200]!r}")
-    return value
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def content_blocks(pieces) -> list[dict]:
@@ -377,7 +382,7 @@ def content_blocks(pieces) -> list[dict]:
     for piece in pieces:
         if isinstance(piece, ToolCall):
             blocks.append({"type": "tool_use", "id": piece.id or _new_id("toolu_"), "name": piece.name,
-                           "input": _tool_input(piece)})
+                           "input": _tool_input(piece) or {}})
         elif piece:
             if blocks and blocks[-1]["type"] == "text":
                 blocks[-1]["text"] += piece
@@ -431,13 +436,13 @@ class EventWriter:
 
     def piece(self, piece) -> list[str]:
         if isinstance(piece, ToolCall):
-            _tool_input(piece)  # arguments that are not a JSON object are an error, not a broken block
             self.called_tools = True
             out = self._begin({"type": "tool_use", "id": piece.id or _new_id("toolu_"), "name": piece.name,
                                "input": {}})
-            out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                     "delta": {"type": "input_json_delta",
-                                                               "partial_json": piece.arguments}}))
+            if _tool_input(piece) is not None:  # else no input, as in message_body (the SDK parses the deltas)
+                out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                         "delta": {"type": "input_json_delta",
+                                                                   "partial_json": piece.arguments}}))
             return out + self._close()
         if not piece:
             return []
