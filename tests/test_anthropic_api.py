@@ -455,6 +455,7 @@ def test_a_claude_code_shaped_request_streams_once_tools_are_left_out(served):
     assert events[0][1]["message"]["usage"]["input_tokens"] == counted.json()["input_tokens"]
 
     # With its tools: Anthropic's 400 before any stream, until the tool-call engine is plugged in.
-    r = raw(served, "/v1/messages?beta=true", CLAUDE_CODE_BODY, **CLAUDE_CODE_HEADERS)
-    assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error",
-                                                          "message": "tool calls are not supported"}
+    for path in ("/v1/messages?beta=true", "/v1/messages/count_tokens?beta=true"):
+        r = raw(served, path, CLAUDE_CODE_BODY, **CLAUDE_CODE_HEADERS)
+        assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error",
+                                                              "message": "tool calls are not supported"}
