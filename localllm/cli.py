@@ -310,16 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_convert.add_commands(sub)
 
-    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, llama.cpp and Ollama APIs)",
-                       description="Serve a model on a local REST port: OpenAI-compatible /v1/..., llama.cpp's "
-                                   "/completion, /infill, /tokenize, /metrics..., and Ollama's /api/.... Concurrent "
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, Anthropic, llama.cpp and Ollama APIs)",
+                       description="Serve a model on a local REST port: OpenAI-compatible /v1/..., Anthropic's "
+                                   "/v1/messages (Claude Code), llama.cpp's /completion, /infill, /tokenize, "
+                                   "/metrics..., and Ollama's /api/.... Concurrent "
                                    "requests are decoded together (continuous batching, up to --parallel); the "
                                    "rest wait in a queue, first come first served.")
     p.add_argument("model", nargs="?", metavar="MODEL", help=DEFAULT_MODEL_HELP + " (default: the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=whole_number(0, 65535), default=8080, help="port (default 8080)")
-    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every endpoint but "
-                   "/health (default: $LOCALLLM_API_KEY if set, else no key)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on "
+                   "every endpoint but /health (default: $LOCALLLM_API_KEY if set, else no key)")
     p.add_argument("--parallel", type=whole_number(1), default=4, metavar="N",
                    help="requests decoded together at most (default 4); more wait in the queue")
     p.add_argument("--ctx", type=whole_number(0), default=None,

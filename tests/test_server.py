@@ -266,11 +266,16 @@ def test_llamacpp_endpoints(http, server):
 def test_every_endpoint_but_health_needs_the_key(server):
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/completion"),
                          ("GET", "/metrics"), ("GET", "/props"), ("GET", "/api/tags"), ("POST", "/api/chat"),
-                         ("POST", "/tokenize"), ("GET", "/nowhere")]:
+                         ("POST", "/tokenize"), ("POST", "/v1/messages"), ("GET", "/nowhere")]:
         r = httpx.request(method, server + path, json={})
         assert r.status_code == 401, (method, path)
         r = httpx.request(method, server + path, json={}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401, (method, path)
+        r = httpx.request(method, server + path, json={}, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401, (method, path)
+        # Anthropic's header is accepted beside the bearer token, on every route.
+        r = httpx.request(method, server + path, json={}, headers={"x-api-key": KEY})
+        assert r.status_code != 401, (method, path)
 
 
 def test_malformed_requests_get_4xx_with_a_message(http):

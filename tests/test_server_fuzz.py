@@ -52,8 +52,32 @@ schema = st.recursive(
         "items": inner, "anyOf": st.lists(inner, max_size=2), "$ref": text}), max_leaves=6)
 grammar = st.sampled_from(['root ::= "yes" | "no"', "root ::= x", 'root ::= [a-z]+ "."', "root ::=", ""]) | text
 
+# Anthropic's Messages API: content blocks of every kind it reads (and some it refuses), tools, tool_choice.
+text_block = st.fixed_dictionaries({"type": st.just("text"), "text": text},
+                                   optional={"cache_control": st.just({"type": "ephemeral"})})
+block = (text_block
+         | st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": text,
+                                  "input": st.dictionaries(st.text(max_size=6), json_scalars, max_size=2)})
+         | st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": text},
+                                 optional={"content": text | st.lists(text_block, max_size=2),
+                                           "is_error": st.booleans()})
+         | st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "document", "frob"])}))
+a_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | text,
+                                   "content": text | st.lists(block, max_size=3)})
+a_tool = st.fixed_dictionaries({"name": text}, optional={"description": text, "type": st.just("custom") | text,
+                                                         "input_schema": schema})
+anthropic_fields = {
+    "model": text, "system": text | st.lists(text_block, max_size=2), "stream": st.booleans(),
+    "stop_sequences": st.lists(text, max_size=3), "temperature": unit, "top_p": unit, "top_k": small,
+    "metadata": st.fixed_dictionaries({"user_id": text}), "tools": st.lists(a_tool, max_size=2),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"]) | text},
+                                         optional={"name": text, "disable_parallel_tool_use": st.booleans()})}
+
 # path -> (required fields, optional fields), each with plausible values
 BODIES = {
+    "/v1/messages": ({"max_tokens": small, "messages": st.lists(a_message, min_size=1, max_size=3)},
+                     anthropic_fields),
+    "/v1/messages/count_tokens": ({"messages": st.lists(a_message, min_size=1, max_size=3)}, anthropic_fields),
     "/v1/completions": ({"prompt": text | token_ids}, {
         "model": text, "max_tokens": small, "stream": st.booleans(), "logprobs": small, "logit_bias": bias,
         "n": st.just(1) | small, "echo": st.booleans(), "suffix": text, "ignore_eos": st.booleans(),

@@ -15,7 +15,7 @@ from conftest import model_file
 from starlette.testclient import TestClient
 
 from localllm.engine import Engine
-from localllm.server import llamacpp_api, ollama_api, openai_api
+from localllm.server import anthropic_api, llamacpp_api, ollama_api, openai_api
 from localllm.server.app import ServerState
 from localllm.server.asgi import create_app
 from localllm.server.scheduler import Scheduler
@@ -38,6 +38,15 @@ BODIES = {
     "/api/generate": {"model": MODEL, "prompt": "Hello", "system": "Be brief.", "suffix": "", "stream": False,
                       "options": {"num_predict": 2, "stop": ["\n\n"]}},
     "/api/chat": {"model": MODEL, "messages": MESSAGES, "stream": False, "options": {"num_predict": 2}},
+    "/v1/messages": {"model": MODEL, "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
+                     "stop_sequences": ["\n\n"], "messages": [
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "now",
+                                                            "input": {"zone": "UTC"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                       "content": [{"type": "text", "text": "10:42"}]}]}]},
+    "/v1/messages/count_tokens": {"model": MODEL, "system": "Be brief.", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
 }
 
 
@@ -145,7 +154,7 @@ def test_request_bodies_must_be_sent_as_json(client):
 
 
 def test_no_response_discloses_a_filesystem_path(client):
-    """Every GET and POST endpoint of the three APIs, answering and failing: the model's directory and the
+    """Every GET and POST endpoint of the four APIs, answering and failing: the model's directory and the
     home directory never appear (the model is named, not located)."""
     path = model_file(MODEL).resolve()
     secrets = [str(path.parent), str(Path.home()) + "/"]
@@ -157,7 +166,7 @@ def test_no_response_discloses_a_filesystem_path(client):
         for secret in secrets:
             assert secret not in text, (what, r.status_code, text[:300])
 
-    for module in (openai_api, llamacpp_api, ollama_api):
+    for module in (openai_api, anthropic_api, llamacpp_api, ollama_api):
         for route, methods, _ in module.ROUTES:
             for name in (MODEL, "no-such-model"):
                 url = re.sub(r"\{[^}]*\}", name, route)
@@ -169,7 +178,7 @@ def test_no_response_discloses_a_filesystem_path(client):
                         scan(f"POST {url} (stream)", post(client, url, {**BODIES.get(url, {}), "stream": True}))
                         scan(f"POST {url} (empty)", post(client, url, {}))
     assert seen["GET /props"] == seen["POST /api/show"] == seen["GET /v1/models"] == 200
-    assert seen["POST /v1/chat/completions"] == seen["POST /api/generate"] == 200
+    assert seen["POST /v1/chat/completions"] == seen["POST /api/generate"] == seen["POST /v1/messages"] == 200
     assert seen["GET /v1/models/no-such-model"] == 404 and seen["POST /infill"] == 400  # errors were scanned too
     assert client.get("/props").json()["model_path"] == MODEL
     assert client.post("/api/show", json={"model": MODEL}).json()["modelfile"] == f"FROM {MODEL}\n"

@@ -1,10 +1,10 @@
-"""The local REST port (`localllm serve`): OpenAI-, llama.cpp- and Ollama-compatible endpoints over one
-scheduler that batches concurrent requests on the engine.
+"""The local REST port (`localllm serve`): OpenAI-, Anthropic-, llama.cpp- and Ollama-compatible endpoints over
+one scheduler that batches concurrent requests on the engine.
 
 Modules: `app` (the Starlette app: auth, limits, errors, request plumbing), `scheduler` (continuous batching in
-the engine's thread), `openai_api`, `llamacpp_api`, `ollama_api` (the routes), `embeddings_api` (the three APIs'
-embedding routes), `infill` (FIM prompts),
-`metrics` (Prometheus text).
+the engine's thread), `openai_api`, `anthropic_api`, `llamacpp_api`, `ollama_api` (the routes), `embeddings_api`
+(the embedding routes of the OpenAI, Ollama and llama.cpp APIs), `infill` (FIM prompts), `metrics` (Prometheus
+text).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Starlette application: routes of the three APIs, authentication, limits, errors in each API's format.
+"""The Starlette application: routes of the four APIs, authentication, limits, errors in each API's format.
 
 Handlers are thin: they validate a request (`Fields`), turn it into prompt tokens and `GenerationParams`, hand
 it to the one `Scheduler`, and stream back what comes out. Streams stop generating the moment their client
@@ -55,6 +55,8 @@ class ApiError(Exception):
 
 
 def flavor_of(path: str) -> str:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
     if path.startswith("/v1/"):
         return "openai"
     if path.startswith("/api/"):
@@ -67,6 +69,10 @@ def error_response(flavor: str, status: int, message: str, param: str | None = N
     e = ApiError(status, message, param, kind)
     if flavor == "ollama":
         body = {"error": message}
+    elif flavor == "anthropic":
+        from localllm.server.anthropic_api import error_body
+
+        body = error_body(status, message)
     elif flavor == "openai":
         body = {"error": {"message": message, "type": e.kind, "param": param, "code": None}}
     else:  # llama.cpp's server

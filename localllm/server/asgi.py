@@ -1,4 +1,4 @@
-"""The ASGI application: the three APIs' route tables over app.py's plumbing, with auth, CORS, and the guard
+"""The ASGI application: the four APIs' route tables over app.py's plumbing, with auth, CORS, and the guard
 against web pages (a Host allow-list against DNS rebinding, an Origin check against cross-site requests).
 
 Apart from app.py so that the API modules, which import app.py's helpers, are imported by this module alone.
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from localllm.errors import LocalLLMError
-from localllm.server import embeddings_api, llamacpp_api, ollama_api, openai_api
+from localllm.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_api
 from localllm.server.app import ApiError, ServerState, error_response, flavor_of
 
 log = logging.getLogger("localllm.server")
@@ -30,20 +30,28 @@ log = logging.getLogger("localllm.server")
 
 
 class AuthMiddleware:
-    """With an API key, every endpoint but /health needs `Authorization: Bearer KEY`."""
+    """With an API key, every endpoint but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`
+    (Anthropic's header: Claude Code sends its ANTHROPIC_API_KEY so)."""
 
     OPEN = ("/health", "/v1/health")
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+
+    def authorized(self, headers: dict) -> bool:
+        bearer, key = headers.get(b"authorization"), headers.get(b"x-api-key")
+        # Both compared whenever given, so the time taken says nothing about which one was close.
+        ok_bearer = bearer is not None and hmac.compare_digest(bearer, self.bearer)
+        ok_key = key is not None and hmac.compare_digest(key, self.key)
+        return ok_bearer or ok_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.OPEN and scope.get("method") != "OPTIONS":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self.authorized(dict(scope.get("headers") or [])):
                 response = error_response(flavor_of(scope["path"]), 401, "invalid or missing API key "
-                                          "(send 'Authorization: Bearer KEY')",
+                                          "(send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                           headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
@@ -189,7 +197,7 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
     """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
     call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
     routes = []
-    for module in (openai_api, llamacpp_api, ollama_api, embeddings_api):
+    for module in (anthropic_api, openai_api, llamacpp_api, ollama_api, embeddings_api):
         for path, methods, fn in module.ROUTES:
             routes.append(Route(path, endpoint(state, fn), methods=methods))
 
