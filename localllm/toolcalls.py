@@ -328,7 +328,9 @@ def _hermes_grammar(tools: list[dict], required: bool, parallel: bool) -> str:
         fn = tool["function"]
         head = '{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
         lines.append(f"fn_{i}: {_lit(head)} %json {json.dumps(_schema(fn['parameters']))} \"}}\"")
-    lines.append(r"TEXT: /(.|\n)*/")
+    # Free text, which may not spell the markup out of plain tokens: a call opens with the <tool_call> token,
+    # so that it is always constrained (and always read).
+    lines.append(r"TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/")
     return "\n".join(lines) + "\n"
 
 
