@@ -240,7 +240,13 @@ def lark_grammar(text: str, tokenizer, n_vocab: int) -> Grammar:
     toolcalls.py writes for a tool call's lazy constraint."""
     if not isinstance(text, str) or not text.strip():
         raise LocalLLMError("the grammar is empty")
-    return _compile(_llg().LLMatcher.grammar_from_lark(text), "lark", tokenizer, n_vocab)
+    try:
+        grammar = _llg().LLMatcher.grammar_from_lark(text)
+    except BaseException as e:
+        if not _binding_error(e):
+            raise
+        raise LocalLLMError(f"the grammar does not compile: {_short(str(e))}") from None
+    return _compile(grammar, "lark", tokenizer, n_vocab)
 
 
 def regex_grammar(pattern: str, tokenizer, n_vocab: int) -> Grammar:

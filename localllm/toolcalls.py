@@ -212,7 +212,10 @@ def normalize_messages(messages) -> list[dict]:
         elif msg.get("role") == "assistant" and "tool_calls" in msg:
             del msg["tool_calls"]  # an empty list or null: a plain answer
         if msg.get("role") == "tool":
-            name = msg.get("tool_name") or msg.get("name") or names.get(msg.get("tool_call_id"))
+            name = next((n for n in (msg.get("tool_name"), msg.get("name")) if isinstance(n, str) and n), None)
+            call_id = msg.get("tool_call_id")
+            if name is None and isinstance(call_id, str):
+                name = names.get(call_id)
             if isinstance(name, str):
                 msg["name"] = name
         out.append(msg)
@@ -274,7 +277,9 @@ class ToolPlan:
     def render(self, template, messages: list[dict], **kwargs) -> str:
         """The prompt: native forms through the template's own `tools`, the generic form through a system
         message and messages rewritten as JSON."""
-        messages = normalize_messages(messages)
+        from localllm.chat_template import validate_messages
+
+        messages = normalize_messages(validate_messages(messages))  # content parts flattened first
         if self.format in ("hermes", "llama3"):
             tools = self.tools if self.choice != "none" else None
             return template.render(messages, tools=tools, **kwargs)
@@ -403,9 +408,7 @@ def _generic_messages(messages: list[dict], system: str | None) -> list[dict]:
             body = {"tool_calls": calls} if len(calls) > 1 else {"tool_call": calls[0]}
             out.append({"role": "assistant", "content": json.dumps(body, ensure_ascii=False)})
         elif role == "tool":
-            content = msg.get("content")
-            if isinstance(content, list):  # text parts
-                content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = msg.get("content")  # a string: validate_messages flattened text parts
             response = {"name": msg.get("name"), "content": content}
             out.append({"role": "user", "content": json.dumps({"tool_response": response}, ensure_ascii=False)})
         else:

@@ -367,6 +367,26 @@ def test_tool_choice_required_and_named_always_call_and_none_never_does(small_se
     assert e.value.body["param"] == "tools"
 
 
+def test_a_tool_request_decoded_beside_another_answers_as_it_does_alone(small_server):
+    """Batch invariance under the call grammar: greedy answers are the same alone and two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    oai = openai.OpenAI(base_url=small_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    asks = [(ASK, [WEATHER, TIME]), ([{"role": "user", "content": "What time is it in Tokyo?"}], [WEATHER, TIME])]
+
+    def ask(i):
+        messages, tools = asks[i]
+        m = oai.chat.completions.create(model=SMALL, messages=messages, tools=tools, temperature=0,
+                                        max_tokens=48).choices[0].message
+        return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+
+    alone = [ask(0), ask(1)]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(ask, range(2)))
+    assert together == alone
+    assert any(calls for _, calls in alone)
+
+
 def test_a_continue_agent_request_body_gets_schema_valid_calls(small_server):
     """Continue's agent mode, as it sends its request (tests/data/agents): streamed, parallel_tool_calls false.
     max_tokens is lowered to fit this test's server (--max-tokens 128)."""
