@@ -293,8 +293,11 @@ def plan_tools(template, tools, tool_choice=None, parallel_tool_calls=None) -> T
     choice, function = normalize_tool_choice(tool_choice, tools)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise ToolError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    parallel = parallel_tool_calls if parallel_tool_calls is not None else True
     fmt = tool_format(template)
+    # Unless asked, parallel calls are allowed in the native forms (OpenAI's default) and not in the generic one
+    # (llama.cpp's server default): in its `tool_calls` array a small model repeats the call until the token
+    # limit (greedy smollm2-135m: the same get_weather call three times in 64 tokens).
+    parallel = parallel_tool_calls if parallel_tool_calls is not None else fmt != "generic"
     offered = [t for t in tools if function is None or t["function"]["name"] == function]
     plan = ToolPlan(fmt, tools, choice, function, parallel, names=[t["function"]["name"] for t in tools])
     if choice == "none" or not tools:
@@ -309,9 +312,31 @@ def plan_tools(template, tools, tool_choice=None, parallel_tool_calls=None) -> T
     return plan
 
 
+def _closed(schema):
+    """The schema with every object that lists `properties` and says nothing of `additionalProperties` closed to
+    other keys, as llama.cpp's schema converter reads such objects (llguidance, by the JSON Schema spec, would let
+    a small model add keys of its own: smollm2 went on writing a "properties" key inside the arguments)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[key] = {k: _closed(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "additionalItems", "not", "if", "then", "else", "contains", "anyOf", "oneOf",
+                     "allOf", "prefixItems", "additionalProperties"):
+            out[key] = _closed(value)
+        else:
+            out[key] = value
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema(params: dict) -> dict:
-    """A function's parameters schema with the bounded whitespace of a call."""
-    out = dict(params)
+    """A function's parameters schema (closed objects) with the bounded whitespace of a call."""
+    out = _closed(params)
     guide = dict(out.get("x-guidance") or {})
     guide.setdefault("whitespace_pattern", _JSON_WHITESPACE)
     out["x-guidance"] = guide
@@ -322,20 +347,34 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
+_W = r"[\x20\t\n]{0,24}"  # whitespace between a call's JSON tokens, bounded
+
+
 def _hermes_grammar(tools: list[dict], required: bool, parallel: bool) -> str:
-    """<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>, as the Qwen2.5 template shows it."""
+    """<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, as the Qwen2.5 template shows it, or the
+    same JSON bare at the answer's start, in a ```json fence or not, as qwen2.5-coder writes it (greedy,
+    qwen2.5-coder-0.5b answers "What is the weather in Paris?" with `{"name": "get_weather", ...}` and no tags;
+    with Ollama's repeat penalty, in a fence; llama.cpp's Hermes handler takes both).
+
+    A call's head up to its arguments is ONE regex lexeme: llguidance's lexer follows the free-text lexeme as long
+    as it can, so a head cut into several lexemes would die with the free text where it stops matching."""
     lines = ["%llguidance {}"]
-    calls = "call (\"\\n\"? call)*" if parallel else "call"
-    lines.append(f"start: {calls}" if required else f"start: TEXT | TEXT {calls}")
-    lines.append('call: <tool_call> "\\n" fn "\\n" </tool_call>')
+    calls = 'call ("\\n"? call)*' if parallel else "call"
+    bare = "fn+" if parallel else "fn"
+    lines.append(f"start: {calls} | {bare}" if required else f"start: TEXT | TEXT {calls} | {bare}")
+    lines.append("call: <tool_call> fn </tool_call>")
     lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        head = '{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
-        lines.append(f"fn_{i}: {_lit(head)} %json {json.dumps(_schema(fn['parameters']))} \"}}\"")
-    # Free text, which may not spell the markup out of plain tokens: a call opens with the <tool_call> token,
-    # so that it is always constrained (and always read).
-    lines.append(r"TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/")
+        name = re.escape(json.dumps(fn["name"])).replace("/", "\\/")
+        head = (f"{_W}(```json{_W})?\\{{{_W}\"name\"{_W}:{_W}{name}{_W},{_W}\"arguments\"{_W}:{_W}")
+        lines.append(f"fn_{i}: HEAD_{i} %json {json.dumps(_schema(fn['parameters']))} TAIL")
+        lines.append(f"HEAD_{i}: /{head}/")
+    lines.append(f"TAIL: /{_W}\\}}({_W}```)?{_W}/")
+    if not required:
+        # Free text, which may neither spell the markup out of plain tokens nor start as a bare call: a call
+        # opens with the <tool_call> token or `{"name"`, and is then constrained (and always read).
+        lines.append(r'TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/ & ~/\s*(```json\s*)?\{\s*"name"(.|\n)*/')
     return "\n".join(lines) + "\n"
 
 
@@ -363,7 +402,7 @@ def _llama3_grammar(tools: list[dict], required: bool, parallel: bool) -> str:
 def _generic_call_schema(tool: dict) -> dict:
     fn = tool["function"]
     return {"type": "object",
-            "properties": {"name": {"type": "string", "const": fn["name"]}, "arguments": fn["parameters"]},
+            "properties": {"name": {"type": "string", "const": fn["name"]}, "arguments": _closed(fn["parameters"])},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -478,7 +517,7 @@ _HEAD = {
     "llama3": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:'),
 }
 _OPEN = {"hermes": "<tool_call>", "llama3": "<|python_tag|>"}
-_CLOSE = {"hermes": "</tool_call>"}
+_CLOSE = {"<tool_call>": "</tool_call>"}  # the markup that ends a call opened by a marker (else its last brace)
 
 
 class ToolCallParser:
@@ -580,7 +619,9 @@ class ToolCallParser:
                 if self._state == "args":
                     self._args(self._buf)
                 self._end_call(complete=self._state == "tail")
-            elif not self._pending_open:  # llama3: a leading '{' that never became a call's head
+            elif self._state == "head" and self._pending_open in ("", "```json"):
+                self._text(self._pending_open + self._buf)  # a leading '{' that never became a call's head
+            elif self._state == "sep" and self._buf.strip() not in ("", "`", "``", "```"):
                 self._text(self._buf)
             # else: a call's marker cut short before its name: markup, not content
             self._buf = ""
@@ -597,14 +638,16 @@ class ToolCallParser:
         while self._buf:
             if self._state == "text":
                 opens = [_OPEN[fmt]] if fmt in _OPEN else []
-                if fmt == "llama3" and not self.calls and not self.content:
+                if not self.calls and not self.content:
                     opens.append("{")  # a bare JSON call at the answer's start
+                    if fmt == "hermes":
+                        opens.append("```json")  # ... or in a fence (qwen2.5-coder)
                 hit, at = None, len(self._buf)
                 for mark in opens:
                     i = self._buf.find(mark)
                     if i >= 0 and i < at:
                         hit, at = mark, i
-                if hit == "{" and self._buf[:at].strip():
+                if hit in ("{", "```json") and self._buf[:at].strip():
                     hit, at = None, len(self._buf)  # text came first: a brace in prose is prose
                 if hit is None:
                     keep = max((_partial_suffix(self._buf, m) for m in opens if m != "{"), default=0)
@@ -651,8 +694,8 @@ class ToolCallParser:
                     self._args(buf)
                     self._buf = ""
             elif self._state == "tail":
-                close = _CLOSE.get(fmt)
-                if close is None:  # llama3: the object's closing brace ends the call
+                close = _CLOSE.get(self._pending_open)
+                if close is None:  # a bare call (llama3's, or hermes' untagged): its closing brace ends it
                     j = self._buf.find("}")
                     if j < 0:
                         return
@@ -666,12 +709,18 @@ class ToolCallParser:
                 self._buf = self._buf[j + len(close):]
                 self._end_call()
                 self._state = "text"
-            elif self._state == "sep":  # llama3: another call after ';', or the end
+            elif self._state == "sep":  # after a bare call: another (after ';' for llama3), or the end
                 stripped = self._buf.lstrip()
                 if not stripped:
                     return
-                if stripped[0] == ";":
-                    self._buf = stripped[1:]
+                if "```".startswith(stripped) and self._pending_open == "```json":
+                    return  # the fence's end may be coming
+                if stripped.startswith("```") and self._pending_open == "```json":
+                    self._buf = stripped[3:]
+                    self._pending_open = ""
+                    continue
+                if stripped[0] == ";" or (stripped[0] == "{" and fmt == "hermes"):
+                    self._buf = stripped[1:] if stripped[0] == ";" else stripped
                     self._pending_open = ""
                     self._state = "head"
                     continue
@@ -686,7 +735,7 @@ class ToolCallParser:
         squeezed = re.sub(r"\s+", "", b)[: len(skeleton)]
         if not skeleton.startswith(squeezed):
             return True
-        close = _CLOSE.get(self.format)
+        close = _CLOSE.get(self._pending_open)
         return close is not None and close in b
 
     # -- generic form

@@ -84,6 +84,19 @@ def test_hermes_calls_are_read_the_same_char_by_char_and_their_markup_never_reac
     assert calls == [("get_weather", {"city": 'Paris "the city" {}', "days": [1, {"x": None}]},
                       '{"city": "Paris \\"the city\\" {}", "days": [1, {"x": null}]}'),
                      ("get_time", {"zone": "Europe/Paris"}, '{"zone": "Europe/Paris"}')]
+    # qwen2.5-coder's untagged form: the same JSON, bare at the answer's start (one per line when parallel).
+    content, calls = same_however_cut("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                                                '{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    assert content == "" and [c[:2] for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+    # ... or in a ```json fence (qwen2.5-coder-0.5b under Ollama's repeat penalty), which is markup too.
+    content, calls = same_however_cut("hermes", '```json\n{\n    "name": "get_weather",\n    "arguments": {\n'
+                                                '        "city": "Paris"\n    }\n}\n```')
+    assert content == "" and [c[:2] for c in calls] == [("get_weather", {"city": "Paris"})]
+    fenced = '```json\n{"a": 1}\n```'
+    assert same_however_cut("hermes", fenced) == (fenced, [])
+    assert same_however_cut("hermes", "```python\nprint(1)\n```") == ("```python\nprint(1)\n```", [])
+    assert same_however_cut("hermes", '{"answer": 42}') == ('{"answer": 42}', [])
+    assert same_however_cut("hermes", 'Use {"name": "x"} here') == ('Use {"name": "x"} here', [])
     # Prose with angle brackets that are not a call's opening stays prose, whole.
     assert same_however_cut("hermes", "a <tool> and <tool_cal x < y") == ("a <tool> and <tool_cal x < y", [])
     assert same_however_cut("hermes", "no calls here \n") == ("no calls here \n", [])
@@ -158,7 +171,7 @@ def test_tool_choice_auto_is_lazy_required_and_named_constrain_from_the_start_an
     named = plan_tools(t, [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
     assert named.choice == "required" and "get_time" in named.grammar and "get_weather" not in named.grammar
     single = plan_tools(t, [WEATHER], "required", parallel_tool_calls=False)
-    assert "start: call\n" in single.grammar
+    assert "start: call | fn\n" in single.grammar
     none = plan_tools(t, [WEATHER], "none")
     assert none.choice == "none" and none.grammar is None and none.json_schema is None
     assert "get_weather" not in none.render(t, ASK)  # tool_choice none: the tools are not offered
@@ -218,7 +231,24 @@ def test_the_lazy_grammar_lets_text_through_then_holds_a_call_to_its_schema(qwen
             "\n", "</tool_call>"]
     n, m = _walk(tok, auto, good)
     assert n == len(good) and m.accepting
-    assert set(np.flatnonzero(m.allowed()).tolist()) <= set(tok.eog_ids)  # only the end may follow
+    # After a call: the end, or (parallel calls allowed) another call.
+    after = set(np.flatnonzero(m.allowed()).tolist())
+    opening = set(tok.encode("\n", add_special=False) + tok.encode("<tool_call>", add_special=False))
+    assert opening <= after <= set(tok.eog_ids) | opening
+    single = plan_tools(templates[SMALL], [WEATHER, TIME], "auto", parallel_tool_calls=False).grammar
+    n, m = _walk(tok, single, good)
+    assert n == len(good) and set(np.flatnonzero(m.allowed()).tolist()) <= set(tok.eog_ids)
+    # The untagged form is held to the schema too, and free text may not start like it.
+    bare = ['{"name": "get_time", "arguments": {"zone": "UTC"}}']
+    assert _walk(tok, single, bare)[1].accepting
+    assert _walk(tok, single, ['{"name": "get_time", "arguments": {"zone": 5'])[0] == 0
+    assert _walk(tok, single, ['{"name": "other"'])[0] == 0
+    fenced = ['```json\n{\n    "name": "get_time",\n    "arguments": {\n        "zone": "UTC"\n    }\n}\n```']
+    assert _walk(tok, single, fenced)[1].accepting
+    assert _walk(tok, single, ['```json\n{\n  "name": "get_time", "arguments": {"zone": 1'])[0] == 0
+    assert _walk(tok, single, ['```json\n[1, 2]\n```'])[1].accepting  # a JSON block that is not a call
+    # Free text may not spell the opening out of plain tokens.
+    assert _walk(tok, auto, ["Sure <", "tool", "_call", ">"])[0] == 3
     assert _walk(tok, auto, ["Plain answer, no call."])[1].accepting
     # Inside a call: an unknown function, an argument of the wrong type or an extra key are refused.
     assert _walk(tok, auto, ["<tool_call>", '\n{"name": "get_wind"'])[0] == 1
@@ -271,9 +301,9 @@ def _stop(proc):
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
-def test_openai_tool_round_trip_streamed_and_not_on_qwen_1_5b():
-    """The model calls get_weather(city), the result goes back, the model answers from it; streamed deltas
-    reassemble to the non-streamed call."""
+def test_openai_and_ollama_tool_round_trips_on_qwen_1_5b():
+    """The model calls get_weather(city), the result goes back, the model answers from it, through each official
+    client; streamed deltas reassemble to the non-streamed call."""
     proc, url = _serve(BIG)
     try:
         oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
@@ -306,10 +336,26 @@ def test_openai_tool_round_trip_streamed_and_not_on_qwen_1_5b():
 
         turn2 = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                        {"role": "tool", "tool_call_id": call.id, "content": WEATHER_RESULT}]
-        r2 = oai.chat.completions.create(model=BIG, messages=turn2, tools=[WEATHER], temperature=0, max_tokens=40)
+        # Offered the tool again, greedy qwen2.5-coder calls it again (1.5b and 0.5b alike, with or without the
+        # grammar): the answer is asked for as OpenAI clients do, with tool_choice "none".
+        r2 = oai.chat.completions.create(model=BIG, messages=turn2, tools=[WEATHER], tool_choice="none",
+                                         temperature=0, max_tokens=40)
         answer = r2.choices[0].message
         assert not answer.tool_calls and "18" in answer.content and "<tool" not in answer.content
         assert r2.choices[0].finish_reason in ("stop", "length")
+
+        # The same round trip through Ollama's /api/chat (arguments as objects, the result as `tool_name`).
+        client = ollama.Client(host=url)
+        r = client.chat(model=BIG, messages=ASK, tools=[WEATHER], options={"temperature": 0, "num_predict": 40})
+        (ocall,) = r.message.tool_calls
+        assert ocall.function.name == "get_weather" and ocall.function.arguments["city"].lower() == "paris"
+        assert not r.message.content and r.done_reason == "stop"
+        turn2 = ASK + [{"role": "assistant", "content": "", "tool_calls": [ocall.model_dump()]},
+                       {"role": "tool", "content": WEATHER_RESULT, "tool_name": "get_weather"}]
+        parts = list(client.chat(model=BIG, messages=turn2, stream=True,  # no tools: the answer, please
+                                 options={"temperature": 0, "num_predict": 40}))
+        text = "".join(p.message.content or "" for p in parts)
+        assert not any(p.message.tool_calls for p in parts) and "18" in text and "<tool" not in text
     finally:
         _stop(proc)
 
@@ -321,7 +367,8 @@ def small_server():
     _stop(proc)
 
 
-def test_ollama_tool_round_trip_through_api_chat(small_server):
+def test_ollama_tool_calls_streamed_and_not_agree_and_show_lists_tools(small_server):
+    """Ollama's defaults (repeat penalty 1.1) make qwen2.5-coder-0.5b fence its call in ```json: still a call."""
     client = ollama.Client(host=small_server)
     r = client.chat(model=SMALL, messages=ASK, tools=[WEATHER], options={"temperature": 0, "num_predict": 40})
     (call,) = r.message.tool_calls
@@ -333,10 +380,6 @@ def test_ollama_tool_round_trip_through_api_chat(small_server):
     assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [
         (call.function.name, dict(call.function.arguments))]
     assert "".join(p.message.content or "" for p in parts) == (r.message.content or "")
-    turn2 = ASK + [{"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
-                   {"role": "tool", "content": WEATHER_RESULT, "tool_name": "get_weather"}]
-    r2 = client.chat(model=SMALL, messages=turn2, tools=[WEATHER], options={"temperature": 0, "num_predict": 40})
-    assert not r2.message.tool_calls and r2.message.content.strip() and "<tool" not in r2.message.content
     show = client.show(SMALL)
     assert "tools" in show.capabilities and "completion" in show.capabilities
 
