@@ -420,7 +420,7 @@ def test_a_tool_request_decoded_beside_another_answers_as_it_does_alone(small_se
     def ask(i):
         messages, tools = asks[i]
         m = oai.chat.completions.create(model=SMALL, messages=messages, tools=tools, temperature=0,
-                                        max_tokens=48).choices[0].message
+                                        max_tokens=36).choices[0].message
         return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
 
     alone = [ask(0), ask(1)]
