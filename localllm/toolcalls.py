@@ -306,7 +306,8 @@ def plan_tools(template, tools, tool_choice=None, parallel_tool_calls=None) -> T
     if fmt == "hermes":
         plan.grammar = _hermes_grammar(offered, choice == "required", parallel)
     elif fmt == "llama3":
-        plan.grammar = _llama3_grammar(offered, choice == "required", parallel)
+        plan.grammar = _llama3_grammar(offered, choice == "required", parallel,
+                                       python_tag="<|python_tag|>" in (template.source or ""))
     else:
         plan.json_schema = _generic_schema(offered, choice == "required", parallel)
     return plan
@@ -378,24 +379,26 @@ def _hermes_grammar(tools: list[dict], required: bool, parallel: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _llama3_grammar(tools: list[dict], required: bool, parallel: bool) -> str:
-    """{"name": "f", "parameters": {...}} (after <|python_tag|> or at the answer's start), Llama 3.x's JSON
-    form. Lazily: the call's grammar starts at `{"name": ` (a lazy lexeme ends the free text there)."""
+def _llama3_grammar(tools: list[dict], required: bool, parallel: bool, python_tag: bool = False) -> str:
+    """{"name": "f", "parameters": {...}} as the whole answer (after <|python_tag|> where the template has it),
+    Llama 3.x's JSON form; parallel calls separated by ';'. Free text may not start like a call, so a call is
+    constrained from its first brace (one regex lexeme up to the arguments, as in the Hermes form)."""
     lines = ["%llguidance {}"]
-    bodies = []
+    bodies = "fn (\";\" fn)*" if parallel else "fn"
+    starts = [bodies] + ([f"<|python_tag|> {bodies}"] if python_tag else [])
+    if not required:
+        starts.insert(0, "TEXT")
+    lines.append("start: " + " | ".join(starts))
+    lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        rest = json.dumps(fn["name"]) + ', "parameters": '
-        bodies.append(f"args_{i}")
-        lines.append(f"args_{i}: {_lit(rest)} %json {json.dumps(_schema(fn['parameters']))} \"}}\"")
-    lines.append("args: " + " | ".join(bodies))
-    sep = '(";" " "? "{\\"name\\": " args)*' if parallel else ""
-    if required:
-        lines.append(f'start: "{{\\"name\\": " args {sep}')
-    else:
-        lines.append(f"start: TEXT | trig args {sep}")
-        lines.append('trig[lazy]: TEXT "{\\"name\\": "')
-        lines.append(r"TEXT: /(.|\n)*/")
+        name = re.escape(json.dumps(fn["name"])).replace("/", "\\/")
+        head = f"{_W}\\{{{_W}\"name\"{_W}:{_W}{name}{_W},{_W}\"(parameters|arguments)\"{_W}:{_W}"
+        lines.append(f"fn_{i}: HEAD_{i} %json {json.dumps(_schema(fn['parameters']))} TAIL")
+        lines.append(f"HEAD_{i}: /{head}/")
+    lines.append(f"TAIL: /{_W}\\}}{_W}/")
+    if not required:
+        lines.append(r'TEXT: /(.|\n)*/ & ~/\s*\{\s*"name"(.|\n)*/')
     return "\n".join(lines) + "\n"
 
 

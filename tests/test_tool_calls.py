@@ -254,6 +254,14 @@ def test_the_lazy_grammar_lets_text_through_then_holds_a_call_to_its_schema(qwen
     assert _walk(tok, auto, ["<tool_call>", '\n{"name": "get_wind"'])[0] == 1
     assert _walk(tok, auto, ["<tool_call>", '\n{"name": "get_time", "arguments": {"zone": 5'])[0] == 1
     assert _walk(tok, auto, ["<tool_call>", '\n{"name": "get_time", "arguments": {"zone": "UTC", "x"'])[0] == 1
+    # Llama 3.x's form: a call is the answer from its first brace, held to the schema; ';' between calls.
+    # (qwen's vocabulary has no <|python_tag|>: a Llama-3.0-like template without it.)
+    no_tag = ChatTemplate(templates["llama3"].source.replace("<|python_tag|>", ""))
+    assert tool_format(no_tag) == "llama3"
+    llama3 = plan_tools(no_tag, [WEATHER, TIME], "auto").grammar
+    two = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert _walk(tok, llama3, [two])[1].accepting and _walk(tok, llama3, ["Plain text."])[1].accepting
+    assert _walk(tok, llama3, ['{"name": "get_time", "parameters": {"zone": 5'])[0] == 0
     # tool_choice required: a call from the first token.
     required = plan_tools(templates[SMALL], [WEATHER], "required").grammar
     assert _walk(tok, required, ["Sure"])[0] == 0
