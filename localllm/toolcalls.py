@@ -9,7 +9,8 @@ these.
 A model's tool-call form is read from its chat template, as llama.cpp's `--jinja` does:
 
 - "hermes": Hermes 2 Pro / Qwen2.5 templates, whose answer holds `<tool_call>\\n{"name": ..., "arguments":
-  {...}}\\n</tool_call>` blocks (on Qwen2.5 `<tool_call>` and `</tool_call>` are single tokens);
+  {...}}\\n</tool_call>` blocks (on Qwen2.5 `<tool_call>` and `</tool_call>` are single tokens), or, as
+  qwen2.5-coder writes it, the same JSON bare at the answer's start, in a ```json fence or not;
 - "llama3": Llama 3.x templates, whose answer is `{"name": ..., "parameters": {...}}`, or the same JSON after
   `<|python_tag|>`;
 - "generic": any other template (no tool support, or a form not known here), llama.cpp's generic form: a
@@ -25,9 +26,11 @@ then fragments of its arguments' JSON as the model writes them, and the result n
 cut (tested char by char). The markup itself never reaches the content.
 
 `ToolPlan.grammar` is llguidance Lark text: for tool_choice "auto" a lazy grammar, free text until the call's
-opening (the `<tool_call>` token, or the Llama form's `{"name": ` prefix), then each argument object constrained
-by its function's JSON schema, so a call always parses; for "required" or a named function, a call from the
-first token.
+opening (the `<tool_call>` token, or an answer that starts as a call, `{"name"`), then the call's name among the
+tools and its arguments held to the function's JSON schema (objects closed to other keys, as llama.cpp reads
+them), so a call always parses; for "required" or a named function, a call from the first token. The generic
+form's constraint is a JSON schema (`ToolPlan.json_schema`) instead. Parallel calls: allowed unless
+`parallel_tool_calls` is false, except in the generic form, where they must be asked for (llama.cpp's default).
 """
 
 from __future__ import annotations
