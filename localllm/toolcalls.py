@@ -292,6 +292,13 @@ class ToolPlan:
 
 def plan_tools(template, tools, tool_choice=None, parallel_tool_calls=None) -> ToolPlan:
     """What a request with `tools` does on a model with this template (raises ToolError for bad input)."""
+    try:
+        return _plan(template, tools, tool_choice, parallel_tool_calls)
+    except RecursionError:  # a schema nested as deep as JSON parsing allows
+        raise ToolError("the tools' parameter schemas are nested too deeply", "tools") from None
+
+
+def _plan(template, tools, tool_choice, parallel_tool_calls) -> ToolPlan:
     tools = normalize_tools(tools if tools is not None else [])
     choice, function = normalize_tool_choice(tool_choice, tools)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
