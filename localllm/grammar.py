@@ -22,7 +22,7 @@ import numpy as np
 from localllm.errors import LocalLLMError
 from localllm.tokenizer.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
 
-__all__ = ["Grammar", "compile_grammar", "json_schema_grammar", "gbnf_grammar", "regex_grammar",
+__all__ = ["Grammar", "compile_grammar", "json_schema_grammar", "gbnf_grammar", "regex_grammar", "lark_grammar",
            "ANY_JSON_OBJECT"]
 
 ANY_JSON_OBJECT = {"type": "object"}
@@ -235,6 +235,20 @@ def gbnf_grammar(text: str, tokenizer, n_vocab: int) -> Grammar:
     return _compile(_llg().LLMatcher.grammar_from_lark(lark), "gbnf", tokenizer, n_vocab)
 
 
+def lark_grammar(text: str, tokenizer, n_vocab: int) -> Grammar:
+    """llguidance's Lark grammar (special tokens as <name>, `%json {schema}` inline, lazy lexemes): what
+    toolcalls.py writes for a tool call's lazy constraint."""
+    if not isinstance(text, str) or not text.strip():
+        raise LocalLLMError("the grammar is empty")
+    try:
+        grammar = _llg().LLMatcher.grammar_from_lark(text)
+    except BaseException as e:
+        if not _binding_error(e):
+            raise
+        raise LocalLLMError(f"the grammar does not compile: {_short(str(e))}") from None
+    return _compile(grammar, "lark", tokenizer, n_vocab)
+
+
 def regex_grammar(pattern: str, tokenizer, n_vocab: int) -> Grammar:
     if not isinstance(pattern, str):
         raise LocalLLMError("a regex must be a string")
@@ -242,9 +256,10 @@ def regex_grammar(pattern: str, tokenizer, n_vocab: int) -> Grammar:
 
 
 def compile_grammar(tokenizer, n_vocab: int, *, json_schema=None, gbnf: str | None = None,
-                    regex: str | None = None) -> Grammar | None:
-    """The one constraint given (None when none is): at most one of json_schema, gbnf and regex."""
-    given = [k for k, v in (("json_schema", json_schema), ("grammar", gbnf), ("regex", regex)) if v is not None]
+                    regex: str | None = None, lark: str | None = None) -> Grammar | None:
+    """The one constraint given (None when none is): at most one of json_schema, gbnf, regex and lark."""
+    given = [k for k, v in (("json_schema", json_schema), ("grammar", gbnf), ("regex", regex), ("lark", lark))
+             if v is not None]
     if len(given) > 1:
         raise LocalLLMError(f"give one constraint, not {' and '.join(given)}")
     if json_schema is not None:
@@ -253,4 +268,6 @@ def compile_grammar(tokenizer, n_vocab: int, *, json_schema=None, gbnf: str | No
         return gbnf_grammar(gbnf, tokenizer, n_vocab)
     if regex is not None:
         return regex_grammar(regex, tokenizer, n_vocab)
+    if lark is not None:
+        return lark_grammar(lark, tokenizer, n_vocab)
     return None

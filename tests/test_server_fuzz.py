@@ -29,9 +29,14 @@ number = st.floats(min_value=-3, max_value=3) | st.integers(min_value=-3, max_va
 small = st.integers(min_value=-2, max_value=6)
 text = st.text(max_size=30) | lone_surrogate
 stop = text | st.lists(text, max_size=3)
+# Tool calls an assistant made (OpenAI's arguments as JSON text, Ollama's as an object) and tool results.
+tool_call = st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": text}, optional={
+    "arguments": st.just('{"city": "Oslo"}') | text | json_any})}, optional={"id": text, "type": st.just("function")})
 message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]) | text,
                                  "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                                   "text": text}), max_size=2)})
+                                                                                   "text": text}), max_size=2)},
+                                optional={"tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text,
+                                          "tool_name": text})
 messages = st.lists(message, min_size=1, max_size=3)
 token_ids = st.lists(st.integers(min_value=-5, max_value=50000), max_size=6)
 bias = st.dictionaries(st.integers(-2, 49200).map(str) | text, st.floats(-150, 150) | json_any, max_size=3)
@@ -50,6 +55,12 @@ schema = st.recursive(
     lambda inner: st.fixed_dictionaries({"type": st.just("object")}, optional={
         "properties": st.dictionaries(st.text(max_size=6), inner, max_size=3), "required": st.lists(text, max_size=2),
         "items": inner, "anyOf": st.lists(inner, max_size=2), "$ref": text}), max_leaves=6)
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["get_weather", "f.x-1"]) | text}, optional={"description": text, "parameters": schema})})
+tools = st.lists(tool | json_any, max_size=2)
+tool_choice = (st.sampled_from(["auto", "none", "required"]) | json_any
+               | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                   {"name": st.just("get_weather") | text})}))
 grammar = st.sampled_from(['root ::= "yes" | "no"', "root ::= x", 'root ::= [a-z]+ "."', "root ::=", ""]) | text
 
 # Anthropic's Messages API: content blocks of every kind it reads (and some it refuses), tools, tool_choice.
@@ -84,7 +95,8 @@ BODIES = {
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), **sampling}),
     "/v1/chat/completions": ({"messages": messages}, {
         "model": text, "max_tokens": small, "max_completion_tokens": small, "stream": st.booleans(),
-        "logprobs": st.booleans(), "top_logprobs": small, "logit_bias": bias, "tools": st.lists(json_any, max_size=1),
+        "logprobs": st.booleans(), "top_logprobs": small, "logit_bias": bias, "tools": tools,
+        "tool_choice": tool_choice, "parallel_tool_calls": st.booleans(),
         "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
         | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
             {"name": text}, optional={"schema": schema, "strict": st.booleans()})}), **sampling}),
@@ -102,7 +114,7 @@ BODIES = {
         "system": text, "raw": st.booleans(), "stream": st.booleans(), "context": token_ids, "suffix": text,
         "options": options, "format": st.just("json") | schema}),
     "/api/chat": ({"model": text, "messages": messages}, {"stream": st.booleans(), "options": options,
-                                                          "format": st.just("json") | schema}),
+                                                          "format": st.just("json") | schema, "tools": tools}),
     "/api/show": ({"model": text}, {}),
 }
 

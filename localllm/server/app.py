@@ -378,11 +378,11 @@ def check_max_tokens(state: ServerState, value: int | None, key: str) -> int:
     return value
 
 
-async def constrain(state: ServerState, params, param: str, *, json_schema=None, gbnf=None) -> None:
+async def constrain(state: ServerState, params, param: str, *, json_schema=None, gbnf=None, lark=None) -> None:
     """Compile a request's structured-output constraint into `params.grammar` (off the event loop: the first
     one builds the vocabulary's matcher tables, ~0.5 s on a 49k vocabulary). One that does not compile is a
     400 with llguidance's reason, naming the field: never an unconstrained answer."""
-    if json_schema is None and gbnf is None:
+    if json_schema is None and gbnf is None and lark is None:
         return
     from localllm.errors import LocalLLMError
     from localllm.grammar import compile_grammar
@@ -390,7 +390,7 @@ async def constrain(state: ServerState, params, param: str, *, json_schema=None,
     engine = state.engine
     try:
         params.grammar = await off_loop(compile_grammar, engine.tokenizer, engine.config.vocab_size,
-                                        json_schema=json_schema, gbnf=gbnf)
+                                        json_schema=json_schema, gbnf=gbnf, lark=lark)
     except LocalLLMError as e:
         raise ApiError(400, f"'{param}': {e}", param=param) from None
 

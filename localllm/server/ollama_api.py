@@ -24,7 +24,9 @@ from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, constrain, first_item, fix_seed,
                                  json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_error,
                                  stream_events, submit)
+from localllm.server import tool_calls
 from localllm.server.infill import infill_tokens
+from localllm.toolcalls import CallDelta, TextDelta, supports_tools
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
 
@@ -89,6 +91,10 @@ async def show(state: ServerState, request: Request):
     arch = info["architecture"]
     capabilities = ["completion"] + (["insert"] if {"pre", "suf", "mid"} <= set(state.engine.tokenizer.fim)
                                      else [])
+    # "tools" where the model's own template renders them (a probe render; off the loop: a template may take
+    # its render budget). Any model takes tools on /api/chat, through the generic JSON form otherwise.
+    if await off_loop(supports_tools, state.engine.template):
+        capabilities.append("tools")
     return json_response({
         "modelfile": f"FROM {state.model_name}\n", "parameters": "", "license": "",
         "template": state.engine.template.source or "", "details": _details(state),
@@ -140,8 +146,10 @@ def _durations(final: Final, started: float) -> dict:
             "eval_count": final.completion_tokens, "eval_duration": int(t["predicted_ms"] * 1e6)}
 
 
-async def _respond(state: ServerState, request: Request, f: Fields, tokens, params, shape):
-    """Run the request; `shape(text)` is the per-message payload ({"response": text} or {"message": ...})."""
+async def _respond(state: ServerState, request: Request, f: Fields, tokens, params, shape, parser=None):
+    """Run the request; `shape(text)` is the per-message payload ({"response": text} or {"message": ...});
+    with a tool-call `parser`, `shape(text, calls)` (calls in Ollama's shape) and the answer is parsed: content
+    streams as it comes, each call in a message of its own once complete."""
     started = time.perf_counter()
     stream = f.get("stream", bool, True)
     handle = submit(state, tokens, params)
@@ -157,9 +165,20 @@ async def _respond(state: ServerState, request: Request, f: Fields, tokens, para
     if not stream:
         events, final = await collect(request, handle)
         generated = [e.token for e in events if e.token is not None]
-        return json_response(done(final, "".join(e.text for e in events), generated))
+        text = "".join(e.text for e in events)
+        if parser is None:
+            return json_response(done(final, text, generated))
+        parser.feed(text)
+        parser.finish()
+        out = done(final, "", generated)
+        out.update(shape(parser.content, _ollama_calls(parser.calls)))
+        return json_response(out)
 
     first = await first_item(request, handle)
+
+    def line(payload: dict) -> str:
+        return json.dumps({"model": model, "created_at": _now(), **payload, "done": False},
+                          ensure_ascii=False) + "\n"
 
     async def lines():
         generated = []
@@ -170,9 +189,15 @@ async def _respond(state: ServerState, request: Request, f: Fields, tokens, para
                     return
                 if item.token is not None:
                     generated.append(item.token)
-                if item.text:
-                    yield json.dumps({"model": model, "created_at": _now(), **shape(item.text), "done": False},
-                                     ensure_ascii=False) + "\n"
+                if parser is not None:
+                    deltas = parser.feed(item.text) + (parser.finish() if item.finish_reason is not None else [])
+                    for d in deltas:
+                        if isinstance(d, TextDelta):
+                            yield line(shape(d.text, []))
+                        elif isinstance(d, CallDelta) and d.done is not None and _ollama_calls([d.done]):
+                            yield line(shape("", _ollama_calls([d.done])))
+                elif item.text:
+                    yield line(shape(item.text))
         except ApiError as e:
             yield json.dumps(stream_error(e, "ollama")) + "\n"
 
@@ -242,8 +267,7 @@ async def chat(state: ServerState, request: Request):
     messages = f.get("messages", list, None)
     if not messages:
         raise ApiError(400, "'messages' must be a non-empty array of messages")
-    if f.get("tools", list, []):
-        raise ApiError(400, "tool calls are not supported")
+    tools = f.get("tools", list, None)
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -251,21 +275,51 @@ async def chat(state: ServerState, request: Request):
         mf = Fields(m, f"messages[{i}].")
         if mf.get("images", list, []):
             raise ApiError(400, "images are not supported by this model")
-        clean.append({"role": mf.get("role", str, ""), "content": mf.get("content", str, "")})
+        msg = {"role": mf.get("role", str, ""), "content": mf.get("content", str, "")}
+        # A call the assistant made ({"function": {"name", "arguments": {...}}}) and a tool's result
+        # (`tool_name`): the template renders them in the model's own form.
+        if mf.get("tool_calls", list, []):
+            msg["tool_calls"] = mf.get("tool_calls", list)
+        if msg["role"] == "tool" and mf.get("tool_name", str):
+            msg["tool_name"] = mf.get("tool_name", str)
+        clean.append(msg)
     params = _params(state, f)
     await _format(state, f, params)
+    plan = None
+    if tool_calls.uses_tools(tools, None, clean):
+        plan = await tool_calls.prepare(state, params, tools or [])
     # As Ollama does: a conversation longer than the context loses its oldest turns (the system prompt and the
     # last message stay) rather than failing.
     room = max(1, min(params.max_tokens or state.engine.ctx // 4, state.engine.ctx // 4))
     # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
-    tokens = await off_loop(_chat_tokens, state, clean, room)
-    return await _respond(state, request, f, tokens, params,
-                          lambda text: {"message": {"role": "assistant", "content": text}})
+    tokens = await off_loop(_chat_tokens, state, clean, room, plan)
+    if plan is None or plan.choice == "none":
+        return await _respond(state, request, f, tokens, params,
+                              lambda text: {"message": {"role": "assistant", "content": text}})
+
+    def shape(text, calls=None):
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message}
+
+    return await _respond(state, request, f, tokens, params, shape, parser=plan.parser())
 
 
-def _chat_tokens(state: ServerState, messages: list[dict], room: int) -> list[int]:
-    kept, _ = fit_messages(state.engine, messages, room)
-    return prompt_tokens(state, state.engine.render_chat(kept), chat=True)
+def _ollama_calls(calls) -> list[dict]:
+    """Ollama's tool calls: arguments as an object (a call cut short by the token limit is left out: its
+    arguments are not an object yet)."""
+    return [{"function": {"index": i, "name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls) if c.arguments is not None]
+
+
+def _chat_tokens(state: ServerState, messages: list[dict], room: int, plan=None) -> list[int]:
+    if plan is None:
+        kept, _ = fit_messages(state.engine, messages, room)
+        return prompt_tokens(state, state.engine.render_chat(kept), chat=True)
+    kept, _ = fit_messages(state.engine, messages, room,
+                           render=lambda msgs: plan.render(state.engine.template, msgs))
+    return tool_calls.prompt(state, plan, kept)
 
 
 ROUTES = [

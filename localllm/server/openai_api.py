@@ -18,7 +18,9 @@ from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max
                                  first_item, fix_seed, json_response, off_loop, prompt_tokens, read_json,
                                  sampling_from, sse, stream_error, stream_events, submit)
 from localllm.server import llamacpp_ext as ext
+from localllm.server import tool_calls
 from localllm.server.infill import infill_tokens
+from localllm.toolcalls import CallDelta, TextDelta
 
 MAX_TOP_LOGPROBS = 20
 
@@ -267,11 +269,18 @@ async def chat_completions(state: ServerState, request: Request):
     if n_top and not want_logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params.sampling.n_probs = n_top
-    if f.get("tools", list, []):
-        raise ApiError(400, "tool calls are not supported", param="tools")
+    tools = f.get("tools", list, None)
     await _response_format(state, f, params)
-    # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
-    tokens = await off_loop(chat_prompt, state, f.data["messages"])
+    plan = None
+    if tool_calls.uses_tools(tools, f.data.get("tool_choice"), f.data["messages"]):
+        plan = await tool_calls.prepare(state, params, tools or [], f.data.get("tool_choice"),
+                                        f.get("parallel_tool_calls", bool, None))
+        # Off the event loop: a model's template may take its whole render budget (2 s).
+        tokens = await off_loop(tool_calls.prompt, state, plan, f.data["messages"])
+    else:
+        # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
+        tokens = await off_loop(chat_prompt, state, f.data["messages"])
+    calling = plan is not None and plan.choice != "none"
     handle = submit(state, tokens, params)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
@@ -280,11 +289,20 @@ async def chat_completions(state: ServerState, request: Request):
         logprobs = None
         if want_logprobs:
             logprobs = {"content": [_chat_logprob(state, e, n_top) for e in events if _visible(state, e)]}
+        message = {"role": "assistant", "content": "".join(e.text for e in events)}
+        finish = final.finish_reason
+        if calling:
+            parser = plan.parser()
+            parser.feed(message["content"])
+            parser.finish()
+            message["content"] = parser.content if parser.content or not parser.calls else None
+            if parser.calls:
+                message["tool_calls"] = [c.as_openai() for c in parser.calls]
+                finish = "tool_calls" if finish == "stop" else finish
         return json_response({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": "localllm",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                         "logprobs": logprobs, "finish_reason": final.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": _usage(final)})
 
     def chunk(delta, finish=None, logprobs=None):
@@ -296,6 +314,7 @@ async def chat_completions(state: ServerState, request: Request):
         return out
 
     first = await first_item(request, handle)
+    parser = plan.parser() if calling else None
 
     async def stream():
         yield sse(chunk({"role": "assistant", "content": ""}))
@@ -310,15 +329,39 @@ async def chat_completions(state: ServerState, request: Request):
                 lp = None
                 if want_logprobs and _visible(state, item):
                     lp = {"content": [_chat_logprob(state, item, n_top)]}
-                if item.text or lp:
-                    yield sse(chunk({"content": item.text}, logprobs=lp))
-                if item.finish_reason is not None:
-                    yield sse(chunk({}, item.finish_reason))
+                finish = item.finish_reason
+                if parser is None:
+                    if item.text or lp:
+                        yield sse(chunk({"content": item.text}, logprobs=lp))
+                else:
+                    deltas = parser.feed(item.text) + (parser.finish() if finish is not None else [])
+                    for delta in filter(None, map(_tool_delta, deltas)):
+                        yield sse(chunk(delta, logprobs=lp))
+                        lp = None
+                    if lp:
+                        yield sse(chunk({}, logprobs=lp))
+                    if finish == "stop" and parser.calls:
+                        finish = "tool_calls"
+                if finish is not None:
+                    yield sse(chunk({}, finish))
         except ApiError as e:
             yield sse(stream_error(e, "openai"))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _tool_delta(delta) -> dict | None:
+    """A chunk's delta for a parser delta: content, or a tool call's first piece (index, id, name) or a
+    fragment of its arguments."""
+    if isinstance(delta, TextDelta):
+        return {"content": delta.text}
+    if isinstance(delta, CallDelta) and delta.id is not None:
+        return {"tool_calls": [{"index": delta.index, "id": delta.id, "type": "function",
+                                "function": {"name": delta.name, "arguments": delta.arguments}}]}
+    if isinstance(delta, CallDelta) and delta.arguments:
+        return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}
+    return None  # a call's end: nothing to send
 
 
 ROUTES = [
