@@ -382,12 +382,28 @@ def test_errors_have_anthropics_shape_and_status(client, served):
     assert r.status_code == 400 and r.json()["type"] == "error" and "not valid JSON" in r.json()["error"]["message"]
 
 
-def test_requests_with_tools_get_a_clear_400_until_tool_calls_land(client):
-    with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model="x", max_tokens=5, messages=QUESTION, tools=[
-            {"name": "now", "description": "The time", "input_schema": {"type": "object"}}])
-    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
-                                                       "message": "tool calls are not supported"}}
+def test_a_tool_round_trip_gives_a_tool_use_block_then_an_answer_from_the_result(client):
+    tools = [{"name": "get_weather", "description": "The current weather in a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.messages.create(model="x", max_tokens=48, messages=ask, tools=tools,
+                                   tool_choice={"type": "any"}, **GREEDY)
+    assert first.stop_reason == "tool_use"
+    [call] = [b for b in first.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and isinstance(call.input.get("city"), str)
+    with client.messages.stream(model="x", max_tokens=48, messages=ask, tools=tools, tool_choice={"type": "any"},
+                                **GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(call.name, call.input)]
+    history = ask + [{"role": "assistant", "content": first.model_dump()["content"]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                   "content": "18 degrees and sunny"}]}]
+    answer = client.messages.create(model="x", max_tokens=32, messages=history, tools=tools,
+                                    tool_choice={"type": "none"}, **GREEDY)
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
+    assert answer.content[0].text.strip()
+    counted = client.messages.count_tokens(model="x", messages=ask, tools=tools)
+    assert counted.input_tokens > client.messages.count_tokens(model="x", messages=ask).input_tokens
 
 
 def test_x_api_key_or_bearer_is_needed_on_every_route(served):
@@ -442,7 +458,7 @@ CLAUDE_CODE_BODY = {
 }
 
 
-def test_a_claude_code_shaped_request_streams_once_tools_are_left_out(served):
+def test_a_claude_code_shaped_request_streams_with_and_without_its_tools(served):
     body = {k: v for k, v in CLAUDE_CODE_BODY.items() if k != "tools"}
     r = raw(served, "/v1/messages?beta=true", body, **CLAUDE_CODE_HEADERS)
     assert r.status_code == 200, r.text
@@ -454,8 +470,11 @@ def test_a_claude_code_shaped_request_streams_once_tools_are_left_out(served):
     counted = raw(served, "/v1/messages/count_tokens?beta=true", {**body, "system": body["system"][1:]})
     assert events[0][1]["message"]["usage"]["input_tokens"] == counted.json()["input_tokens"]
 
-    # With its tools: Anthropic's 400 before any stream, until the tool-call engine is plugged in.
-    for path in ("/v1/messages?beta=true", "/v1/messages/count_tokens?beta=true"):
-        r = raw(served, path, CLAUDE_CODE_BODY, **CLAUDE_CODE_HEADERS)
-        assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error",
-                                                              "message": "tool calls are not supported"}
+    # With its tools: the same stream, the tools in the prompt (smollm2's template has no tool form: the generic
+    # one), and count_tokens counts them.
+    r = raw(served, "/v1/messages?beta=true", {**CLAUDE_CODE_BODY, "max_tokens": 24}, **CLAUDE_CODE_HEADERS)
+    assert r.status_code == 200, r.text
+    names = [name for name, _ in parse_sse(r.text)]
+    assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
+    with_tools = raw(served, "/v1/messages/count_tokens?beta=true", CLAUDE_CODE_BODY, **CLAUDE_CODE_HEADERS)
+    assert with_tools.status_code == 200 and with_tools.json()["input_tokens"] > counted.json()["input_tokens"]

@@ -33,6 +33,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from localllm.engine import GenerationParams
+from localllm.server import tool_calls
+from localllm.toolcalls import CallDelta, TextDelta, ToolError, ToolPlan, plan_tools
 from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
                                  off_loop, prompt_tokens, read_json, sampling_from, stream_events, submit,
                                  watching_disconnect)
@@ -69,6 +71,7 @@ class ChatRequest:
     tool_choice: str | dict | None = None  # "auto" | "required" | "none" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # None: the default (allowed)
     prefill: str = ""
+    plan: ToolPlan | None = None  # set by prompt_text when the request uses tools
 
 
 @dataclass
@@ -313,42 +316,58 @@ def to_chat_request(data: dict) -> ChatRequest:
                        prefill=prefill)
 
 
-# ==== THE TOOL-CALL SEAM ======================================================================================
-# Everything Anthropic-specific about tools is done on both sides of this seam: requests are translated into
-# OpenAI-shaped `tools` / `tool_choice` / `parallel_tool_calls` / tool-call history (to_chat_request), and
-# ToolCall pieces become tool_use blocks and input_json_delta events (message_body, EventWriter), with
-# stop_reason "tool_use". What is missing is the engine that renders tools into the prompt, constrains the
-# call and finds the model's calls in its output (localllm/toolcalls.py with server/tool_calls.py, being
-# written for the OpenAI and Ollama routes). Plugging it in touches these two functions only:
-#   prompt_text: when the request uses tools (tool_calls.uses_tools(chat.tools, chat.tool_choice,
-#     chat.messages)), plan them (tool_calls.prepare(state, params, chat.tools, chat.tool_choice,
-#     chat.parallel_tool_calls); for count_tokens, plan_tools alone, with no params to constrain), keep the
-#     plan on `chat`, and render with plan.render(state.engine.template, chat.messages) + chat.prefill;
-#   generated_pieces: feed each event's text to chat.plan.parser() (and finish() at the Final); yield a
-#     TextDelta's text as is, and a finished call (CallDelta.done) as ToolCall(id, name, arguments_json).
-# Until then a request with tools gets the same 400 as /v1/chat/completions gives.
+# ==== tools =================================================================================================
+# Anthropic's tools arrive here in OpenAI's shape (to_chat_request) and go through the same engine as the OpenAI
+# and Ollama routes (localllm/toolcalls.py, server/tool_calls.py): the plan renders them into the prompt through
+# the model's template and constrains the call; its parser finds the calls in the answer, which leave as
+# tool_use blocks and input_json_delta events (message_body, EventWriter) with stop_reason "tool_use".
 
 
 async def prompt_text(state: ServerState, chat: ChatRequest, params: GenerationParams | None) -> str:
-    """The prompt text for the internal chat request; `params` (None when only counting tokens) is where a
-    constraint that tool_choice asks for would go."""
-    if chat.tools:
-        raise ApiError(400, "tool calls are not supported", param="tools")
-    # Off the event loop: a model's template may take its whole render budget (2 s).
-    return await off_loop(state.engine.render_chat, chat.messages) + chat.prefill
+    """The prompt text for the internal chat request; `params` (None when only counting tokens) takes the
+    constraint the tools and tool_choice ask for."""
+    if not tool_calls.uses_tools(chat.tools, chat.tool_choice, chat.messages):
+        # Off the event loop: a model's template may take its whole render budget (2 s).
+        return await off_loop(state.engine.render_chat, chat.messages) + chat.prefill
+    if params is None:  # count_tokens: the prompt the tools make, nothing to constrain
+        try:
+            chat.plan = plan_tools(state.engine.template, chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        except ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+    else:
+        chat.plan = await tool_calls.prepare(state, params, chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+    try:
+        return await off_loop(chat.plan.render, state.engine.template, chat.messages) + chat.prefill
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 async def generated_pieces(state: ServerState, chat: ChatRequest, handle, first=None):
     """The answer as text pieces (str) and tool calls (ToolCall), then the request's Final."""
+    parser = chat.plan.parser() if chat.plan is not None and chat.plan.choice != "none" else None
+
+    def pieces(deltas):
+        for d in deltas:
+            if isinstance(d, TextDelta):
+                if d.text:
+                    yield d.text
+            elif isinstance(d, CallDelta) and d.done is not None:
+                yield ToolCall(d.done.id, d.done.name, d.done.arguments_json)
+
     async for item in stream_events(handle, first):
         if isinstance(item, Final):
+            if parser is not None:
+                for piece in pieces(parser.finish()):
+                    yield piece
             yield item
             return
-        if item.text:
+        if not item.text:
+            continue
+        if parser is None:
             yield item.text
-
-
-# ==== end of the seam =========================================================================================
+        else:
+            for piece in pieces(parser.feed(item.text)):
+                yield piece
 
 
 # ---- internal result -> Anthropic -------------------------------------------------------------------------
