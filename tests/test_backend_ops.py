@@ -6,8 +6,8 @@ CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac);
 PLATFORM:DEVICE picks another (`localllm devices` lists them). The tests are skipped only where there is no
 OpenCL at all: pyopencl not installed, or no runtime and no PoCL wheel for the platform. Shapes are small:
 PoCL compiles each kernel with LLVM at its first launch, then caches it under ~/.cache/localllm/pocl: the
-whole file takes 52 s with empty caches on 2 cores at a load of 3.7 (38 s of it for the weight kernels' tests
-alone), 4 s warm.
+whole file takes 96 s with an empty PoCL cache on 2 cores at a load of 8 (both kernel shapes of the weight
+products are tested, "rows" and "lanes", whatever the device), 13 s warm.
 """
 
 from __future__ import annotations
