@@ -161,7 +161,7 @@ KERNELS(bf16, BF16)
 // (-m)` in IEEE arithmetic). Four arrays per weight, chunk c = row * (cols / 32) + chunk of the row:
 //   sc[c * S + h]      float32 scale           mn[c * S + h]  float32 subtracted (formats with mins only)
 //   lo[c * L + w]      the low bits, L uints: L=8 byte j = u[j]; L=4 byte j = u[j] | u[j + 16] << 4;
-//                      L=2 byte j (0..7) holds u[8k + j] at bits 2k
+//                      L=2 u[j] at bits 2 (j % 16) of uint j / 16
 //   hi[c * H + w]      the high bits: H=1 bit j of one uint = bit L of u[j]; H=2 as L=2
 // Quants are read as aligned bytes/uints, scales as aligned floats, with no fp16 decode in the loop. With the
 // shapes and the scaled dot below, on PoCL (2 cores, shared): Q8_0 49152x576 matvec 246 -> 14 ms, Q4_0 199 ->
@@ -187,9 +187,10 @@ KERNELS(bf16, BF16)
     {                                                                                                           \
         /* byte loads: each element comes from one byte (or a bit of one word), which a CPU compiler turns */   \
         /* into vector loads and per-byte shifts; extracting bytes from uint words with shifts vectorized */    \
-        /* worse on PoCL (Q8_0 49152x576 matvec: 14 ms against 36, at a load of 5 on 2 cores) */               \
+        /* worse on PoCL (Q8_0 49152x576 matvec: 14 ms against 36, at a load of 5 on 2 cores). 2-bit */        \
+        /* fields are the other way round: a shift of a uint per element (Q6_K 576x1536: 0.8 ms), where */     \
+        /* bytes holding elements j, j + 8, j + 16, j + 24 took 2.3 ms */                                      \
         global const uchar *lo8 = (global const uchar *)lo + (c) * (4 * L);                                    \
-        global const uchar *hi8 = (global const uchar *)hi + (c) * (4 * H);                                    \
         uint u[32];                                                                                             \
         if (L == 8) {                                                                                           \
             for (int j = 0; j < 32; j++) u[j] = lo8[j];                                                         \
@@ -200,19 +201,13 @@ KERNELS(bf16, BF16)
                 u[j + 16] = v >> 4;                                                                             \
             }                                                                                                   \
         } else {                                                                                                \
-            for (int j = 0; j < 8; j++) {                                                                       \
-                uint v = lo8[j];                                                                                \
-                for (int k = 0; k < 4; k++) u[8 * k + j] = (v >> (2 * k)) & 3u;                                 \
-            }                                                                                                   \
+            for (int j = 0; j < 32; j++) u[j] = (lo[(c) * 2 + (j >> 4)] >> (2 * (j & 15))) & 3u;                \
         }                                                                                                       \
         if (H == 1) {                                                                                           \
             uint word = hi[c];                                                                                  \
             for (int j = 0; j < 32; j++) u[j] |= ((word >> j) & 1u) << L;                                       \
         } else if (H == 2) {                                                                                    \
-            for (int j = 0; j < 8; j++) {                                                                       \
-                uint v = hi8[j];                                                                                \
-                for (int k = 0; k < 4; k++) u[8 * k + j] |= ((v >> (2 * k)) & 3u) << L;                         \
-            }                                                                                                   \
+            for (int j = 0; j < 32; j++) u[j] |= ((hi[(c) * 2 + (j >> 4)] >> (2 * (j & 15))) & 3u) << L;        \
         }                                                                                                       \
         for (int j = 0; j < 32; j++) q[j] = (float)((int)u[j] - OFF);                                          \
     }

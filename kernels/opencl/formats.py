@@ -192,9 +192,9 @@ def _packed(qtype, b: np.ndarray):
     if qtype == _T.Q6_K:  # chunk 4h + t: nibble t // 2 of ql[64h + 32 (t & 1) ..], bits 2t of qh[32h ..]
         pairs = _nibble_pairs(b[..., 0:128].reshape(r, nb, 2, 2, 32))  # (h, t & 1, t // 2, 16)
         lo = np.swapaxes(pairs, 3, 4).reshape(r, nb * 8, 16)
-        qh = b[..., 128:192].reshape(r, nb, 2, 4, 8)  # (h, k, j): byte j of the packed 2 bits holds element 8k + j
-        hi = np.stack([((qh[..., 0, :] >> 2 * t) & 3) | (((qh[..., 1, :] >> 2 * t) & 3) << 2)
-                       | (((qh[..., 2, :] >> 2 * t) & 3) << 4) | (((qh[..., 3, :] >> 2 * t) & 3) << 6)
+        qh = b[..., 128:192].reshape(r, nb, 2, 8, 4)  # (h, byte b, m): element 4b + m of the chunk (as _pack2)
+        hi = np.stack([((qh[..., 0] >> 2 * t) & 3) | (((qh[..., 1] >> 2 * t) & 3) << 2)
+                       | (((qh[..., 2] >> 2 * t) & 3) << 4) | (((qh[..., 3] >> 2 * t) & 3) << 6)
                        for t in range(4)], axis=3).reshape(r, nb * 8, 8)
         scale = b[..., 192:208].view(np.int8).astype(np.float32).reshape(r, nb * 8, 2)
         return lo, hi, _f16(b, 208).repeat(8, axis=1)[..., None] * scale, None
@@ -202,9 +202,10 @@ def _packed(qtype, b: np.ndarray):
 
 
 def _pack2(v: np.ndarray) -> np.ndarray:
-    """2-bit codes (..., 32) -> 8 bytes: byte j holds v[8k + j] at bits 2k."""
-    v = v.reshape(v.shape[:-1] + (4, 8))
-    return (v[..., 0, :] | (v[..., 1, :] << 2) | (v[..., 2, :] << 4) | (v[..., 3, :] << 6)).astype(np.uint8)
+    """2-bit codes (..., 32) -> 8 bytes: v[j] at bits 2 (j % 16) of little-endian uint j // 16, i.e. byte b
+    holds v[4b .. 4b + 3] at bits 0, 2, 4, 6."""
+    v = v.reshape(v.shape[:-1] + (8, 4))
+    return (v[..., 0] | (v[..., 1] << 2) | (v[..., 2] << 4) | (v[..., 3] << 6)).astype(np.uint8)
 
 
 def relayout(raw: np.ndarray, qtype, rows_per_step: int = 4096) -> dict[str, np.ndarray]:
