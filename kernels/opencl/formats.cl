@@ -178,7 +178,7 @@ KERNELS(bf16, BF16)
 #define RPG 4  // "lanes" shape: rows per work-group (RPG * LPR <= 256)
 #endif
 #ifndef ROWS_NT
-#define ROWS_NT 4  // x rows per work-item of the "rows" shape's matmul
+#define ROWS_NT 8  // x rows per work-item of the "rows" shape's matmul
 #endif
 
 // The 32 codes of chunk c, u - OFF, into float q[32], in order. A macro, not a function: each format's

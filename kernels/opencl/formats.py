@@ -257,10 +257,11 @@ def relayout(raw: np.ndarray, qtype, rows_per_step: int = 4096) -> dict[str, np.
 #   work-group as a loop over its work-items and every barrier splits it (the old one-work-group-per-row
 #   matvec, 64 work-items and a tree, left 46 of them idle on 576 columns). Work-groups of 4 to 64 rows timed
 #   alike on PoCL (Q8_0 49152x576 and Q4_1 1536x576, 1 and 32 x rows: within the noise of a shared machine);
-#   ROWS_NT x rows per work-item in a matmul share each chunk's decode.
+#   ROWS_NT x rows per work-item in a matmul share each chunk's decode: 8 against 4 took 6.5 / 9.8 / 10.6 ms
+#   against 6.8 / 11.6 / 13.5 for 32 x rows on Q8_0 576x1536, Q4_1 1536x576, Q6_K 1536x768 (2 took 12-23).
 # "lanes": LANES_LPR work-items per row, LANES_RPG rows per work-group, a tree in local memory: for GPUs.
 ROWS_LS = 32
-ROWS_NT = 4
+ROWS_NT = 8
 LANES_LPR = 16
 LANES_RPG = 4
 SHAPES = ("rows", "lanes")
