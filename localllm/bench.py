@@ -76,7 +76,7 @@ def weight_bytes_per_token(engine) -> int:
     total = sum(w.nbytes for w in model.weights()[2:])  # the layers' matrices
     total += model.output.nbytes
     if model.output is not model.token_embd:
-        total += model.token_embd.raw.shape[1]
+        total += model.token_embd.nbytes // model.token_embd.rows  # one row (either backend's weights)
     return total
 
 

@@ -182,7 +182,7 @@ class Engine:
         if self.ctx < 8:
             raise LocalLLMError(f"context size {self.ctx} is too small")
         kv_per_token = KVPool.for_model(self.config, kv_type=kv_type, storage=device.kv_storage()).bytes_per_token
-        device.check_fits(sum(t.n_bytes for t in self.gguf.tensors.values()), self.ctx * kv_per_token)
+        device.check_fits(sum(device.weight_bytes(t) for t in self.gguf.tensors.values()), self.ctx * kv_per_token)
         self.model = Transformer(self.gguf, self.config, device)
         self.name = self.path.stem
         # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.

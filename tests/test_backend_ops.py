@@ -6,8 +6,8 @@ CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac);
 PLATFORM:DEVICE picks another (`localllm devices` lists them). The tests are skipped only where there is no
 OpenCL at all: pyopencl not installed, or no runtime and no PoCL wheel for the platform. Shapes are small:
 PoCL compiles each kernel with LLVM at its first launch, then caches it under ~/.cache/localllm/pocl: the
-whole file takes 52 s with empty caches on 2 cores at a load of 3.7 (38 s of it for the weight kernels' tests
-alone), 4 s warm.
+whole file takes 96 s with an empty PoCL cache on 2 cores at a load of 8 (both kernel shapes of the weight
+products are tested, "rows" and "lanes", whatever the device), 13 s warm.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
 @pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda q: q.name)
 def test_opencl_dequantize_is_bit_equal_to_the_cpu_backend(dev, qtype):
     raw = random_blocks(qtype, 9, cols_for(qtype), seed=1)
-    w = cl_formats.DeviceWeight(dev, raw, qtype)
+    w = cl_formats.DeviceWeight(dev, raw, qtype)  # quantized formats: through the re-laid layout
+    assert w.nbytes == cl_formats.device_nbytes(qtype, 9 * w.cols)  # what check_fits counts
     ids = np.array([3, 0, 8, 1, 1, 2, 7], np.int64)  # reordered and repeated, as an embedding lookup asks
     got = cl_formats.dequantize_rows(w, ids)
     want = np.empty_like(got)
@@ -145,8 +146,20 @@ def test_opencl_matvec_matches_the_reference_within_its_format_tolerance(dev, qt
     want = reference.matmul(raw, qtype, x)
     assert got.shape == (3, 37)
     assert nmse(got, want) <= MATVEC_NMSE[qtype], f"NMSE {nmse(got, want):.3g}"
-    # each x row alone gives the same bits: one work-group per (weight row, x row), no batch dependence
-    assert np.array_equal(cl_formats.matvec(w, x[1:2]).view(np.uint32), got[1:2].view(np.uint32))
+
+
+# One format per decoding path of the re-laid layout (8/4/2 low bits, 0/1/2 high bits, 1 or 2 scales per chunk,
+# with and without mins), and a row narrower than the "lanes" shape's 16 work-items (256 columns: 8 chunks).
+@pytest.mark.parametrize("shape", cl_formats.SHAPES)
+@pytest.mark.parametrize("qtype,cols", [(T.Q8_0, 2304), (T.Q4_1, 2304), (T.Q5_0, 256), (T.Q3_K, 2304),
+                                        (T.Q6_K, 256), (T.Q2_K, 2304)], ids=lambda v: getattr(v, "name", v))
+def test_opencl_matvec_of_every_kernel_shape_matches_the_reference(dev, shape, qtype, cols):
+    # the device picks its shape ("rows" on a CPU, "lanes" on a GPU); both run here, on whatever device this is
+    raw = random_blocks(qtype, 37, cols, seed=3, moderate_scales=True)
+    w = cl_formats.DeviceWeight(dev, raw, qtype)
+    x = np.random.default_rng(4).standard_normal((2, w.cols)).astype(np.float32)
+    got, want = cl_formats.matvec(w, x, shape=shape), reference.matmul(raw, qtype, x)
+    assert nmse(got, want) <= MATVEC_NMSE[qtype], f"NMSE {nmse(got, want):.3g}"
 
 
 def test_opencl_matvec_refuses_a_wrong_width(dev):
@@ -198,19 +211,24 @@ def test_opencl_embed_gives_the_cpu_backends_dequantized_rows_bit_for_bit(dev, o
     assert np.array_equal(_bits(ops.to_host(ops.embed(w, ops.to_device(ids[:2], np.int64)))), _bits(want[:2]))
 
 
+@pytest.mark.parametrize("shape", cl_formats.SHAPES)
 @pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
-def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype):
-    # the tiled kernel (8 x rows per work-group) for n > 1: every row's sum in matvec's order, so a token's
+def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype, shape):
+    # the tiled kernels (several x rows per work-item) for n > 1: every row's sum in matvec's order, so a token's
     # result does not depend on how many others share its forward or where its tile starts (batch invariance)
     raw = random_blocks(qtype, 37, cols_for(qtype), seed=17, moderate_scales=True)
     w = cl_formats.DeviceWeight(dev, raw, qtype)
     x = np.random.default_rng(18).standard_normal((19, w.cols)).astype(np.float32)
-    one = cl_formats.matvec(w, x)  # one work-group per (row, token)
-    for n in (1, 3, 8, 9, 19):
-        got = ops.to_host(ops.matmul(w, ops.to_device(x[:n])))
-        assert np.array_equal(_bits(got), _bits(one[:n])), n
-    got = ops.to_host(ops.matmul(w, ops.to_device(x[5:16])))  # tiles that start elsewhere
-    assert np.array_equal(_bits(got), _bits(one[5:16]))
+    one = cl_formats.matvec(w, x, shape=shape)  # one launch per x row: the decode kernel
+    ops.shape = shape
+    try:
+        for n in (1, 3, 8, 9, 19):
+            got = ops.to_host(ops.matmul(w, ops.to_device(x[:n])))
+            assert np.array_equal(_bits(got), _bits(one[:n])), n
+        got = ops.to_host(ops.matmul(w, ops.to_device(x[5:16])))  # tiles that start elsewhere
+        assert np.array_equal(_bits(got), _bits(one[5:16]))
+    finally:
+        ops.shape = cl_formats.shape_for(dev)
     assert nmse(one, reference.matmul(raw, qtype, x)) <= MATVEC_NMSE[qtype]
 
 
@@ -470,7 +488,9 @@ def test_opencl_kernels_stay_within_the_portable_floor(dev):
     for wg in (cl_formats.MATVEC_WG, cl_ops.ROW_WG, cl_ops.ATT_WG):
         assert wg <= 256 and wg & (wg - 1) == 0
     cl = dev.cl
-    kernels = [cl_formats.kernel(dev, f"matvec_{cl_formats.FORMATS[qtype].suffix}") for qtype in ALL_FORMATS]
+    kernels = [cl_formats.kernel(dev, f"{kind}_lanes_{cl_formats.FORMATS[qtype].suffix}")
+               for qtype in cl_formats.LAYOUTS for kind in ("matvec", "matmul")]  # the re-laid formats
+    kernels += [cl_formats.kernel(dev, f"matmul_{cl_formats.FORMATS[qtype].suffix}") for qtype in FLOAT_TYPES]
     kernels += [cl_ops.kernel(dev, name) for name in ("rms_norm", "attention", "argmax")]  # those with local memory
     for k in kernels:
         assert k.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, dev.device) <= 32 * 1024

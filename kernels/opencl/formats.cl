@@ -1,22 +1,33 @@
 // Dequantization and dequantize-matvec for every format of the table (kernels/formats.py), OpenCL C 1.2.
 //
 // Floor: no fp64, no fp16 arithmetic, no vector types (PoCL on AVX2/Zen gives wrong results or a compiler crash
-// with float vectors wider than 8), local memory 4*WG bytes, work-group WG <= 256.
+// with float vectors wider than 8), local memory <= 4 * 8 * 256 bytes, work-groups <= 256.
 //
 // Exactness: every decoder is the arithmetic of kernels/cpu/dequant.py in the same order (ggml's
 // dequantize_row_*): the dequantized floats equal the CPU backend's bit for bit (tests/test_backend_ops.py).
 // FP_CONTRACT is off so that no compiler fuses `d * q - m` into an FMA, although for these formats a fused
 // result would be the same: an fp16 scale (11 significant bits) times a 6-bit sub-scale times a quant of at
 // most 5 bits fits in float32's 24, so the product is exact either way (measured: explicit fma() in Q4_1
-// and Q4_K decodes the same bits on PoCL). The fp16 scales are
-// decoded from their bits, as the CPU backend does, rather than by vload_half: no dependence on a driver's
-// handling of half subnormals, and the scale fields need no 2-byte alignment.
+// and Q4_K decodes the same bits on PoCL).
 //
-// Block layout: weights are the GGUF bytes as stored, each row `row_bytes` long. A format is processed in
-// chunks of QC consecutive elements (NCH chunks per block of QB elements, TS bytes): the same chunk decoder
-// serves dequantize (writes the chunk) and matvec (dots it with x), so the two cannot drift apart.
+// Layouts: the float formats (F32, F16, BF16) are the GGUF bytes as stored, each row `row_bytes` long, decoded
+// from their bits (no dependence on a driver's half subnormals, no alignment needed). The quantized formats
+// are re-laid once at upload (formats.py `relayout`; the section "re-laid at upload" below): aligned uint
+// quants and float32 scales, one decoder for all ten. In both, the same chunk decoder serves dequantize
+// and the products, so the two cannot drift apart; the quantized products scale each chunk's dot of codes
+// and x once (DOT_CHUNK, as ggml's dot products do) rather than dotting the dequantized floats.
 
 #pragma OPENCL FP_CONTRACT OFF
+
+// Multiply-add: fma() where the device says it is fast (FP_FAST_FMAF: GPUs), otherwise a product and a sum,
+// each rounded (FP_CONTRACT is off), which the compiler vectorizes: PoCL on this EPYC (znver3) leaves
+// FP_FAST_FMAF undefined and runs fma() as a library call, 0.35 GFLOP/s against 4.3 for `a * b + c` in a
+// 4096x1536 float dot (one row per work-item). Either is deterministic, so batch invariance holds on each.
+#ifdef FP_FAST_FMAF
+#define MAC(a, b, c) fma(a, b, c)
+#else
+#define MAC(a, b, c) ((a) * (b) + (c))
+#endif
 
 #ifndef WG
 #define WG 64  // matvec work-group size; a power of two <= 256
@@ -60,186 +71,7 @@ void dq_f16(global const uchar *b, uint c, float *y) { y[0] = f16_at(b); }
 #define BF16_QC 1
 void dq_bf16(global const uchar *b, uint c, float *y) { y[0] = as_float(((uint)b[0] << 16) | ((uint)b[1] << 24)); }
 
-// block_q8_0 { half d; int8 qs[32]; }: y = qs * d
-#define Q8_0_QB 32
-#define Q8_0_TS 34
-#define Q8_0_QC 32
-void dq_q8_0(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b);
-    for (int j = 0; j < 32; j++) y[j] = (float)(char)b[2 + j] * d;
-}
-
-// block_q4_0 { half d; uint8 qs[16]; }: element j in the low nibble of qs[j], j+16 in its high; y = (q - 8) * d
-#define Q4_0_QB 32
-#define Q4_0_TS 18
-#define Q4_0_QC 32
-void dq_q4_0(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b);
-    for (int j = 0; j < 16; j++) {
-        int q = b[2 + j];
-        y[j] = (float)((q & 0xF) - 8) * d;
-        y[j + 16] = (float)((q >> 4) - 8) * d;
-    }
-}
-
-// block_q4_1 { half d; half m; uint8 qs[16]; }: y = q * d + m
-#define Q4_1_QB 32
-#define Q4_1_TS 20
-#define Q4_1_QC 32
-void dq_q4_1(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b), m = f16_at(b + 2);
-    for (int j = 0; j < 16; j++) {
-        int q = b[4 + j];
-        y[j] = (float)(q & 0xF) * d + m;
-        y[j + 16] = (float)(q >> 4) * d + m;
-    }
-}
-
-// block_q5_0 { half d; uint8 qh[4]; uint8 qs[16]; }: bit j of the u32 qh is element j's 5th bit; y = (q - 16) * d
-#define Q5_0_QB 32
-#define Q5_0_TS 22
-#define Q5_0_QC 32
-void dq_q5_0(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b);
-    uint qh = u32_at(b + 2);
-    for (int j = 0; j < 16; j++) {
-        int q = b[6 + j];
-        int lo = (q & 0xF) | (int)(((qh >> j) & 1u) << 4);
-        int hi = (q >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
-        y[j] = (float)(lo - 16) * d;
-        y[j + 16] = (float)(hi - 16) * d;
-    }
-}
-
-// block_q5_1 { half d; half m; uint8 qh[4]; uint8 qs[16]; }: y = q * d + m
-#define Q5_1_QB 32
-#define Q5_1_TS 24
-#define Q5_1_QC 32
-void dq_q5_1(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b), m = f16_at(b + 2);
-    uint qh = u32_at(b + 4);
-    for (int j = 0; j < 16; j++) {
-        int q = b[8 + j];
-        int lo = (q & 0xF) | (int)(((qh >> j) & 1u) << 4);
-        int hi = (q >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
-        y[j] = (float)lo * d + m;
-        y[j + 16] = (float)hi * d + m;
-    }
-}
-
-// The k-quants: super-blocks of 256 in 8 chunks of 32.
-
-// block_q2_K { uint8 scales[16]; uint8 qs[64]; half d; half dmin; }: chunk c = 4h + s; element 16g + l of the
-// chunk is bits 2s..2s+1 of qs[32h + 16g + l]; scale byte h*8 + s*2 + g (low nibble scale, high min);
-// y = (d * sc) * q - (dmin * m)
-#define Q2_K_QB 256
-#define Q2_K_TS 84
-#define Q2_K_QC 32
-void dq_q2_k(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b + 80), dmin = f16_at(b + 82);
-    uint h = c >> 2, s = c & 3;
-    for (int g = 0; g < 2; g++) {
-        int sc = b[h * 8 + s * 2 + g];
-        float dl = d * (float)(sc & 0xF);
-        float ml = dmin * (float)(sc >> 4);
-        for (int l = 0; l < 16; l++) {
-            int q = ((int)b[16 + h * 32 + g * 16 + l] >> (2 * s)) & 3;
-            y[g * 16 + l] = dl * (float)q - ml;
-        }
-    }
-}
-
-// The signed 6-bit scale j (0..15) of a Q3_K block from the 12 bytes at p (kernels/cpu/dequant.py q3_k_scale)
-int q3_k_scale(int j, global const uchar *p) {
-    int low = j < 8 ? (p[j] & 0xF) : (p[j - 8] >> 4);
-    int high = (p[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
-    return (low | (high << 4)) - 32;
-}
-
-// block_q3_K { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; half d; }: low 2 bits as Q2_K; the high bit of
-// element 32c + i is bit c of hmask[i], and a clear bit subtracts 4
-#define Q3_K_QB 256
-#define Q3_K_TS 110
-#define Q3_K_QC 32
-void dq_q3_k(global const uchar *b, uint c, float *y) {
-    float d_all = f16_at(b + 108);
-    uint h = c >> 2, s = c & 3;
-    for (int g = 0; g < 2; g++) {
-        float dl = d_all * (float)q3_k_scale((int)c * 2 + g, b + 96);
-        for (int l = 0; l < 16; l++) {
-            int i = g * 16 + l;
-            int low = ((int)b[32 + h * 32 + i] >> (2 * s)) & 3;
-            int hbit = ((int)b[i] >> c) & 1;
-            y[i] = dl * (float)(low - ((hbit ^ 1) << 2));
-        }
-    }
-}
-
-// ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j (0..7) from the 12 bytes at p (Q4_K, Q5_K)
-void scale_min_k4(int j, global const uchar *p, int *sc, int *m) {
-    if (j < 4) {
-        *sc = p[j] & 63;
-        *m = p[j + 4] & 63;
-    } else {
-        *sc = (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
-        *m = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
-    }
-}
-
-// block_q4_K { half d; half dmin; uint8 scales[12]; uint8 qs[128]; }: chunk j uses the low (j even) or high
-// nibbles of qs[32 (j/2) ..]; y = (d * sc) * q - (dmin * m)
-#define Q4_K_QB 256
-#define Q4_K_TS 144
-#define Q4_K_QC 32
-void dq_q4_k(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b), dmin = f16_at(b + 2);
-    int sc, m;
-    scale_min_k4((int)c, b + 4, &sc, &m);
-    float d1 = d * (float)sc, m1 = dmin * (float)m;
-    uint shift = 4 * (c & 1);
-    global const uchar *q = b + 16 + (c >> 1) * 32;
-    for (int l = 0; l < 32; l++) y[l] = d1 * (float)(((int)q[l] >> shift) & 0xF) - m1;
-}
-
-// block_q5_K { half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]; }: as Q4_K plus a 5th bit,
-// bit j of qh[l] for element 32j + l
-#define Q5_K_QB 256
-#define Q5_K_TS 176
-#define Q5_K_QC 32
-void dq_q5_k(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b), dmin = f16_at(b + 2);
-    int sc, m;
-    scale_min_k4((int)c, b + 4, &sc, &m);
-    float d1 = d * (float)sc, m1 = dmin * (float)m;
-    uint shift = 4 * (c & 1);
-    global const uchar *q = b + 48 + (c >> 1) * 32;
-    for (int l = 0; l < 32; l++) {
-        int v = (((int)q[l] >> shift) & 0xF) | ((((int)b[16 + l] >> c) & 1) << 4);
-        y[l] = d1 * (float)v - m1;
-    }
-}
-
-// block_q6_K { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; half d; }: chunk c = 4h + t; element 16g + l
-// has its low 4 bits in ql[64h + 32 (t & 1) + 16g + l] (low nibble for t < 2) and its top 2 bits at bit 2t of
-// qh[32h + 16g + l]; y = (d * scale) * (q - 32)
-#define Q6_K_QB 256
-#define Q6_K_TS 210
-#define Q6_K_QC 32
-void dq_q6_k(global const uchar *b, uint c, float *y) {
-    float d = f16_at(b + 208);
-    uint h = c >> 2, t = c & 3;
-    for (int g = 0; g < 2; g++) {
-        float dl = d * (float)(char)b[192 + h * 8 + t * 2 + g];
-        for (int l = 0; l < 16; l++) {
-            int i = g * 16 + l;
-            int low = ((int)b[h * 64 + (t & 1) * 32 + i] >> (4 * (t >> 1))) & 0xF;
-            int high = ((int)b[128 + h * 32 + i] >> (2 * t)) & 3;
-            y[i] = dl * (float)((low | (high << 4)) - 32);
-        }
-    }
-}
-
-// ---- kernels, one pair per format ----------------------------------------------------------------------------
+// ---- kernels of the float formats -----------------------------------------------------------------------------
 //
 // dequantize_rows_<fmt>(w, row_ids, out, row_bytes, cols): out[k, :] = row row_ids[k] of w, as float32.
 //   global size (cols / QC, n_ids): one work-item per chunk.
@@ -275,7 +107,7 @@ kernel void matvec_##fmt(global const uchar *w, global const float *x, global fl
         float v[FMT##_QC];                                                                                      \
         dq_##fmt(row + (i / per_block) * FMT##_TS, i % per_block, v);                                         \
         global const float *xx = xk + i * FMT##_QC;                                                            \
-        for (int l = 0; l < FMT##_QC; l++) acc = fma(v[l], xx[l], acc);                                        \
+        for (int l = 0; l < FMT##_QC; l++) acc = MAC(v[l], xx[l], acc);                                        \
     }                                                                                                           \
     part[lid] = acc;                                                                                            \
     barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
@@ -301,7 +133,7 @@ kernel void matmul_##fmt(global const uchar *w, global const float *x, global fl
         for (uint t = 0; t < nt; t++) {                                                                         \
             global const float *xx = x + (ulong)(k0 + t) * cols + i * FMT##_QC;                                \
             float a = acc[t];                                                                                   \
-            for (int l = 0; l < FMT##_QC; l++) a = fma(v[l], xx[l], a);                                        \
+            for (int l = 0; l < FMT##_QC; l++) a = MAC(v[l], xx[l], a);                                        \
             acc[t] = a;                                                                                         \
         }                                                                                                       \
     }                                                                                                           \
@@ -318,13 +150,195 @@ kernel void matmul_##fmt(global const uchar *w, global const float *x, global fl
 KERNELS(f32, F32)
 KERNELS(f16, F16)
 KERNELS(bf16, BF16)
-KERNELS(q8_0, Q8_0)
-KERNELS(q4_0, Q4_0)
-KERNELS(q4_1, Q4_1)
-KERNELS(q5_0, Q5_0)
-KERNELS(q5_1, Q5_1)
-KERNELS(q2_k, Q2_K)
-KERNELS(q3_k, Q3_K)
-KERNELS(q4_k, Q4_K)
-KERNELS(q5_k, Q5_K)
-KERNELS(q6_k, Q6_K)
+
+// ---- the quantized formats, re-laid at upload (formats.py relayout) -------------------------------------------
+//
+// Every quantized format is, per chunk of 32 consecutive elements, y = s * (float)(u - OFF) [- m]: u an
+// unsigned code of L low bits (+ H high bits), s and m float32 scales of the chunk (S = 2: one per half of 16,
+// the 16-element sub-blocks of Q2_K, Q3_K, Q6_K). The upload decodes each GGUF block into that form once, in
+// numpy, computing s and m as the CPU backend computes them (the fp16 scale, times the k-quants' integer
+// sub-scale: an exact float32 product), so y is the CPU's value bit for bit (Q4_1's `q * d + m` is `q * d -
+// (-m)` in IEEE arithmetic). Four arrays per weight, chunk c = row * (cols / 32) + chunk of the row:
+//   sc[c * S + h]      float32 scale           mn[c * S + h]  float32 subtracted (formats with mins only)
+//   lo[c * L + w]      the low bits, L uints: L=8 byte j = u[j]; L=4 byte j = u[j] | u[j + 16] << 4;
+//                      L=2 u[j] at bits 2 (j % 16) of uint j / 16
+//   hi[c * H + w]      the high bits: H=1 bit j of one uint = bit L of u[j]; H=2 as L=2
+// Quants are read as aligned bytes/uints, scales as aligned floats, with no fp16 decode in the loop. With the
+// shapes and the scaled dot below, on PoCL (2 cores, shared): Q8_0 49152x576 matvec 246 -> 14 ms, Q4_0 199 ->
+// 7 ms; 32-row matmuls 0.2-0.3 -> 8-17 GFLOP/s (tools/opencl_kernels_bench.py). The price is 2 to 8 bytes of float
+// scales per 32 elements where GGUF has 1 to 4 bytes of halves: +6% (Q8_0) to +33% (Q4_K) device memory.
+
+#ifndef NT
+#define NT 4
+#endif
+#ifndef LPR
+#define LPR 16  // "lanes" shape: work-items per row, a power of two
+#endif
+#ifndef RPG
+#define RPG 4  // "lanes" shape: rows per work-group (RPG * LPR <= 256)
+#endif
+#ifndef ROWS_NT
+#define ROWS_NT 8  // x rows per work-item of the "rows" shape's matmul
+#endif
+
+// The 32 codes of chunk c, u - OFF, into float q[32], in order. A macro, not a function: each format's
+// constants must specialise it (a generic out-of-line decoder with run-time L, H would branch per element).
+#define DECODE_CODES(L, H, OFF, c, q)                                                                           \
+    {                                                                                                           \
+        /* byte loads: each element comes from one byte (or a bit of one word), which a CPU compiler turns */   \
+        /* into vector loads and per-byte shifts; extracting bytes from uint words with shifts vectorized */    \
+        /* worse on PoCL (Q8_0 49152x576 matvec: 14 ms against 36, at a load of 5 on 2 cores). 2-bit */        \
+        /* fields are the other way round: a shift of a uint per element (Q6_K 576x1536: 0.8 ms), where */     \
+        /* bytes holding elements j, j + 8, j + 16, j + 24 took 2.3 ms */                                      \
+        global const uchar *lo8 = (global const uchar *)lo + (c) * (4 * L);                                    \
+        uint u[32];                                                                                             \
+        if (L == 8) {                                                                                           \
+            for (int j = 0; j < 32; j++) u[j] = lo8[j];                                                         \
+        } else if (L == 4) {                                                                                    \
+            for (int j = 0; j < 16; j++) {                                                                      \
+                uint v = lo8[j];                                                                                \
+                u[j] = v & 0xFu;                                                                                \
+                u[j + 16] = v >> 4;                                                                             \
+            }                                                                                                   \
+        } else {                                                                                                \
+            for (int j = 0; j < 32; j++) u[j] = (lo[(c) * 2 + (j >> 4)] >> (2 * (j & 15))) & 3u;                \
+        }                                                                                                       \
+        if (H == 1) {                                                                                           \
+            uint word = hi[c];                                                                                  \
+            for (int j = 0; j < 32; j++) u[j] |= ((word >> j) & 1u) << L;                                       \
+        } else if (H == 2) {                                                                                    \
+            for (int j = 0; j < 32; j++) u[j] |= ((hi[(c) * 2 + (j >> 4)] >> (2 * (j & 15))) & 3u) << L;        \
+        }                                                                                                       \
+        for (int j = 0; j < 32; j++) q[j] = (float)((int)u[j] - OFF);                                          \
+    }
+
+// The 32 elements of chunk c into float y[32]: s * q - m, the CPU's dequantization bit for bit.
+#define DECODE_CHUNK(L, H, S, MIN, OFF, c, y)                                                                   \
+    {                                                                                                           \
+        float q_[32];                                                                                           \
+        DECODE_CODES(L, H, OFF, c, q_);                                                                         \
+        for (int h = 0; h < S; h++) {                                                                           \
+            float s_ = sc[(c) * S + h];                                                                         \
+            float m_ = MIN ? mn[(c) * S + h] : 0.0f;                                                            \
+            for (int j = h * (32 / S); j < (h + 1) * (32 / S); j++) {                                           \
+                float v_ = s_ * q_[j];                                                                          \
+                y[j] = MIN ? v_ - m_ : v_;                                                                      \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+// A chunk's dot with x, added to 8 lanes: as ggml's dot products, the codes q (small integers, exact in
+// float) are dotted with x and the sum scaled once, s * sum(q x) - m * sum(x), rather than each element
+// dequantized first: 1 multiply-add per element instead of 3 operations, the float rounding of a scaled sum
+// instead of a sum of scaled terms (the NMSE bounds of tests/test_backend_ops.py hold either way). Lane j
+// takes elements j, j + 8, j + 16, j + 24 (S = 2: the first two and the last two under their own scales), in
+// the same order for every shape and every x row count; a CPU runs a lane per SIMD element.
+#define DOT_CHUNK(S, MIN, c, q, acc, xr)                                                                        \
+    {                                                                                                           \
+        float s0 = sc[(c) * S], s1 = S == 2 ? sc[(c) * S + 1] : 0.0f;                                          \
+        float m0 = MIN ? mn[(c) * S] : 0.0f, m1 = MIN && S == 2 ? mn[(c) * S + 1] : 0.0f;                       \
+        for (int j = 0; j < 8; j++) {                                                                           \
+            float p0 = MAC(q[j + 8], xr[j + 8], q[j] * xr[j]);                                                 \
+            float p1 = MAC(q[j + 24], xr[j + 24], q[j + 16] * xr[j + 16]);                                     \
+            float a = acc[j];                                                                                   \
+            if (S == 1) {                                                                                       \
+                a = MAC(s0, p0 + p1, a);                                                                        \
+                if (MIN) a = a - m0 * ((xr[j] + xr[j + 8]) + (xr[j + 16] + xr[j + 24]));                        \
+            } else {                                                                                            \
+                a = MAC(s1, p1, MAC(s0, p0, a));                                                                \
+                if (MIN) a = (a - m0 * (xr[j] + xr[j + 8])) - m1 * (xr[j + 16] + xr[j + 24]);                   \
+            }                                                                                                   \
+            acc[j] = a;                                                                                         \
+        }                                                                                                       \
+    }
+#define SUM8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
+
+// Shape "rows" (CPU devices): one weight row per work-item, no barriers and no local memory, so PoCL runs a
+// work-group as a plain loop; the row's chunks are walked in order. Global (rows rounded up, ceil(n / T)).
+#define ROWS_BODY(L, H, S, MIN, OFF, T)                                                                                      \
+    uint r = get_global_id(0);                                                                                  \
+    if (r >= rows) return;                                                                                      \
+    uint k0 = get_global_id(1) * T, nc = cols / 32;                                                            \
+    float acc[T][8];                                                                                            \
+    for (int t = 0; t < T; t++)                                                                                 \
+        for (int j = 0; j < 8; j++) acc[t][j] = 0.0f;                                                          \
+    global const float *xt[T];                                                                                  \
+    for (int t = 0; t < T; t++) xt[t] = x + (ulong)min(k0 + t, n - 1) * cols; /* past n: a repeat, not stored */\
+    for (uint i = 0; i < nc; i++) {                                                                             \
+        float q[32];                                                                                            \
+        ulong c = (ulong)r * nc + i;                                                                            \
+        DECODE_CODES(L, H, OFF, c, q);                                                                          \
+        for (int t = 0; t < T; t++) DOT_CHUNK(S, MIN, c, q, acc[t], (xt[t] + i * 32));                          \
+    }                                                                                                           \
+    for (int t = 0; t < T; t++)                                                                                 \
+        if (k0 + t < n) y_[(ulong)(k0 + t) * rows + r] = SUM8(acc[t]);
+
+// Shape "lanes" (GPUs): LPR work-items per row, RPG rows per work-group; lane l takes chunks l, l + LPR, ...
+// (adjacent lanes read adjacent chunks: coalesced), then the lanes' sums meet in a tree in local memory.
+// Global (ceil(rows / RPG) * RPG * LPR, ceil(n / T)), local (RPG * LPR, 1).
+#define LANES_BODY(L, H, S, MIN, OFF, T)                                                                                     \
+    local float part[T * RPG * LPR];                                                                            \
+    uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR;                                              \
+    uint r0 = get_group_id(0) * RPG + rl, r = min(r0, rows - 1);                                               \
+    uint k0 = get_group_id(1) * T, nc = cols / 32;                                                             \
+    float acc[T][8];                                                                                            \
+    for (int t = 0; t < T; t++)                                                                                 \
+        for (int j = 0; j < 8; j++) acc[t][j] = 0.0f;                                                          \
+    global const float *xt[T];                                                                                  \
+    for (int t = 0; t < T; t++) xt[t] = x + (ulong)min(k0 + t, n - 1) * cols;                                 \
+    for (uint i = lane; i < nc; i += LPR) {                                                                     \
+        float q[32];                                                                                            \
+        ulong c = (ulong)r * nc + i;                                                                            \
+        DECODE_CODES(L, H, OFF, c, q);                                                                          \
+        for (int t = 0; t < T; t++) DOT_CHUNK(S, MIN, c, q, acc[t], (xt[t] + i * 32));                          \
+    }                                                                                                           \
+    for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] = SUM8(acc[t]);                              \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
+    for (uint s = LPR / 2; s > 0; s >>= 1) {                                                                   \
+        if (lane < s)                                                                                           \
+            for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] += part[(t * RPG + rl) * LPR + lane + s]; \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }                                                                                                           \
+    if (lane == 0 && r0 < rows)                                                                                 \
+        for (int t = 0; t < T; t++)                                                                             \
+            if (k0 + t < n) y_[(ulong)(k0 + t) * rows + r0] = part[(t * RPG + rl) * LPR];
+
+#define QARGS global const float *sc, global const float *mn, global const uint *lo, global const uint *hi
+
+// dequantize_rows_<fmt>(sc, mn, lo, hi, row_ids, out, cols): out[k, :] = row row_ids[k]; global (cols / 32, n_ids)
+// matvec_rows_<fmt> / matmul_rows_<fmt> / matvec_lanes_<fmt> / matmul_lanes_<fmt>(sc, mn, lo, hi, x, y, cols,
+//   rows, n): y[k, r] = sum_c W[r, c] x[k, c]. matvec takes one x row per work-item, matmul NT (ROWS_NT) of
+//   them, each x row summed in the same order as matvec's: a row's result is matvec's, bit for bit, whatever n
+//   is and wherever the row falls in a tile (batch invariance; tests/test_backend_ops.py).
+#define QKERNELS(fmt, L, H, S, MIN, OFF)                                                                        \
+kernel void dequantize_rows_##fmt(QARGS, global const long *row_ids, global float *out, uint cols) {           \
+    uint i = get_global_id(0), k = get_global_id(1), nc = cols / 32;                                           \
+    float y[32];                                                                                                \
+    DECODE_CHUNK(L, H, S, MIN, OFF, ((ulong)row_ids[k] * nc + i), y);                            \
+    global float *dst = out + (ulong)k * cols + (ulong)i * 32;                                                 \
+    for (int j = 0; j < 32; j++) dst[j] = y[j];                                                                 \
+}                                                                                                               \
+kernel void matvec_rows_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) {  \
+    ROWS_BODY(L, H, S, MIN, OFF, 1)                                                                           \
+}                                                                                                               \
+kernel void matmul_rows_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) {  \
+    ROWS_BODY(L, H, S, MIN, OFF, ROWS_NT)                                                                     \
+}                                                                                                               \
+kernel void matvec_lanes_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) { \
+    LANES_BODY(L, H, S, MIN, OFF, 1)                                                                          \
+}                                                                                                               \
+kernel void matmul_lanes_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) { \
+    LANES_BODY(L, H, S, MIN, OFF, NT)                                                                         \
+}
+
+//       fmt   L  H  S  MIN OFF
+QKERNELS(q8_0, 8, 0, 1, 0, 128)
+QKERNELS(q4_0, 4, 0, 1, 0, 8)
+QKERNELS(q4_1, 4, 0, 1, 1, 0)
+QKERNELS(q5_0, 4, 1, 1, 0, 16)
+QKERNELS(q5_1, 4, 1, 1, 1, 0)
+QKERNELS(q2_k, 2, 0, 2, 1, 0)
+QKERNELS(q3_k, 2, 1, 2, 0, 4)
+QKERNELS(q4_k, 4, 0, 1, 1, 0)
+QKERNELS(q5_k, 4, 1, 1, 1, 0)
+QKERNELS(q6_k, 4, 2, 2, 0, 32)

@@ -68,6 +68,7 @@ class Ops:
         import pyopencl.tools as cl_tools
 
         self.dev = dev
+        self.shape = _formats.shape_for(dev)  # the weight kernels' shape ("rows" on CPUs, "lanes" on GPUs)
         # Buffers of dropped arrays are kept for the next array of the same size class, not released and
         # created again per op. Safe on the one in-order queue: a buffer's next user is enqueued after every
         # kernel that used it before.
@@ -106,7 +107,6 @@ class Ops:
         (bit-equal to the CPU's dequantization)."""
         if w.dev is not self.dev:
             raise ValueError("the weight was uploaded to another device")
-        dev = self.dev
         if isinstance(ids, np.ndarray):
             ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
             if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
@@ -114,33 +114,19 @@ class Ops:
         ids_d = self._input(ids, np.int64)
         out = self.empty((ids_d.size, w.cols))
         if ids_d.size:
-            _formats.kernel(dev, f"dequantize_rows_{w.format.suffix}")(
-                dev.queue, (w.cols // w.format.chunk, ids_d.size), None, w.buffer, ids_d.data, out.data,
-                np.uint32(w.row_bytes), np.uint32(w.cols))
+            _formats.enqueue_dequantize(w, ids_d.data, ids_d.size, out.data)
         return out
 
     def matmul(self, w: _formats.DeviceWeight, x):
-        """float32 (n, rows) = x (n, cols) @ W.T: formats.cl's dequantize-matvec (float32 accumulation), the
-        same kernel and bits as `formats.matvec`, on a device x and into a device array."""
+        """float32 (n, rows) = x (n, cols) @ W.T: formats.cl's dequantize-matvec (float32 accumulation), each
+        row's bits those `formats.matvec` gives it alone, on a device x and into a device array."""
         if w.dev is not self.dev:
             raise ValueError("the weight was uploaded to another device")
         _check(x, "x", 2)
         if x.shape[1] != w.cols:
             raise ValueError(f"x must be (n, {w.cols}), not {x.shape}")
-        dev = self.dev
-        n = x.shape[0]
-        out = self.empty((n, w.rows))
-        if n and w.rows:
-            wg = _formats.MATVEC_WG
-            if n == 1:
-                _formats.kernel(dev, f"matvec_{w.format.suffix}")(
-                    dev.queue, (w.rows * wg, n), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
-                    np.uint32(w.cols), np.uint32(w.rows))
-            else:  # bit-equal to matvec per row (formats.cl), W decoded once per MATMUL_NT rows of x
-                tiles = -(-n // _formats.MATMUL_NT)
-                _formats.kernel(dev, f"matmul_{w.format.suffix}")(
-                    dev.queue, (w.rows * wg, tiles), (wg, 1), w.buffer, x.data, out.data, np.uint32(w.row_bytes),
-                    np.uint32(w.cols), np.uint32(w.rows), np.uint32(n))
+        out = self.empty((x.shape[0], w.rows))
+        _formats.enqueue_matmul(w, x.data, x.shape[0], out.data, self.shape)
         return out
 
     def rms_norm(self, x, weight, eps: float):

@@ -118,6 +118,11 @@ class Backend(ABC):
     def kv_storage(self) -> "KVStorage":
         """Where this backend keeps KV blocks (a KVPool made for a model on this backend stores through it)."""
 
+    def weight_bytes(self, info) -> int:
+        """Bytes a tensor of the file (a gguf_file.TensorInfo) takes in this backend's memory (default: as
+        stored)."""
+        return info.n_bytes
+
     def check_fits(self, weight_bytes: int, kv_bytes: int) -> None:
         """Raise a LocalLLMError with the numbers when a model's weights and KV cache cannot fit this backend's
         memory (default: no limit known)."""

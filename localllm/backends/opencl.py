@@ -4,7 +4,8 @@ of localllm/architectures/transformer.py run op by op there.
 What crosses to the device per forward: the token ids, the positions, the RoPE rows of those positions, and per
 layer group the KV storage columns of the new tokens and of the keys attention reads (the block table spelled
 out; small ints, uploaded once per group, not per layer); what comes back: only the logits rows asked for
-(`to_host`). Weights are uploaded once, as stored in the GGUF.
+(`to_host`). Weights are uploaded once, the quantized ones re-laid for the device's kernels
+(kernels/opencl/formats.py `relayout`: aligned quants, float32 scales), the float ones as stored.
 
 KV storage is the pool's blocks in device arrays (n_kv, columns, dim), float32; the pool's bookkeeping (block
 tables, prefix names, LRU) stays on the host as integers, so prefix reuse, speculative rollback and sliding
@@ -107,6 +108,13 @@ class OpenCLBackend(Backend):
         d = self.ops.to_device(cols, np.int32)
         self._uploads[key] = (cols, d)
         return d
+
+    def weight_bytes(self, info):
+        from localllm.kernels.opencl.formats import device_nbytes
+
+        if len(info.shape) == 1:
+            return info.n_elements * 4  # vectors are uploaded as float32
+        return device_nbytes(info.qtype, info.n_elements)  # the re-laid layout: +6% (Q8_0) to +33% (Q4_K)
 
     def check_fits(self, weight_bytes, kv_bytes):
         have = self.dev.info.global_mem_bytes
