@@ -2,8 +2,10 @@
 format of the table, as llama.cpp's tests/test-backend-ops.cpp checks each backend against the CPU.
 
 The OpenCL backend runs on PoCL's CPU device (installed with the project on Linux x86_64, so `make test` and
-CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac); LOCALLLM_TEST_OPENCL=
-PLATFORM:DEVICE picks another (`localllm devices` lists them). The tests are skipped only where there is no
+CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac), and every op test runs again
+on Intel's CPU runtime where it is registered (a dev dependency on Linux x86_64: another compiler, and fp16,
+sub-groups and integer dot products for the optional paths); LOCALLLM_TEST_OPENCL=PLATFORM:DEVICE picks one
+device instead (`localllm devices` lists them). The tests are skipped only where there is no
 OpenCL at all: pyopencl not installed, or no runtime and no PoCL wheel for the platform. Shapes are small:
 PoCL compiles each kernel with LLVM at its first launch, then caches it under ~/.cache/localllm/pocl: the
 whole file takes 52 s with empty caches on 2 cores at a load of 3.7 (38 s of it for the weight kernels' tests
