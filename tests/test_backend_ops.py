@@ -509,27 +509,29 @@ def floor_source(source: str) -> str:
     capability macro (`#ifdef LOCALLLM_FP16`, `#if defined(LOCALLLM_SUBGROUPS)`, ... up to its #else, #elif or
     #endif) removed, its `#ifndef` / #else side kept. Other conditionals are kept whole, every branch of them."""
     src = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", source), flags=re.S)
-    out, stack = [], []  # per open conditional: (is it on a capability macro, is the current branch kept)
+
+    def branch(word, cond):  # (kept, certainly the branch taken) with every capability macro undefined
+        if not _CAPABILITY_MACRO.search(cond):
+            return True, False  # not ours to decide: scanned
+        negated = word == "ifndef" or re.search(r"!\s*defined", cond) is not None
+        return negated, negated
+
+    out, stack = [], []  # per open conditional: [current branch kept, an earlier or this branch certainly taken]
     for line in src.splitlines():
         m = re.match(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b(.*)", line)
-        kept = all(k for _, k in stack)
         if not m:
-            if kept:
+            if all(kept for kept, _ in stack):
                 out.append(line)
             continue
         word, cond = m.groups()
         if word in ("ifdef", "ifndef", "if"):
-            cap = bool(_CAPABILITY_MACRO.search(cond))
-            negated = word == "ifndef" or (word == "if" and re.search(r"!\s*defined", cond) is not None)
-            stack.append((cap, negated if cap else True))
-        elif word in ("elif", "else") and stack:
-            cap, k = stack[-1]
-            stack[-1] = (cap, (not k) if cap and word == "else" else (False if cap else True))
+            stack.append(list(branch(word, cond)))
+        elif word == "elif" and stack:
+            stack[-1] = [False, True] if stack[-1][1] else list(branch(word, cond))
+        elif word == "else" and stack:
+            stack[-1] = [not stack[-1][1], True]
         elif word == "endif" and stack:
             stack.pop()
-        if not stack or not stack[-1][0]:
-            if kept:
-                out.append(line)
     return "\n".join(out)
 
 
@@ -556,7 +558,7 @@ kept_else;
 #endif
 b"""
     got = [line for line in floor_source(src).splitlines() if not line.lstrip().startswith("#")]
-    assert [line.strip() for line in got] == ["a", "float f;", "plain_dot;", "kept_if;", "kept_else;", "b"]
+    assert [line.strip() for line in got] == ["a", "float f;", "other;", "plain_dot;", "kept_if;", "kept_else;", "b"]
 
 
 # Kernels as launched (kernels/opencl/*.py): the work-group sizes used, all within Apple's 256
