@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import inspect
 import os
 import re
 import subprocess
@@ -170,6 +171,9 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
             return fn
         return add
 
+    shapes = [None]
+    if "shape" in inspect.signature(cl_formats.matvec).parameters:
+        shapes = list(getattr(cl_formats, "SHAPES", ("rows", "lanes")))
     for qtype in FORMATS:
         # floats: 80 columns, more than the matvec's 64 work-items (the strided loop); Q8_0: 65 blocks (the
         # same for 32-element chunks); the rest 256 columns, 8 chunks (most work-items idle in the loop)
@@ -185,11 +189,15 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
             cpu_formats.FORMATS[qtype].dequantize_rows(raw, ids, want, 16)
             assert np.array_equal(bits(got), bits(want)), "dequantize differs from the CPU backend's bits"
             x = np.random.default_rng(1).standard_normal((9, w.cols)).astype(np.float32)
-            one = cl_formats.matvec(w, x[:2])
-            assert nmse(one, reference.matmul(raw, qtype, x[:2])) <= 1e-11, "matvec"
-            many = ops.to_host(ops.matmul(w, ops.to_device(x)))
-            assert np.array_equal(bits(many[:2]), bits(one)), "matmul rows differ from matvec's bits"
-            assert nmse(many, reference.matmul(raw, qtype, x)) <= 1e-11, "matmul"
+            for shape in shapes:  # every kernel shape where products come in several (a device picks one)
+                kw = {} if shape is None else {"shape": shape}
+                one = cl_formats.matvec(w, x[:2], **kw)
+                assert nmse(one, reference.matmul(raw, qtype, x[:2])) <= 1e-11, f"matvec {shape or ''}"
+                if shape is not None:
+                    ops.shape = shape
+                many = ops.to_host(ops.matmul(w, ops.to_device(x)))
+                assert np.array_equal(bits(many[:2]), bits(one)), f"matmul rows differ from matvec's bits {shape or ''}"
+                assert nmse(many, reference.matmul(raw, qtype, x)) <= 1e-11, f"matmul {shape or ''}"
 
     @case("ops: embed (host and device ids), rms_norm, argmax")
     def _():
