@@ -501,7 +501,7 @@ def test_opencl_ops_refuse_mismatched_shapes_with_a_clear_message(dev, ops):
 # ---- static limits and the device layer ------------------------------------------------------------------------
 
 
-_CAPABILITY_MACRO = re.compile(r"\bLOCALLLM_(FP16|SUBGROUPS\w*|INTEGER_DOT\w*)\b")
+_CAPABILITY_MACRO = re.compile(r"\b(" + "|".join(cl_device.Capabilities.MACROS) + r")\b")
 
 
 def floor_source(source: str) -> str:

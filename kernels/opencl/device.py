@@ -114,16 +114,6 @@ class Capabilities:
         d["subgroup_sizes"] = list(self.subgroup_sizes)
         return d
 
-    def summary(self) -> str:
-        """One line for `localllm devices`: "fp16, subgroups (intel: 8/16/32), integer dot (khr)" or "none"."""
-        parts = ["fp16"] if self.fp16 else []
-        if self.subgroups:
-            sizes = "/".join(map(str, self.subgroup_sizes))
-            parts.append(f"subgroups ({self.subgroups}{': ' + sizes if sizes else ''})")
-        if self.integer_dot:
-            parts.append(f"integer dot ({self.integer_dot})")
-        return ", ".join(parts) or "none"
-
 
 @dataclass(frozen=True)
 class DeviceInfo:
