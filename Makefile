@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# pip leaves intel-opencl-rt's .icd naming a conda placeholder path: point pyopencl's loader at the library
+	$(BIN)/python -m localllm.kernels.opencl.device --register
 	touch $@
 
 chat: setup

@@ -207,9 +207,16 @@ def cmd_devices(args) -> int:
         if d["backend"] == "cpu":
             print(f"cpu     {d['name']}: {d['threads']} threads, {_human_size(d['memory_bytes'])} memory")
         else:
-            extensions = ", ".join(d["extensions"]) or "none of fp16, subgroups, integer dot product"
+            caps = d.get("capabilities") or {}
+            optional = ["fp16"] if caps.get("fp16") else []
+            if caps.get("subgroups"):
+                sizes = "/".join(map(str, caps.get("subgroup_sizes") or []))
+                optional.append(f"subgroups ({caps['subgroups']}{': ' + sizes if sizes else ''})")
+            if caps.get("integer_dot"):
+                optional.append(f"integer dot ({caps['integer_dot']})")
             print(f"opencl  {d['platform']}: {d['name']} ({d['type']}, {_human_size(d['global_mem_bytes'])}, "
-                  f"{d['opencl_c_version']}; extensions: {extensions})")
+                  f"{d['opencl_c_version']}; local memory {d['local_mem_bytes'] // 1024} KiB, work-groups up to "
+                  f"{d['max_work_group_size']}; optional: {', '.join(optional) or 'none (fp16, subgroups, integer dot)'})")
     if found["opencl_error"]:
         print(f"opencl  none: {found['opencl_error']}")
     return 0

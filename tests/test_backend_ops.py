@@ -2,8 +2,10 @@
 format of the table, as llama.cpp's tests/test-backend-ops.cpp checks each backend against the CPU.
 
 The OpenCL backend runs on PoCL's CPU device (installed with the project on Linux x86_64, so `make test` and
-CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac); LOCALLLM_TEST_OPENCL=
-PLATFORM:DEVICE picks another (`localllm devices` lists them). The tests are skipped only where there is no
+CI run these there; elsewhere on the preferred device, Apple's OpenCL on a Mac), and every op test runs again
+on Intel's CPU runtime where it is registered (a dev dependency on Linux x86_64: another compiler, and fp16,
+sub-groups and integer dot products for the optional paths); LOCALLLM_TEST_OPENCL=PLATFORM:DEVICE picks one
+device instead (`localllm devices` lists them). The tests are skipped only where there is no
 OpenCL at all: pyopencl not installed, or no runtime and no PoCL wheel for the platform. Shapes are small:
 PoCL compiles each kernel with LLVM at its first launch, then caches it under ~/.cache/localllm/pocl: the
 whole file takes 96 s with an empty PoCL cache on 2 cores at a load of 8 (both kernel shapes of the weight
@@ -45,18 +47,59 @@ MATVEC_NMSE = {q: 1e-11 for q in ALL_FORMATS}
 
 
 POCL_INSTALLED = importlib.util.find_spec("pocl_binary_distribution") is not None
+INTEL_INSTALLED = bool(cl_device.python_runtime_libraries().get("intel-cpu.icd"))
+INTEL_PLATFORM = "Intel(R) OpenCL"  # Intel's CPU runtime; its GPU driver's platform is "Intel(R) OpenCL Graphics"
+
+
+def _intel_cpu_spec() -> str | None:
+    """The spec of Intel's CPU runtime's device where pyopencl lists it (`make setup` registers the installed
+    intel-opencl-rt), else None."""
+    try:
+        found = [i for i in cl_device.list_devices() if i.platform == INTEL_PLATFORM and i.type == "CPU"]
+    except cl_device.OpenCLUnavailable:
+        return None
+    return found[0].spec if found else None
+
+
+def _devices_of_interest() -> list[tuple[str, str | None]]:
+    """(test id, spec) of each device the op tests run on: LOCALLLM_TEST_OPENCL alone where it is set; else PoCL
+    where it is installed (else the preferred device: Apple's on a Mac), and Intel's CPU runtime where it is
+    registered (a dev dependency on Linux x86_64: a second compiler and the optional features PoCL lacks)."""
+    if os.environ.get("LOCALLLM_TEST_OPENCL"):
+        return [("env", os.environ["LOCALLLM_TEST_OPENCL"])]
+    devices = [("pocl", "Portable Computing Language:") if POCL_INSTALLED else ("default", None)]
+    intel = _intel_cpu_spec() if INTEL_INSTALLED else None
+    if intel:
+        devices.append(("intel-cpu", intel))
+    return devices
+
+
+DEVICES = _devices_of_interest()
+_opened: dict[str | None, cl_device.Device] = {}
+
+
+def _open(spec: str | None) -> cl_device.Device:
+    """One Device per spec for the whole module: fixtures share its context and built programs."""
+    if spec not in _opened:
+        try:
+            _opened[spec] = cl_device.Device(spec)
+        except cl_device.OpenCLUnavailable as err:
+            if spec is None:
+                pytest.skip(f"no OpenCL runtime here, and PoCL is not installed (no wheel for this platform): {err}")
+            raise  # PoCL is installed, or a device was asked for: not finding it is a failure
+    return _opened[spec]
+
+
+@pytest.fixture(scope="module", params=[spec for _, spec in DEVICES], ids=[i for i, _ in DEVICES])
+def dev(request):
+    """Each device of interest in turn (the op tests run on all): PoCL, and Intel's CPU runtime where present."""
+    return _open(request.param)
 
 
 @pytest.fixture(scope="module")
-def dev():
-    """PoCL where it is installed (Linux x86_64: with the project), else the preferred device (macOS: Apple's)."""
-    spec = os.environ.get("LOCALLLM_TEST_OPENCL") or ("Portable Computing Language:" if POCL_INSTALLED else None)
-    try:
-        return cl_device.Device(spec)
-    except cl_device.OpenCLUnavailable as err:
-        if spec is None:
-            pytest.skip(f"no OpenCL runtime here, and PoCL is not installed (no wheel for this platform): {err}")
-        raise  # PoCL is installed, or a device was asked for: not finding it is a failure
+def base_dev():
+    """The first device of interest alone (PoCL on Linux x86_64), for tests of the device layer itself."""
+    return _open(DEVICES[0][1])
 
 
 def _finite_f16_bits(rng, shape) -> np.ndarray:
@@ -476,27 +519,189 @@ def test_opencl_ops_refuse_mismatched_shapes_with_a_clear_message(dev, ops):
 # ---- static limits and the device layer ------------------------------------------------------------------------
 
 
+_CAPABILITY_MACRO = re.compile(r"\b(" + "|".join(cl_device.Capabilities.MACROS) + r")\b")
+
+
+def floor_source(source: str) -> str:
+    """The source a device without any optional feature compiles: comments dropped, and each block under a
+    capability macro (`#ifdef LOCALLLM_FP16`, `#if defined(LOCALLLM_SUBGROUPS)`, ... up to its #else, #elif or
+    #endif) removed, its `#ifndef` / #else side kept. Other conditionals are kept whole, every branch of them."""
+    src = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", source), flags=re.S)
+
+    def branch(word, cond):  # (kept, certainly the branch taken) with every capability macro undefined
+        if not _CAPABILITY_MACRO.search(cond):
+            return True, False  # not ours to decide: scanned
+        negated = word == "ifndef" or re.search(r"!\s*defined", cond) is not None
+        return negated, negated
+
+    out, stack = [], []  # per open conditional: [current branch kept, an earlier or this branch certainly taken]
+    for line in src.splitlines():
+        m = re.match(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b(.*)", line)
+        if not m:
+            if all(kept for kept, _ in stack):
+                out.append(line)
+            continue
+        word, cond = m.groups()
+        if word in ("ifdef", "ifndef", "if"):
+            stack.append(list(branch(word, cond)))
+        elif word == "elif" and stack:
+            stack[-1] = [False, True] if stack[-1][1] else list(branch(word, cond))
+        elif word == "else" and stack:
+            stack[-1] = [not stack[-1][1], True]
+        elif word == "endif" and stack:
+            stack.pop()
+    return "\n".join(out)
+
+
+def test_the_floor_source_drops_exactly_the_optional_paths():
+    src = """a
+#ifdef LOCALLLM_FP16
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+half h;
+#else
+float f;  // half
+#endif
+#if defined(LOCALLLM_SUBGROUPS) && WG == 64
+sub_group_reduce_add(x);
+#elif WG == 32
+other;
+#endif
+#ifndef LOCALLLM_INTEGER_DOT
+plain_dot;
+#endif
+#if WG > 16
+kept_if;
+#else
+kept_else;
+#endif
+b"""
+    got = [line for line in floor_source(src).splitlines() if not line.lstrip().startswith("#")]
+    assert [line.strip() for line in got] == ["a", "float f;", "other;", "plain_dot;", "kept_if;", "kept_else;", "b"]
+
+
+# Kernels as launched (kernels/opencl/*.py): the work-group sizes used, all within Apple's 256
+def _launch_work_groups():
+    from localllm.kernels.opencl import ops as cl_ops
+
+    return {"matvec/matmul": cl_formats.MATVEC_WG, "rms_norm/argmax": cl_ops.ROW_WG, "attention": cl_ops.ATT_WG,
+            "elementwise": 256}
+
+
 def test_opencl_kernels_stay_within_the_portable_floor(dev):
-    """OpenCL C 1.2 with no fp64, no fp16 arithmetic and no vectors (PoCL miscompiles float vectors wider
-    than 8 here); local memory within 32 KiB and work-groups within 256 (Apple's limits)."""
+    """OpenCL C 1.2 with no fp64, no fp16 arithmetic, no sub-groups or integer dot products and no vectors (PoCL
+    miscompiles float vectors wider than 8 here) outside the optional paths under a capability macro; as built
+    on each device, with its optional features on and with them off, every kernel's local memory within 32 KiB
+    and a work-group of 256 accepted (Apple's limits; the launches use at most 256: tools/opencl_oclgrind.py
+    checks every launch)."""
     from localllm.kernels.opencl import ops as cl_ops
 
     for source in (cl_formats.source(), cl_ops.source()):
-        src = re.sub(r"//[^\n]*", "", source)
-        assert not re.search(r"\bdouble\b|\bhalf\b|cl_khr_fp(16|64)", src)
-        assert not re.search(r"\b(float|int|uint|uchar|char|short|ushort)(2|3|4|8|16)\b", src)
-    for wg in (cl_formats.MATVEC_WG, cl_ops.ROW_WG, cl_ops.ATT_WG):
-        assert wg <= 256 and wg & (wg - 1) == 0
+        floor = floor_source(source)
+        for pattern in (r"\bdouble\b", r"\bhalf\d*\b", r"cl_khr_fp(16|64)", r"\bsub_group_\w+", r"intel_\w+",
+                        r"\bdot_(acc_sat_)?4x8packed\w*|\barm_dot\w*|\bdot\s*\(",
+                        r"\b(float|int|uint|uchar|char|short|ushort|long|ulong)(2|3|4|8|16)\b"):
+            found = re.search(pattern, floor)
+            assert not found, f"{found.group(0)!r} outside an optional path"
+    for name, wg in _launch_work_groups().items():
+        assert wg <= 256 and wg & (wg - 1) == 0, name
     cl = dev.cl
-    kernels = [cl_formats.kernel(dev, f"{kind}_lanes_{cl_formats.FORMATS[qtype].suffix}")
-               for qtype in cl_formats.LAYOUTS for kind in ("matvec", "matmul")]  # the re-laid formats
-    kernels += [cl_formats.kernel(dev, f"matmul_{cl_formats.FORMATS[qtype].suffix}") for qtype in FLOAT_TYPES]
-    kernels += [cl_ops.kernel(dev, name) for name in ("rms_norm", "attention", "argmax")]  # those with local memory
-    for k in kernels:
-        assert k.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, dev.device) <= 32 * 1024
+    for source, options in ((cl_formats.source(), cl_formats._OPTIONS), (cl_ops.source(), cl_ops._OPTIONS)):
+        # as the ops build them, and with every optional feature of the device on (its -cl-std instead of
+        # CL1.2): where it has none (PoCL), the second build would only define the limits' macros
+        builds = [options]
+        caps = dev.capabilities
+        if caps.build_options() != caps.floor().build_options():
+            builds.append(tuple(o for o in options if not o.startswith("-cl-std")) + caps.build_options())
+        for opts in builds:
+            kernels = dev.program(source, opts).all_kernels()
+            assert kernels
+            for k in kernels:
+                local = k.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, dev.device)
+                assert local <= 32 * 1024, (k.function_name, local)
+                assert k.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, dev.device) >= 256
 
 
-def test_devices_are_found_by_name_and_a_wrong_name_lists_what_there_is(dev):
+# One kernel with each optional path beside its floor version, built with the device's capability macros: flags
+# say which paths were compiled, and each optional result must equal the floor's (exact: halves that are exact,
+# integer sums, integer dot products).
+_PROBE = """
+#ifdef LOCALLLM_FP16
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+#endif
+#ifdef LOCALLLM_SUBGROUPS_KHR
+#pragma OPENCL EXTENSION cl_khr_subgroups : enable
+#endif
+kernel void probe(global const float *x, global const int *a, global const int *b, global float *half_out,
+                  global int *sum_out, global int *dot_out, global int *flags) {
+    local int part[64];
+    uint i = get_global_id(0), lid = get_local_id(0);
+    // the floor: float arithmetic, a tree in local memory, byte products
+    float h = x[i] * 0.5f;
+    part[lid] = a[i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = 32; s > 0; s >>= 1) {
+        if (lid < s) part[lid] += part[lid + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    int sum = part[0], d = 0, f = 0;
+    for (int k = 0; k < 4; k++) d += (int)(char)(a[i] >> (8 * k)) * (int)(char)(b[i] >> (8 * k));
+#ifdef LOCALLLM_FP16
+    h = (float)((half)x[i] * (half)0.5f);
+    f |= 1;
+#endif
+#ifdef LOCALLLM_SUBGROUPS
+    local int sg_part[64];  // the work-group's sum from its sub-groups' sums
+    int sg = sub_group_reduce_add(a[i]);
+    if (get_sub_group_local_id() == 0) sg_part[get_sub_group_id()] = sg;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    sum = 0;
+    for (uint g = 0; g < get_num_sub_groups(); g++) sum += sg_part[g];
+    f |= 2;
+#endif
+#ifdef LOCALLLM_INTEGER_DOT
+    d = dot(as_char4(a[i]), as_char4(b[i]));
+    f |= 4;
+#endif
+    half_out[i] = h;
+    sum_out[i] = sum;
+    dot_out[i] = d;
+    if (i == 0) flags[0] = f;
+}
+"""
+
+
+def test_optional_paths_agree_with_the_floor_where_offered_and_stay_off_where_not(dev):
+    """The capability record's macros: each optional path (fp16 arithmetic, sub-group reductions, integer dot
+    products) builds and runs exactly where the device reports it, gives the floor's result there, and is
+    compiled out elsewhere (PoCL: none of the three; Intel's CPU runtime: all three)."""
+    cl, caps = dev.cl, dev.capabilities
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal(128).astype(np.float16).astype(np.float32)  # exact in half, and so is x / 2
+    a = rng.integers(-(2**31), 2**31, 128, dtype=np.int64).astype(np.int32)
+    b = rng.integers(-(2**31), 2**31, 128, dtype=np.int64).astype(np.int32)
+    want_dot = (a.view(np.int8).reshape(-1, 4).astype(np.int32) * b.view(np.int8).reshape(-1, 4)).sum(axis=1)
+    want_sum = a.astype(np.int64).reshape(2, 64).sum(axis=1).astype(np.int32)  # int32 wrap-around, as the device
+    for options in (caps.floor().build_options(), caps.build_options()):
+        probe = dev.program(_PROBE, options).probe
+        mf = cl.mem_flags
+        bufs = [cl.Buffer(dev.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=v) for v in (x, a, b)]
+        outs = [np.empty(128, np.float32), np.empty(128, np.int32), np.empty(128, np.int32), np.empty(1, np.int32)]
+        obufs = [cl.Buffer(dev.context, mf.WRITE_ONLY, o.nbytes) for o in outs]
+        probe(dev.queue, (128,), (64,), *bufs, *obufs)
+        for o, ob in zip(outs, obufs):
+            cl.enqueue_copy(dev.queue, o, ob)
+        half_out, sum_out, dot_out, flags = outs
+        on = "-DLOCALLLM_FP16=1" in options, "-DLOCALLLM_SUBGROUPS=1" in options, "-DLOCALLLM_INTEGER_DOT=1" in options
+        assert int(flags[0]) == on[0] | on[1] << 1 | on[2] << 2, (options, int(flags[0]))
+        assert np.array_equal(half_out, x * np.float32(0.5))
+        assert np.array_equal(sum_out, np.repeat(want_sum, 64))
+        assert np.array_equal(dot_out, want_dot)
+    assert ("-DLOCALLLM_FP16=1" in caps.build_options()) == ("cl_khr_fp16" in dev.info.extensions)
+    if dev.is_pocl:  # the project's baseline device offers none of them: the floor is what it runs
+        assert caps.build_options() == caps.floor().build_options()
+
+
+def test_devices_are_found_by_name_and_a_wrong_name_lists_what_there_is(base_dev):
     infos = cl_device.list_devices()
     assert infos and all(i.opencl_c_version for i in infos)
     first = infos[0]
@@ -509,14 +714,16 @@ def test_devices_are_found_by_name_and_a_wrong_name_lists_what_there_is(dev):
     assert len(warned) == 1 and "no OpenCL device matches" in warned[0]
 
 
-def test_pocl_device_reports_opencl_c_1_2(dev):
+def test_pocl_device_reports_opencl_c_1_2(base_dev):
+    dev = base_dev
     if not dev.is_pocl:
         pytest.skip("runs on PoCL only (LOCALLLM_TEST_OPENCL chose another device)")
     assert dev.info.opencl_c_version.startswith("OpenCL C 1.2")
     assert "cl_khr_fp16" not in dev.info.extensions
 
 
-def test_a_failed_build_clears_the_kernel_caches_retries_once_then_says_the_cpu_is_used(dev, monkeypatch, tmp_path):
+def test_a_failed_build_clears_the_kernel_caches_retries_once_then_says_the_cpu_is_used(base_dev, monkeypatch):
+    dev = base_dev
     wiped = []
     monkeypatch.setattr(cl_device, "wipe_caches", lambda: wiped.append(1))
     with pytest.raises(cl_device.OpenCLUnavailable) as err:
@@ -544,6 +751,53 @@ def test_a_failed_build_clears_the_kernel_caches_retries_once_then_says_the_cpu_
     assert len(calls) == 2 and wiped == [1, 1] and hasattr(prg, "fine")
 
 
+def _info(platform, name, type_, mem_gb):
+    return cl_device.DeviceInfo(platform=platform, name=name, vendor="", type=type_, version="", opencl_c_version="",
+                                global_mem_bytes=mem_gb << 30, local_mem_bytes=0, max_work_group_size=0,
+                                compute_units=1)
+
+
+def test_the_default_device_is_a_gpu_then_pocl_and_never_a_simulator():
+    class FakeCl:  # pyopencl's device_type bits
+        class device_type:
+            CPU, GPU, ACCELERATOR = 2, 4, 8
+
+    assert cl_device._type_name(FakeCl, 4) == "GPU" and cl_device._type_name(FakeCl, 2 | 1) == "CPU"
+    assert cl_device._type_name(FakeCl, 2 | 4 | 8 | 1) == "OTHER"  # Oclgrind's CPU | GPU | ACCELERATOR | DEFAULT
+    infos = [_info("Oclgrind", "Oclgrind Simulator", "OTHER", 1), _info("Intel(R) OpenCL", "AMD EPYC", "CPU", 25),
+             _info("Intel(R) FPGA Emulation Platform for OpenCL(TM)", "Emulator", "ACCELERATOR", 25),
+             _info("Portable Computing Language", "pthread-AMD EPYC", "CPU", 23),
+             _info("NVIDIA CUDA", "RTX 3060", "GPU", 12), _info("NVIDIA CUDA", "RTX 4090", "GPU", 24)]
+    order = [i.name for i in sorted(infos, key=cl_device._preference)]
+    assert order == ["RTX 4090", "RTX 3060", "pthread-AMD EPYC", "AMD EPYC", "Emulator", "Oclgrind Simulator"]
+
+
+def test_registering_python_installed_runtimes_writes_an_icd_naming_the_library(monkeypatch, tmp_path):
+    lib = tmp_path / "lib" / "libintelocl.so"
+    monkeypatch.setattr(cl_device, "python_runtime_libraries", lambda: {"intel-cpu.icd": lib})
+    libs = tmp_path / "pyopencl" / ".libs"
+    libs.mkdir(parents=True)
+    assert cl_device.register_python_runtimes(libs) == [libs / "intel-cpu.icd"]
+    assert (libs / "intel-cpu.icd").read_text() == f"{lib}\n"
+    assert cl_device.register_python_runtimes(libs) == [libs / "intel-cpu.icd"]  # again: unchanged, no error
+    assert sorted(f.name for f in libs.iterdir()) == ["intel-cpu.icd"]
+    monkeypatch.setattr(cl_device, "python_runtime_libraries", dict)
+    assert cl_device.register_python_runtimes(tmp_path / "elsewhere") == []  # nothing installed: nothing written
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
+                    reason="intel-opencl-rt is a dev dependency on Linux x86_64 only (its only wheels)")
+def test_intel_cpu_runtime_is_listed_beside_pocl_with_fp16_subgroups_and_integer_dot():
+    assert INTEL_INSTALLED, "intel-opencl-rt (a dev dependency) is not installed: `make setup` installs it"
+    spec = _intel_cpu_spec()
+    assert spec, ("intel-opencl-rt is installed but pyopencl does not list its device: `make setup` registers it "
+                  "(python -m localllm.kernels.opencl.device --register)")
+    caps = cl_device.Device(spec).capabilities
+    assert caps.fp16 and caps.subgroups == "intel" and caps.integer_dot == "khr"
+    assert {8, 16} <= set(caps.subgroup_sizes) and caps.opencl_c >= (3, 0)
+    assert cl_device.find_device().platform.name.strip() != INTEL_PLATFORM or not POCL_INSTALLED  # PoCL stays first
+
+
 def test_wipe_caches_removes_only_directories_it_owns(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path / "cache"))
     ours = cl_device.pocl_cache_dir()
@@ -562,7 +816,7 @@ def test_wipe_caches_removes_only_directories_it_owns(monkeypatch, tmp_path):
 # ---- `localllm devices` ----------------------------------------------------------------------------------------
 
 
-def test_devices_command_lists_the_cpu_and_the_opencl_devices(dev, capsys):
+def test_devices_command_lists_the_cpu_and_the_opencl_devices(base_dev, capsys):
     from localllm.cli import main
 
     assert main(["devices", "--json"]) == 0
@@ -571,9 +825,13 @@ def test_devices_command_lists_the_cpu_and_the_opencl_devices(dev, capsys):
     cpu, *opencl = found["devices"]
     assert cpu["backend"] == "cpu" and cpu["threads"] >= 1 and cpu["memory_bytes"] > 0
     assert opencl and {"platform", "name", "global_mem_bytes", "opencl_c_version", "extensions"} <= set(opencl[0])
+    caps = opencl[0]["capabilities"]
+    assert {"opencl_c", "fp16", "subgroups", "subgroup_sizes", "integer_dot", "local_mem_bytes",
+            "max_work_group_size"} == set(caps) and caps["local_mem_bytes"] == opencl[0]["local_mem_bytes"]
     assert main(["devices"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("cpu ") and opencl[0]["name"] in text and "OpenCL C" in text
+    assert f"local memory {caps['local_mem_bytes'] // 1024} KiB" in text and "optional: " in text
 
 
 def test_devices_command_without_an_opencl_runtime_says_so_in_one_line():

@@ -3,7 +3,19 @@ per device.
 
 Devices are chosen by name, never by platform order: installing another ICD (a GPU driver, Intel's CPU
 runtime) can make it platform 0. A spec is `PLATFORM:DEVICE`, each part a case-insensitive substring of the
-name ("pocl:epyc", ":3060", "apple"); with no spec, GPUs come before CPUs, then more global memory, then name.
+name ("pocl:epyc", ":3060", "apple"); with no spec, GPUs come first, then CPUs (PoCL, the device the test suite
+runs on, before other CPU runtimes), then accelerators, and simulators last (Oclgrind claims to be every type
+at once); within a kind, more global memory first, then name.
+
+Capabilities: `Capabilities` records what a device offers beyond the OpenCL C 1.2 floor (fp16 arithmetic,
+sub-groups and their sizes, integer dot products) and its limits (local memory, work-group size); its
+`build_options()` turns them into `-D LOCALLLM_*` macros for kernels with optional paths, which stay off where
+the device does not offer them. `localllm devices` shows the record.
+
+Runtimes installed as Python packages: PoCL's and Oclgrind's wheels put their `.icd` file beside pyopencl's
+bundled ICD loader (`pyopencl/.libs`), where it looks besides /etc/OpenCL/vendors (or $OCL_ICD_VENDORS).
+Intel's CPU runtime (`intel-opencl-rt`) installs an `.icd` naming a conda placeholder path that pip never
+rewrites; `register_python_runtimes()` (`make setup` runs it) writes one there naming the installed library.
 
 Build caching: pyopencl keeps program binaries under `~/.cache/localllm/opencl` (keyed by device, source and
 options) for runtimes without a cache of their own; PoCL and NVIDIA's cache builds themselves, and pyopencl
@@ -16,11 +28,18 @@ will be used.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import glob
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
+import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from localllm.paths import cache_dir
@@ -40,6 +59,63 @@ class OpenCLUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a device offers beyond the floor (OpenCL C 1.2, no fp16, no sub-groups, no integer dot product) and
+    the limits a kernel's launch must respect. Kernels use an optional path only under its macro
+    (`build_options`), so the same source builds everywhere and the floor path is what a device without the
+    feature runs."""
+
+    opencl_c: tuple[int, int]  # the newest OpenCL C its compiler takes, (1, 2) for "OpenCL C 1.2"
+    fp16: bool  # cl_khr_fp16: half arithmetic (converting halves with vload_half needs nothing)
+    subgroups: str  # "intel" (cl_intel_subgroups: shuffles too), "khr" (cl_khr_subgroups) or "" (none)
+    subgroup_sizes: tuple[int, ...]  # sizes a kernel may require (cl_intel_required_subgroup_size); () unknown
+    integer_dot: str  # "khr" (cl_khr_integer_dot_product), "arm" (cl_arm_integer_dot_product_int8) or ""
+    local_mem_bytes: int
+    max_work_group_size: int
+
+    # The macros build_options defines, each only where the device has the feature; kernels test them with
+    # #ifdef. LOCALLLM_SUBGROUPS alone promises the functions both extensions have (get_sub_group_local_id,
+    # sub_group_reduce_add, sub_group_broadcast); a kernel needing cl_khr_subgroups' pragma tests _KHR.
+    MACROS = ("LOCALLLM_FP16", "LOCALLLM_SUBGROUPS", "LOCALLLM_SUBGROUPS_INTEL", "LOCALLLM_SUBGROUPS_KHR",
+              "LOCALLLM_INTEGER_DOT", "LOCALLLM_INTEGER_DOT_ARM")
+
+    def language(self) -> str:
+        """The -cl-std to build with: CL1.2, the floor, unless a feature needs more. clang-based compilers
+        (Intel's, PoCL's) declare cl_khr_integer_dot_product's built-ins, and cl_khr_subgroups' are an OpenCL
+        2.0 extension, only under OpenCL C 2.0 or later: measured on Intel's CPU runtime 2026.2, `dot(char4,
+        char4)` is "no matching function" with -cl-std=CL1.2 and builds with CL2.0 or CL3.0."""
+        if (self.integer_dot == "khr" or self.subgroups == "khr") and self.opencl_c >= (2, 0):
+            return "CL3.0" if self.opencl_c >= (3, 0) else "CL2.0"
+        return "CL1.2"
+
+    def build_options(self) -> tuple[str, ...]:
+        """-cl-std (in place of a program's own) and the LOCALLLM_* macros of the features offered."""
+        usable_khr = self.language() != "CL1.2"
+        opts = [f"-cl-std={self.language()}", f"-DLOCALLLM_LOCAL_MEM_BYTES={self.local_mem_bytes}",
+                f"-DLOCALLLM_MAX_WORK_GROUP={self.max_work_group_size}"]
+        if self.fp16:
+            opts.append("-DLOCALLLM_FP16=1")
+        if self.subgroups == "intel" or self.subgroups == "khr" and usable_khr:
+            opts += ["-DLOCALLLM_SUBGROUPS=1", f"-DLOCALLLM_SUBGROUPS_{self.subgroups.upper()}=1"]
+        if self.integer_dot == "khr" and usable_khr:
+            opts.append("-DLOCALLLM_INTEGER_DOT=1")
+        elif self.integer_dot == "arm":
+            opts.append("-DLOCALLLM_INTEGER_DOT_ARM=1")
+        return tuple(opts)
+
+    def floor(self) -> Capabilities:
+        """The same limits with every optional feature off: the baseline an optional path is compared with."""
+        return Capabilities(opencl_c=(1, 2), fp16=False, subgroups="", subgroup_sizes=(), integer_dot="",
+                            local_mem_bytes=self.local_mem_bytes, max_work_group_size=self.max_work_group_size)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["opencl_c"] = "{}.{}".format(*self.opencl_c)
+        d["subgroup_sizes"] = list(self.subgroup_sizes)
+        return d
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     platform: str
     name: str
@@ -52,6 +128,7 @@ class DeviceInfo:
     max_work_group_size: int
     compute_units: int
     extensions: tuple[str, ...] = field(default=())  # those of EXTENSIONS_OF_INTEREST it reports
+    capabilities: Capabilities | None = None
 
     @property
     def spec(self) -> str:
@@ -62,7 +139,8 @@ class DeviceInfo:
                 "type": self.type, "version": self.version, "opencl_c_version": self.opencl_c_version,
                 "global_mem_bytes": self.global_mem_bytes, "local_mem_bytes": self.local_mem_bytes,
                 "max_work_group_size": self.max_work_group_size, "compute_units": self.compute_units,
-                "extensions": list(self.extensions)}
+                "extensions": list(self.extensions),
+                "capabilities": self.capabilities.to_json() if self.capabilities else None}
 
 
 def opencl_cache_dir() -> Path:
@@ -89,10 +167,10 @@ def _cl():
 
 
 def _type_name(cl, device_type: int) -> str:
-    for name in ("GPU", "CPU", "ACCELERATOR"):
-        if device_type & getattr(cl.device_type, name):
-            return name
-    return "OTHER"
+    kinds = [name for name in ("GPU", "CPU", "ACCELERATOR") if device_type & getattr(cl.device_type, name)]
+    # one kind, or "OTHER": a device claiming several at once is a simulator (Oclgrind reports GPU, CPU and
+    # ACCELERATOR), and must never be taken for a GPU by the default choice
+    return kinds[0] if len(kinds) == 1 else "OTHER"
 
 
 def _pairs():
@@ -122,7 +200,53 @@ def _info(cl, p, d) -> DeviceInfo:
         global_mem_bytes=int(d.global_mem_size), local_mem_bytes=int(d.local_mem_size),
         max_work_group_size=int(d.max_work_group_size), compute_units=int(d.max_compute_units),
         extensions=tuple(e for e in EXTENSIONS_OF_INTEREST if e in exts),
+        capabilities=_capabilities(d, exts),
     )
+
+
+def _opencl_c(version: str) -> tuple[int, int]:
+    m = re.search(r"OpenCL C (\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (1, 2)
+
+
+def _capabilities(d, exts: set[str]) -> Capabilities:
+    subgroups = "intel" if "cl_intel_subgroups" in exts else "khr" if "cl_khr_subgroups" in exts else ""
+    integer_dot = ("khr" if "cl_khr_integer_dot_product" in exts
+                   else "arm" if "cl_arm_integer_dot_product_int8" in exts else "")
+    sizes = _intel_subgroup_sizes(d) if "cl_intel_required_subgroup_size" in exts else ()
+    return Capabilities(opencl_c=_opencl_c(d.opencl_c_version), fp16="cl_khr_fp16" in exts, subgroups=subgroups,
+                        subgroup_sizes=sizes, integer_dot=integer_dot, local_mem_bytes=int(d.local_mem_size),
+                        max_work_group_size=int(d.max_work_group_size))
+
+
+_CL_DEVICE_SUB_GROUP_SIZES_INTEL = 0x4108  # cl_intel_required_subgroup_size; pyopencl has no name for it
+
+
+def _opencl_library():
+    """The ICD loader pyopencl uses, for the device queries pyopencl does not wrap; None if not found."""
+    import pyopencl
+
+    bundled = sorted(glob.glob(os.path.join(os.path.dirname(pyopencl.__file__), ".libs", "libOpenCL*")))
+    for path in bundled + [ctypes.util.find_library("OpenCL")]:
+        if path:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
+
+
+def _intel_subgroup_sizes(d) -> tuple[int, ...]:
+    lib = _opencl_library()
+    if lib is None:
+        return ()
+    handle, size = ctypes.c_void_p(d.int_ptr), ctypes.c_size_t()
+    if lib.clGetDeviceInfo(handle, _CL_DEVICE_SUB_GROUP_SIZES_INTEL, 0, None, ctypes.byref(size)) != 0:
+        return ()
+    values = (ctypes.c_size_t * (size.value // ctypes.sizeof(ctypes.c_size_t)))()
+    if lib.clGetDeviceInfo(handle, _CL_DEVICE_SUB_GROUP_SIZES_INTEL, size, values, None) != 0:
+        return ()
+    return tuple(sorted(int(v) for v in values))
 
 
 def list_devices() -> list[DeviceInfo]:
@@ -131,8 +255,12 @@ def list_devices() -> list[DeviceInfo]:
     return sorted((_info(cl, p, d) for p, d in _pairs()), key=_preference)
 
 
+_KIND_ORDER = {"GPU": 0, "CPU": 1, "ACCELERATOR": 2, "OTHER": 3}
+
+
 def _preference(info: DeviceInfo):
-    return (info.type != "GPU", -info.global_mem_bytes, info.platform, info.name)
+    pocl_first = info.type == "CPU" and "portable computing language" not in info.platform.lower()
+    return (_KIND_ORDER.get(info.type, 3), pocl_first, -info.global_mem_bytes, info.platform, info.name)
 
 
 def _matches(info: DeviceInfo, spec: str) -> bool:
@@ -171,6 +299,10 @@ class Device:
         self.queue = self.cl.CommandQueue(self.context, self.device)
         self._programs: dict[str, object] = {}
         self._kernels: dict[tuple[str, str], object] = {}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.info.capabilities
 
     @property
     def is_pocl(self) -> bool:
@@ -231,3 +363,66 @@ def open_device(spec: str | None = None, warn=None) -> Device | None:
         if warn is not None:
             warn(str(err))
         return None
+
+
+# ---- OpenCL runtimes installed as Python packages -----------------------------------------------------------
+
+# package -> (the runtime library within it, the .icd file name to give it). intel-opencl-rt's own
+# etc/OpenCL/vendors/intel-cpu.icd names /opt/anaconda1anaconda2anaconda3/lib/libintelocl.so, a placeholder its
+# conda post-link script rewrites; pip runs no such script. Its library needs intel-cmplr-lib-rt's libimf,
+# libsvml, libirng and libintlc, which the package does not declare (pyproject.toml lists both).
+PYTHON_RUNTIMES = {"intel-opencl-rt": ("libintelocl.so", "intel-cpu.icd")}
+
+
+def pyopencl_icd_dir() -> Path | None:
+    """Where pyopencl's bundled ICD loader looks for .icd files besides /etc/OpenCL/vendors (`.libs` beside
+    its package, found without importing it); None for a pyopencl without a bundled loader (macOS, conda)."""
+    spec = importlib.util.find_spec("pyopencl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libs = Path(list(spec.submodule_search_locations)[0]) / ".libs"
+    return libs if libs.is_dir() else None
+
+
+def python_runtime_libraries() -> dict[str, Path]:
+    """{.icd file name: the absolute path of its library} for each package of PYTHON_RUNTIMES installed."""
+    found = {}
+    for package, (library, icd) in PYTHON_RUNTIMES.items():
+        try:
+            dist = importlib.metadata.distribution(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in dist.files or []:
+            if f.name == library:
+                path = Path(dist.locate_file(f)).resolve()
+                if path.is_file():
+                    found[icd] = path
+                    break
+    return found
+
+
+def register_python_runtimes(icd_dir: Path | None = None) -> list[Path]:
+    """Write an .icd naming each installed runtime of PYTHON_RUNTIMES into pyopencl's ICD directory (or
+    `icd_dir`), so that pyopencl lists its device beside PoCL's. Returns the files written or already right;
+    nothing where there is no such runtime or no bundled loader."""
+    icd_dir = icd_dir or pyopencl_icd_dir()
+    if icd_dir is None:
+        return []
+    written = []
+    for icd, library in python_runtime_libraries().items():
+        target = icd_dir / icd
+        if not target.exists() or target.read_text().strip() != str(library):
+            tmp = target.with_suffix(".tmp")  # an .icd is read whole by every process starting OpenCL
+            tmp.write_text(f"{library}\n")
+            os.replace(tmp, target)
+        written.append(target)
+    return written
+
+
+if __name__ == "__main__":
+    # `python -m localllm.kernels.opencl.device --register`: what `make setup` runs after installing
+    if sys.argv[1:] != ["--register"]:
+        print("usage: python -m localllm.kernels.opencl.device --register", file=sys.stderr)
+        sys.exit(2)
+    for path in register_python_runtimes():
+        print(f"registered {path.read_text().strip()} in {path}")
