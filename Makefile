@@ -5,13 +5,21 @@ BIN := $(VENV)/bin
 # The models the test suite runs on (catalog names; see models/).
 TEST_MODELS := smollm2-135m-instruct gemma3-270m qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
-.PHONY: setup chat test test-models bench clean
+.PHONY: setup setup-dev chat test test-models bench clean
 
+# What running models needs (make chat); the tests' tools come with setup-dev (make test): the official API
+# clients, and the OpenCL checkers (Oclgrind, Intel's CPU runtime: 850 MB that a chat user does not need).
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+setup-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# pip leaves intel-opencl-rt's .icd naming a conda placeholder path: point pyopencl's loader at the library
 	$(BIN)/python -m localllm.kernels.opencl.device --register
@@ -24,7 +32,7 @@ chat: setup
 test-models: setup
 	$(BIN)/localllm pull $(TEST_MODELS)
 
-test: setup test-models
+test: setup-dev test-models
 	$(BIN)/python -m pytest -q --durations=15
 
 bench: setup

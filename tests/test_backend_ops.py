@@ -52,7 +52,7 @@ INTEL_PLATFORM = "Intel(R) OpenCL"  # Intel's CPU runtime; its GPU driver's plat
 
 
 def _intel_cpu_spec() -> str | None:
-    """The spec of Intel's CPU runtime's device where pyopencl lists it (`make setup` registers the installed
+    """The spec of Intel's CPU runtime's device where pyopencl lists it (`make setup-dev` registers the installed
     intel-opencl-rt), else None."""
     try:
         found = [i for i in cl_device.list_devices() if i.platform == INTEL_PLATFORM and i.type == "CPU"]
@@ -256,9 +256,15 @@ def test_opencl_embed_gives_the_cpu_backends_dequantized_rows_bit_for_bit(dev, o
 
 @pytest.mark.parametrize("shape", cl_formats.SHAPES)
 @pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
-def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype, shape):
+def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype, shape, request):
     # the tiled kernels (several x rows per work-item) for n > 1: every row's sum in matvec's order, so a token's
     # result does not depend on how many others share its forward or where its tile starts (batch invariance)
+    if "Intel" in dev.info.platform and qtype == T.Q5_0 and shape == "rows":
+        # A known defect, kept visible: on Intel's CPU runtime, matmul_rows_q5_0 and matvec_rows_q5_0 differ in
+        # the last bits for the last weight rows of a launch (4 of 37 here, 1-20 ulp), with fma() or without
+        # it; PoCL gives equal bits. Until it is understood, speculative decoding there is not bitwise lossless.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="Intel CPU runtime: Q5_0 rows-shape tile "
+                                                                  "differs from matvec in the last bits"))
     raw = random_blocks(qtype, 37, cols_for(qtype), seed=17, moderate_scales=True)
     w = cl_formats.DeviceWeight(dev, raw, qtype)
     x = np.random.default_rng(18).standard_normal((19, w.cols)).astype(np.float32)
@@ -788,9 +794,9 @@ def test_registering_python_installed_runtimes_writes_an_icd_naming_the_library(
 @pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
                     reason="intel-opencl-rt is a dev dependency on Linux x86_64 only (its only wheels)")
 def test_intel_cpu_runtime_is_listed_beside_pocl_with_fp16_subgroups_and_integer_dot():
-    assert INTEL_INSTALLED, "intel-opencl-rt (a dev dependency) is not installed: `make setup` installs it"
+    assert INTEL_INSTALLED, "intel-opencl-rt (a dev dependency) is not installed: `make setup-dev` (make test) installs it"
     spec = _intel_cpu_spec()
-    assert spec, ("intel-opencl-rt is installed but pyopencl does not list its device: `make setup` registers it "
+    assert spec, ("intel-opencl-rt is installed but pyopencl does not list its device: `make setup-dev` registers it "
                   "(python -m localllm.kernels.opencl.device --register)")
     caps = cl_device.Device(spec).capabilities
     assert caps.fp16 and caps.subgroups == "intel" and caps.integer_dot == "khr"

@@ -15,7 +15,7 @@ the device does not offer them. `localllm devices` shows the record.
 Runtimes installed as Python packages: PoCL's and Oclgrind's wheels put their `.icd` file beside pyopencl's
 bundled ICD loader (`pyopencl/.libs`), where it looks besides /etc/OpenCL/vendors (or $OCL_ICD_VENDORS).
 Intel's CPU runtime (`intel-opencl-rt`) installs an `.icd` naming a conda placeholder path that pip never
-rewrites; `register_python_runtimes()` (`make setup` runs it) writes one there naming the installed library.
+rewrites; `register_python_runtimes()` (`make setup-dev` runs it) writes one there naming the installed library.
 
 Build caching: pyopencl keeps program binaries under `~/.cache/localllm/opencl` (keyed by device, source and
 options) for runtimes without a cache of their own; PoCL and NVIDIA's cache builds themselves, and pyopencl
@@ -420,7 +420,7 @@ def register_python_runtimes(icd_dir: Path | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    # `python -m localllm.kernels.opencl.device --register`: what `make setup` runs after installing
+    # `python -m localllm.kernels.opencl.device --register`: what `make setup-dev` runs after installing
     if sys.argv[1:] != ["--register"]:
         print("usage: python -m localllm.kernels.opencl.device --register", file=sys.stderr)
         sys.exit(2)
