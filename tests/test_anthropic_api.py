@@ -352,7 +352,13 @@ def test_tool_use_history_renders_with_the_models_template(client, served):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "10:42"},
                                      {"type": "text", "text": "So?"}]}]
     m = client.messages.create(model="x", max_tokens=8, **GREEDY, messages=history)
-    prompt = engine.render_chat(to_chat_request({"messages": history}).messages)
+    # A history with tool calls goes through the tool-call engine, as on the OpenAI route: smollm2's template has
+    # no tool form, so the generic one (a system message, calls and results written as JSON)
+    from localllm.toolcalls import plan_tools
+
+    plan = plan_tools(engine.template, [], None, None)
+    prompt = plan.render(engine.template, to_chat_request({"messages": history}).messages)
+    assert plan.format == "generic"
     assert "10:42" in prompt and prompt.index("10:42") < prompt.index("So?")
     assert m.usage.input_tokens == len(engine.tokenize_prompt(prompt, chat=True))
     assert m.stop_reason in ("end_turn", "max_tokens")

@@ -38,20 +38,11 @@ from localllm.toolcalls import CallDelta, TextDelta, ToolError, ToolPlan, plan_t
 from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
                                  off_loop, prompt_tokens, read_json, sampling_from, stream_events, submit,
                                  watching_disconnect)
+from localllm.server.app import anthropic_error_body as error_body
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 
 # Anthropic's error types by HTTP status (docs: "errors"); anything else is an api_error.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
-               529: "overloaded_error"}
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
 def _new_id(prefix: str) -> str:
     """An id shaped like Anthropic's: a prefix and 24 base-62 characters."""
     alphabet = string.ascii_letters + string.digits

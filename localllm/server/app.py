@@ -54,6 +54,17 @@ class ApiError(Exception):
                              503: "unavailable_error"}.get(status, "server_error")
 
 
+# Anthropic's error types by HTTP status (its Messages API errors: {"type": "error", "error": {"type", "message"}})
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                         415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+                         529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
 def flavor_of(path: str) -> str:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return "anthropic"
@@ -70,9 +81,7 @@ def error_response(flavor: str, status: int, message: str, param: str | None = N
     if flavor == "ollama":
         body = {"error": message}
     elif flavor == "anthropic":
-        from localllm.server.anthropic_api import error_body
-
-        body = error_body(status, message)
+        body = anthropic_error_body(status, message)
     elif flavor == "openai":
         body = {"error": {"message": message, "type": e.kind, "param": param, "code": None}}
     else:  # llama.cpp's server
