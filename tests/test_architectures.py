@@ -1,0 +1,166 @@
+"""Architecture variants: each runs as its reference computes it, or is refused by name.
+
+Llama 3.1+ carries RoPE frequency factors (rope_freqs.weight); a file that asks for math localllm does not do (an
+unknown RoPE scaling, a soft-cap, experts, a tensor it would not read) is refused naming the key or tensor, never
+run as if it were absent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localllm.architectures import features, load_model_config
+from localllm.architectures.base import llama3_factors
+from localllm.engine import Engine
+from localllm.gguf_file import GGUFFile
+from test_model_load import F32_, N_EMBD, N_HEAD, STR, U32, refused, write_tiny_model
+
+HALF_ROPE = N_EMBD // N_HEAD // 2  # frequency factors per head: one per rotated pair
+PROMPT = [5, 70, 33, 101, 7, 250, 18, 44, 90, 3, 61, 200]
+
+
+def logits_of(path, tokens=PROMPT) -> np.ndarray:
+    engine = Engine(path, ctx=64, quiet=True)
+    seq = engine.new_sequence()
+    out = engine.evaluate(seq, tokens, logit_positions=range(len(tokens)))
+    seq.close()
+    return out
+
+
+# ---- Llama 3's RoPE frequency factors --------------------------------------------------------------------
+
+def test_rope_frequency_factors_divide_the_angles_as_linear_scaling_does(tmp_path):
+    """rope_freqs.weight of all 2.0 divides every angle by 2: the same positions as linear scaling by 2, so the
+    same logits bit for bit; and different logits from the model without it (the factors are not ignored)."""
+    factors = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
+    linear = write_tiny_model(tmp_path / "l.gguf", meta={"llama.rope.scaling.type": ("linear", STR),
+                                                         "llama.rope.scaling.factor": (2.0, F32_)})
+    plain = write_tiny_model(tmp_path / "p.gguf")
+    with_factors = logits_of(factors)
+    assert np.array_equal(with_factors, logits_of(linear))
+    assert not np.allclose(with_factors, logits_of(plain), rtol=1e-3, atol=1e-3)
+
+
+def test_rope_frequency_factors_apply_per_frequency(tmp_path):
+    """Factors of 1.0 change nothing; a factor on one frequency only changes the logits (it is read per pair)."""
+    ones = write_tiny_model(tmp_path / "ones.gguf", extra_tensors={"rope_freqs.weight": np.ones(HALF_ROPE)})
+    plain = write_tiny_model(tmp_path / "p.gguf")
+    assert np.array_equal(logits_of(ones), logits_of(plain))
+    one = np.ones(HALF_ROPE)
+    one[-1] = 8.0
+    last = write_tiny_model(tmp_path / "last.gguf", extra_tensors={"rope_freqs.weight": one})
+    assert not np.array_equal(logits_of(last), logits_of(plain))
+
+
+def test_a_scaling_factor_without_a_type_is_linear_as_in_llama_cpp(tmp_path):
+    untyped = write_tiny_model(tmp_path / "u.gguf", meta={"llama.rope.scaling.factor": (2.0, F32_)})
+    linear = write_tiny_model(tmp_path / "l.gguf", meta={"llama.rope.scaling.type": ("linear", STR),
+                                                         "llama.rope.scaling.factor": (2.0, F32_)})
+    none = write_tiny_model(tmp_path / "n.gguf", meta={"llama.rope.scaling.type": ("none", STR),
+                                                       "llama.rope.scaling.factor": (2.0, F32_)})
+    plain = write_tiny_model(tmp_path / "p.gguf")
+    assert np.array_equal(logits_of(untyped), logits_of(linear))
+    assert np.array_equal(logits_of(none), logits_of(plain))  # "none" never scales
+
+
+def test_a_llama3_scaling_given_by_keys_runs_as_its_rope_freqs_tensor(tmp_path):
+    keys = {"llama.rope.scaling.type": ("llama3", STR), "llama.rope.scaling.factor": (8.0, F32_),
+            "llama.rope.scaling.original_context_length": (64, U32),
+            "llama.rope.scaling.low_freq_factor": (1.0, F32_), "llama.rope.scaling.high_freq_factor": (4.0, F32_)}
+    factors = llama3_factors(10000.0, 2 * HALF_ROPE, 8.0, 1.0, 4.0, 64)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0  # high, medium, low bands
+    by_keys = write_tiny_model(tmp_path / "k.gguf", meta=keys)
+    by_tensor = write_tiny_model(tmp_path / "t.gguf",
+                                 extra_tensors={"rope_freqs.weight": np.array(factors, np.float32)})
+    np.testing.assert_allclose(logits_of(by_keys), logits_of(by_tensor), rtol=1e-5, atol=1e-6)
+
+
+def test_llama3_factors_match_the_converters_float32_rope_freqs():
+    from localllm.convert.architectures import llama3_rope_factors
+
+    hp = {"head_dim": 64, "hidden_size": 256, "num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    np.testing.assert_allclose(llama3_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192), llama3_rope_factors(hp),
+                               rtol=1e-6)
+
+
+def test_the_frequency_factors_reach_the_config_and_the_features_show_lists(tmp_path):
+    path = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
+    g = GGUFFile(path)
+    config = load_model_config(g)
+    assert config.rope_scaling == "llama3" and config.rope_factors == (2.0,) * HALF_ROPE
+    assert "RoPE adjacent pairs, base 10000, llama3 frequency factors 2..2" in features(config, g.tensors)
+
+
+def test_show_prints_the_features_or_why_the_file_is_refused(tmp_path, capsys):
+    from localllm.cli import main
+
+    path = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
+    assert main(["show", str(path)]) == 0
+    assert "features        grouped-query attention (4 query heads, 2 KV heads); RoPE adjacent pairs" in \
+        capsys.readouterr().out
+    path = write_tiny_model(tmp_path / "y.gguf", meta={"llama.rope.scaling.type": ("yarn", STR)})
+    assert main(["show", str(path)]) == 0
+    assert "not runnable    " in capsys.readouterr().out
+
+
+# ---- refused by name ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, message", [
+    ("yarn", "llama.rope.scaling.type is 'yarn': localllm does not compute yarn RoPE scaling"),
+    ("longrope", "llama.rope.scaling.type is 'longrope'"),
+    ("dynamic", "llama.rope.scaling.type is 'dynamic', a RoPE scaling localllm does not know"),
+])
+def test_a_rope_scaling_type_localllm_does_not_compute_is_refused_naming_it(tmp_path, kind, message):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": (kind, STR),
+                                                       "llama.rope.scaling.factor": (4.0, F32_)})
+    assert message in refused(path)
+
+
+def test_a_llama3_scaling_without_its_factors_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": ("llama3", STR)})
+    assert "neither the rope_freqs.weight tensor nor the rope.scaling keys" in refused(path)
+
+
+@pytest.mark.parametrize("key, value, vtype", [
+    ("llama.expert_count", 8, U32),
+    ("llama.final_logit_softcapping", 30.0, F32_),
+    ("llama.attn_logit_softcapping", 50.0, F32_),
+    ("llama.logit_scale", 0.5, F32_),
+])
+def test_a_key_that_changes_the_math_is_refused_naming_it(tmp_path, key, value, vtype):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={key: (value, vtype)})
+    assert f"the model sets {key} = {value!r}, which changes what the model computes" in refused(path)
+
+
+def test_a_math_key_at_its_neutral_value_is_accepted(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.expert_count": (0, U32),
+                                                       "llama.final_logit_softcapping": (0.0, F32_)})
+    assert np.array_equal(logits_of(path), logits_of(write_tiny_model(tmp_path / "p.gguf")))
+
+
+def test_an_unknown_key_of_the_architecture_is_refused_naming_it(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.dimension_sections": (3, U32)})
+    assert "the model has the key llama.rope.dimension_sections (3), which localllm does not know" in refused(path)
+
+
+def test_a_tensor_the_forward_would_not_read_is_refused_naming_it(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", extra_tensors={"blk.0.attn_output.bias": np.zeros(N_EMBD)})
+    assert "tensor 'blk.0.attn_output.bias' is not part of a llama model" in refused(path)
+
+
+def test_rope_frequency_factors_in_an_architecture_without_them_are_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", arch="qwen2",
+                            extra_tensors={"rope_freqs.weight": np.ones(HALF_ROPE)})
+    assert "tensor 'rope_freqs.weight' is not part of a qwen2 model" in refused(path)
+
+
+@pytest.mark.parametrize("values, message", [
+    (np.ones(HALF_ROPE + 1), "tensor 'rope_freqs.weight' has shape (5,), expected (4,)"),
+    (np.array([1.0, 0.0, 1.0, 1.0]), "the RoPE frequency factors should be 4 finite positive numbers"),
+    (np.array([1.0, np.nan, 1.0, 1.0]), "the RoPE frequency factors should be 4 finite positive numbers"),
+])
+def test_rope_frequency_factors_of_the_wrong_size_or_not_positive_are_refused(tmp_path, values, message):
+    path = write_tiny_model(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": values})
+    assert message in refused(path)
