@@ -11,13 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from localllm.architectures import gemma3, llama, qwen2, validate
+from localllm.architectures import gemma3, llama, qwen2, qwen3, validate
 from localllm.architectures.base import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
 ARCHITECTURES = {
     "llama": llama,
     "qwen2": qwen2,
+    "qwen3": qwen3,
     "gemma3": gemma3,
 }
 

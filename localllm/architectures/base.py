@@ -30,6 +30,10 @@ class ArchTraits:
     # Interleaved sliding-window attention: every `swa_pattern`-th layer is global, the others see only the last
     # `sliding_window` tokens (gemma3: 6). 0 means every layer is global.
     swa_pattern: int = 0
+    # Without a pattern: an attention.sliding_window in the file applies to every layer (Mistral's window, as
+    # transformers' MistralForCausalLM computes it). False: the architecture has no sliding window, and a file
+    # that sets one is refused.
+    swa_all_layers: bool = False
     # RoPE base of the sliding-window layers, when it differs from the global layers' (gemma3: 10000; the file's
     # rope.freq_base_swa, where it has one, wins, as in llama.cpp).
     swa_rope_base: float | None = None
@@ -70,7 +74,9 @@ class ModelConfig:
     def layer_is_sliding(self, layer: int) -> bool:
         # llama.cpp's set_swa_pattern(n): layers il with il % n < n - 1 are sliding; every n-th is global.
         p = self.traits.swa_pattern
-        return self.sliding_window > 0 and p > 0 and layer % p < p - 1
+        if p == 0:
+            return self.sliding_window > 0 and self.traits.swa_all_layers
+        return self.sliding_window > 0 and layer % p < p - 1
 
     def layer_rope_base(self, layer: int) -> float:
         if self.layer_is_sliding(layer) and self.rope_base_swa is not None:
@@ -99,6 +105,10 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
     rope_dim = int(key("rope.dimension_count", head_dim))
     rope_base = float(key("rope.freq_base", 10000.0))
     rope_scaling, rope_scale, rope_factors = _rope_scaling(arch, key, rope_dim, rope_base)
+    window = int(key("attention.sliding_window", 0) or 0)
+    if window and not (traits.swa_pattern or traits.swa_all_layers):
+        raise ModelFileError(f"{arch}.attention.sliding_window is {window}, but localllm's {arch} has no sliding-window "
+                             "attention; refused rather than attend beyond the window")
     return ModelConfig(
         architecture=arch,
         n_layers=int(key("block_count", required=True)),
@@ -115,7 +125,7 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         vocab_size=int(vocab),
         attention_scale=attention_scale if attention_scale is not None else 1.0 / math.sqrt(head_dim),
-        sliding_window=int(key("attention.sliding_window", 0) or 0) if traits.swa_pattern else 0,
+        sliding_window=window,
         traits=traits,
         rope_scaling=rope_scaling,
         rope_factors=rope_factors,
