@@ -6,13 +6,20 @@ run as if it were absent."""
 
 from __future__ import annotations
 
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from localllm.architectures import features, load_model_config
 from localllm.architectures.base import llama3_factors
-from localllm.engine import Engine
+from localllm.engine import Engine, GenerationParams
 from localllm.gguf_file import GGUFFile
+from localllm.sampling import SamplingParams
 from test_model_load import F32_, N_EMBD, N_HEAD, STR, U32, refused, write_tiny_model
 
 HALF_ROPE = N_EMBD // N_HEAD // 2  # frequency factors per head: one per rotated pair
@@ -164,3 +171,180 @@ def test_rope_frequency_factors_in_an_architecture_without_them_are_refused(tmp_
 def test_rope_frequency_factors_of_the_wrong_size_or_not_positive_are_refused(tmp_path, values, message):
     path = write_tiny_model(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": values})
     assert message in refused(path)
+
+
+# ---- against transformers: tiny checkpoints with each feature switched on (tests/data/arch) -----------------
+# tools/make_arch_fixtures.py built them with transformers (random weights, fixed seeds) and recorded its float32
+# forward; here `localllm convert` turns them into F32 and Q8_0 GGUF files and localllm runs those. Measured
+# (2-core machine): F32 logits within 1e-6 relative of transformers' on every case; Q8_0 top-1 98.3-100%.
+
+ARCH_DATA = Path(__file__).parent / "data" / "arch"
+CASES = sorted(p.name for p in ARCH_DATA.iterdir() if (p / "reference.npz").is_file())
+# What each case switches on, and the config.json change that switches it off (the fixture must need it).
+FEATURE_OFF = {
+    "llama3": ("llama3 frequency factors", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "llama-linear": ("linear scaling x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
+}
+FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
+            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm"}
+
+
+def test_every_architecture_fixture_is_there():
+    assert set(CASES) == set(FEATURES)
+
+
+@functools.cache
+def converted(case: str, out_type: str, changes: str = "") -> Path:
+    """The case's checkpoint converted by `localllm convert` (once per session); `changes`: config.json changes
+    (JSON) applied to a copy first."""
+    from localllm.convert.converter import convert
+
+    out_dir = Path(tempfile.mkdtemp(prefix=f"arch-{case}-"))
+    src = ARCH_DATA / case
+    if changes:
+        copy = out_dir / case
+        shutil.copytree(src, copy)
+        config = json.loads((copy / "config.json").read_text())
+        config.update(json.loads(changes))
+        (copy / "config.json").write_text(json.dumps(config))
+        src = copy
+    out = out_dir / f"{case}-{out_type}.gguf"
+    convert(src, out, out_type, progress=False)
+    return out
+
+
+@functools.cache
+def arch_engine(case: str, out_type: str, kv_type: str = "f32") -> Engine:
+    return Engine(converted(case, out_type), ctx=512, quiet=True, kv_type=kv_type)
+
+
+def reference(case: str):
+    return np.load(ARCH_DATA / case / "reference.npz")
+
+
+def all_logits(engine: Engine, prompt) -> np.ndarray:
+    seq = engine.new_sequence()
+    try:
+        return engine.evaluate(seq, [int(t) for t in prompt], logit_positions=range(len(prompt)))
+    finally:
+        seq.close()
+
+
+def relative_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per position: the largest logit difference over the largest logit magnitude."""
+    return np.abs(got - want).max(-1) / np.abs(want).max(-1)
+
+
+def greedy(engine: Engine, prompt, n: int = 64, speculation=None) -> list[int]:
+    params = GenerationParams(max_tokens=n, ignore_eos=True, sampling=SamplingParams(temperature=0),
+                              speculation=speculation)
+    return [e.token for e in engine.generate([int(t) for t in prompt], params)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f32_logits_match_transformers_float32_on_300_token_prompts(case):
+    ref = reference(case)
+    engine = arch_engine(case, "f32")
+    assert FEATURES[case] in "; ".join(features(engine.config, engine.gguf.tensors))
+    assert ref["prompts"].shape[1] >= 300
+    for prompt, want, top1 in zip(ref["prompts"], ref["logits"], ref["argmax"]):
+        logits = all_logits(engine, prompt)
+        assert relative_errors(logits[ref["positions"]], want).max() < 1e-3
+        assert np.array_equal(logits.argmax(-1), top1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f32_greedy_continuation_is_transformers_64_tokens(case):
+    ref = reference(case)
+    for prompt, want in zip(ref["prompts"], ref["greedy"]):
+        assert greedy(arch_engine(case, "f32"), prompt) == want.tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_q8_0_top1_agrees_with_transformers_on_98_percent_of_positions(case):
+    ref = reference(case)
+    engine = arch_engine(case, "q8_0")
+    agree = [all_logits(engine, p).argmax(-1) == top1 for p, top1 in zip(ref["prompts"], ref["argmax"])]
+    assert np.mean(agree) >= 0.98
+
+
+@pytest.mark.parametrize("case", sorted(FEATURE_OFF))
+def test_the_fixture_is_wrong_by_far_without_its_feature(case):
+    """The checkpoint converted with its feature switched off in config.json runs 10x past the tolerance: the
+    comparison above would catch a feature ignored or computed wrongly."""
+    name, changes = FEATURE_OFF[case]
+    ref = reference(case)
+    engine = Engine(converted(case, "f32", json.dumps(changes)), ctx=512, quiet=True)
+    assert name not in "; ".join(features(engine.config, engine.gguf.tensors))
+    logits = all_logits(engine, ref["prompts"][0])
+    assert relative_errors(logits[ref["positions"]], ref["logits"][0]).max() > 1e-2
+
+
+# ---- every path: fused, paged, q8_0 KV, batched, speculative ----------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fused_forward_equals_the_per_kernel_path_bitwise_in_both_kv_layouts(case):
+    from test_fused_forward import assert_bitwise, run
+
+    engine = arch_engine(case, "q8_0")
+    assert engine.model.fused.available
+    prompt = reference(case)["prompts"][1].tolist()
+    steps = [prompt[i:j] for i, j in ((0, 1), (1, 4), (4, 5), (5, 13), (13, 29), (29, 66))]
+    for interleave in (False, True):
+        assert_bitwise(run(engine, True, prompt[:70], steps, interleave),
+                       run(engine, False, prompt[:70], steps, interleave))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_q8_0_kv_cache_keeps_the_top1_tokens(case):
+    ref = reference(case)
+    engine = arch_engine(case, "f32", "q8_0")
+    agree = [all_logits(engine, p).argmax(-1) == top1 for p, top1 in zip(ref["prompts"], ref["argmax"])]
+    assert np.mean(agree) >= 0.98
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_batched_step_gives_each_sequence_its_logits_alone_bitwise(case):
+    engine = arch_engine(case, "q8_0")
+    prompts = [p.tolist() for p in reference(case)["prompts"]]
+    alone = []
+    for p in prompts:
+        seq = engine.new_sequence()
+        alone.append(engine.evaluate(seq, p[:100]).reshape(-1))
+        seq.close()
+    seqs = [engine.new_sequence() for _ in prompts]
+    together = engine.evaluate_batch([(s, p[:100]) for s, p in zip(seqs, prompts)])
+    for s in seqs:
+        s.close()
+    for a, t in zip(alone, together):
+        assert a.shape == t.shape == (engine.config.vocab_size,)
+        assert np.array_equal(a.view(np.uint32), t.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculative_decoding_with_the_q8_0_file_as_draft_keeps_the_greedy_tokens(case):
+    from localllm.speculative import SpeculationParams
+
+    spec = SpeculationParams(mode="draft", draft_model=str(converted(case, "q8_0")), draft_max=4, adaptive=False,
+                             lookup=False)
+    prompt = reference(case)["prompts"][2]
+    assert greedy(arch_engine(case, "f32"), prompt, 24, spec) == reference(case)["greedy"][2][:24].tolist()
+
+
+def test_a_sliding_window_in_an_architecture_without_one_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", arch="qwen2", meta={"qwen2.attention.sliding_window": (16, U32)})
+    assert "qwen2.attention.sliding_window is 16, but localllm's qwen2 has no sliding-window attention" in \
+        refused(path)
+
+
+def test_convert_refuses_a_qwen3_checkpoint_with_a_per_layer_sliding_window(tmp_path):
+    from localllm.convert.converter import convert
+    from localllm.errors import LocalLLMError
+
+    src = shutil.copytree(ARCH_DATA / "qwen3", tmp_path / "qwen3")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 32}))
+    with pytest.raises(LocalLLMError, match="use_sliding_window is true"):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()

@@ -55,18 +55,23 @@ QK_SCALE = 4.0
 # predict their input token by a wide margin already (100%).
 ROW_SPREAD = 1.0
 
+# Llama and Mistral: 2 query heads over 1 KV head of 32 (a q8_0 KV cache needs head sizes that are multiples of
+# 32; hidden / heads as in the real models).
+LLAMA_HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+
 # name -> (transformers class, config changes, seed)
 CASES = {
-    # Llama 3.1's RoPE: original context 64, so wavelengths above 64 positions are divided by 8, those between
-    # 16 and 64 interpolated; the converter writes them as rope_freqs.weight. Untied output.
-    "llama3": ("LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_parameters={
+    # Llama 3.1's RoPE: original context 64, so of the 16 frequencies, the 11 of wavelengths above 64 positions
+    # are divided by 8, the 3 between 16 and 64 interpolated, 2 kept; the converter writes them as
+    # rope_freqs.weight. Untied output.
+    "llama3": ("LlamaForCausalLM", dict(LLAMA_HEADS, tie_word_embeddings=False, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), 1),
     # Linear RoPE scaling (factor 4), tied output.
-    "llama-linear": ("LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=True, rope_parameters={
+    "llama-linear": ("LlamaForCausalLM", dict(LLAMA_HEADS, tie_word_embeddings=True, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), 2),
     # Mistral with a sliding window of 48 on every layer: most of each 320-token prompt is outside it.
-    "mistral-swa": ("MistralForCausalLM", dict(head_dim=16, sliding_window=48, tie_word_embeddings=False,
+    "mistral-swa": ("MistralForCausalLM", dict(LLAMA_HEADS, sliding_window=48, tie_word_embeddings=False,
                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 3),
     # Qwen3: QK-norm, no biases, a head size (32) that is not hidden / heads (16); tied and untied output.
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True,
