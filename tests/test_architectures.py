@@ -1,6 +1,6 @@
 """Architecture variants: each runs as its reference computes it, or is refused by name.
 
-Llama 3.1+ carries RoPE frequency factors (rope_freqs.weight); a file that asks for math localllm does not do (an
+Llama 3.1+ carries RoPE frequency factors (rope_freqs.weight), others linear or YaRN RoPE scaling; a file that asks for math localllm does not do (an
 unknown RoPE scaling, a soft-cap, experts, a tensor it would not read) is refused naming the key or tensor, never
 run as if it were absent."""
 
@@ -107,7 +107,7 @@ def test_show_prints_the_features_or_why_the_file_is_refused(tmp_path, capsys):
     assert main(["show", str(path)]) == 0
     assert "features        grouped-query attention (4 query heads, 2 KV heads); RoPE adjacent pairs" in \
         capsys.readouterr().out
-    path = write_tiny_model(tmp_path / "y.gguf", meta={"llama.rope.scaling.type": ("yarn", STR)})
+    path = write_tiny_model(tmp_path / "y.gguf", meta={"llama.rope.scaling.type": ("dynamic", STR)})
     assert main(["show", str(path)]) == 0
     assert "not runnable    " in capsys.readouterr().out
 
@@ -115,14 +115,22 @@ def test_show_prints_the_features_or_why_the_file_is_refused(tmp_path, capsys):
 # ---- refused by name ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind, message", [
-    ("yarn", "llama.rope.scaling.type is 'yarn': localllm does not compute yarn RoPE scaling"),
-    ("longrope", "llama.rope.scaling.type is 'longrope'"),
+    ("longrope", "llama.rope.scaling.type is 'longrope': localllm does not compute longrope RoPE scaling"),
     ("dynamic", "llama.rope.scaling.type is 'dynamic', a RoPE scaling localllm does not know"),
 ])
 def test_a_rope_scaling_type_localllm_does_not_compute_is_refused_naming_it(tmp_path, kind, message):
     path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": (kind, STR),
                                                        "llama.rope.scaling.factor": (4.0, F32_)})
     assert message in refused(path)
+
+
+def test_a_yarn_scaling_without_a_factor_or_with_deepseeks_log_multiplier_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": ("yarn", STR)})
+    assert "llama.rope.scaling.type is 'yarn' without a rope.scaling.factor above 1" in refused(path)
+    path = write_tiny_model(tmp_path / "d.gguf", meta={"llama.rope.scaling.type": ("yarn", STR),
+                                                       "llama.rope.scaling.factor": (4.0, F32_),
+                                                       "llama.rope.scaling.yarn_log_multiplier": (0.1, F32_)})
+    assert "llama.rope.scaling.yarn_log_multiplier is set" in refused(path)
 
 
 def test_a_llama3_scaling_without_its_factors_is_refused(tmp_path):
@@ -184,9 +192,11 @@ CASES = sorted(p.name for p in ARCH_DATA.iterdir() if (p / "reference.npz").is_f
 FEATURE_OFF = {
     "llama3": ("llama3 frequency factors", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "llama-linear": ("linear scaling x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "llama-yarn": ("YaRN x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
 }
 FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
+            "llama-yarn": "YaRN x4 from a context of 64",
             "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm"}
 
 

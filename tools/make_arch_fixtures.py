@@ -70,6 +70,10 @@ CASES = {
     # Linear RoPE scaling (factor 4), tied output.
     "llama-linear": ("LlamaForCausalLM", dict(LLAMA_HEADS, tie_word_embeddings=True, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), 2),
+    # YaRN (factor 4 from an original context of 64): pairs mixed between scaled and unscaled along the ramp,
+    # cos/sin scaled by 1 + 0.1 ln 4.
+    "llama-yarn": ("LlamaForCausalLM", dict(LLAMA_HEADS, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}), 6),
     # Mistral with a sliding window of 48 on every layer: most of each 320-token prompt is outside it.
     "mistral-swa": ("MistralForCausalLM", dict(LLAMA_HEADS, sliding_window=48, tie_word_embeddings=False,
                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 3),

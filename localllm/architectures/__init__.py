@@ -87,7 +87,9 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
     rope = f"RoPE {'NeoX halves' if tr.rope_style == 'neox' else 'adjacent pairs'}, base {_number(c.rope_base)}"
     if c.rope_dim != c.head_dim:
         rope += f", {c.rope_dim} of {c.head_dim} dimensions"
-    if c.rope_scale != 1.0:
+    if c.rope_yarn is not None:
+        rope += f", YaRN x{1 / c.rope_scale:g} from a context of {_number(c.rope_yarn[0])}"
+    elif c.rope_scale != 1.0:
         rope += f", linear scaling x{1 / c.rope_scale:g}"
     if c.rope_factors is not None:
         rope += f", llama3 frequency factors {min(c.rope_factors):g}..{max(c.rope_factors):g}"

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from localllm.errors import ModelFileError
 
 
@@ -67,6 +69,11 @@ class ModelConfig:
     # Per-frequency divisors of the angles (rope_dim // 2 of them: Llama 3's rope_freqs.weight), or None.
     rope_factors: tuple[float, ...] | None = None
     rope_base_swa: float | None = None  # the sliding-window layers' RoPE base, where it differs
+    # YaRN (rope_scaling "yarn"): (original context, beta_fast, beta_slow, extrapolation mix, cos/sin scale).
+    rope_yarn: tuple[float, float, float, float, float] | None = None
+
+    def layer_rope_yarn(self, layer: int):
+        return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_yarn
 
     def layer_rope_factors(self, layer: int) -> tuple[float, ...] | None:
         return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_factors
@@ -105,6 +112,7 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
     rope_dim = int(key("rope.dimension_count", head_dim))
     rope_base = float(key("rope.freq_base", 10000.0))
     rope_scaling, rope_scale, rope_factors = _rope_scaling(arch, key, rope_dim, rope_base)
+    rope_yarn = _yarn(arch, key, rope_scale) if rope_scaling == "yarn" else None
     window = int(key("attention.sliding_window", 0) or 0)
     if window and not (traits.swa_pattern or traits.swa_all_layers):
         raise ModelFileError(f"{arch}.attention.sliding_window is {window}, but localllm's {arch} has no sliding-window "
@@ -129,13 +137,14 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
         traits=traits,
         rope_scaling=rope_scaling,
         rope_factors=rope_factors,
+        rope_yarn=rope_yarn,
         rope_base_swa=(float(key("rope.freq_base_swa", traits.swa_rope_base)) if traits.swa_rope_base is not None
                        else None),
     )
 
 
 # RoPE scalings localllm computes (rope.scaling.type); llama.cpp's default, when the key is absent, is linear.
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 def _rope_scaling(arch: str, key, rope_dim: int, base: float) -> tuple[str, float, tuple[float, ...] | None]:
@@ -163,11 +172,49 @@ def _rope_scaling(arch: str, key, rope_dim: int, base: float) -> tuple[str, floa
         if None in (factor, orig, low, high):
             return "llama3", 1.0, None
         return "llama3", 1.0, llama3_factors(base, rope_dim, float(factor), float(low), float(high), float(orig))
-    if kind in ("yarn", "longrope"):
+    if kind == "yarn":
+        if factor is None or float(factor) <= 1.0:
+            raise ModelFileError(f"{arch}.rope.scaling.type is 'yarn' without a rope.scaling.factor above 1")
+        return "yarn", 1.0 / float(factor), None
+    if kind == "longrope":
         raise ModelFileError(f"{arch}.rope.scaling.type is {kind!r}: localllm does not compute {kind} RoPE scaling, "
                              "and running the model without it would give wrong answers")
     raise ModelFileError(f"{arch}.rope.scaling.type is {kind!r}, a RoPE scaling localllm does not know (it computes "
                          f"{', '.join(ROPE_SCALINGS)})")
+
+
+def _yarn(arch: str, key, scale: float) -> tuple[float, float, float, float, float]:
+    """YaRN's numbers, as llama.cpp's rope_yarn and transformers' _compute_yarn_parameters use them: the original
+    context (default: context_length), beta_fast 32 and beta_slow 1, the extrapolation mix (yarn_ext_factor,
+    default 1), and the cos/sin scale: yarn_attn_factor where the file gives one (transformers' attention_factor),
+    else 1 + 0.1 ln(factor); times rope.scaling.attn_factor."""
+    if key("rope.scaling.yarn_log_multiplier", 0.0):
+        raise ModelFileError(f"{arch}.rope.scaling.yarn_log_multiplier is set: DeepSeek-style YaRN attention scaling "
+                             "is not computed by localllm")
+    factor = 1.0 / scale
+    orig = float(key("rope.scaling.original_context_length", key("context_length", 2048)))
+    mscale = key("rope.scaling.yarn_attn_factor")
+    mscale = float(mscale) if mscale is not None else 1.0 + 0.1 * math.log(factor)
+    mscale *= float(key("rope.scaling.attn_factor", 1.0))
+    return (orig, float(key("rope.scaling.yarn_beta_fast", 32.0)), float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            float(key("rope.scaling.yarn_ext_factor", 1.0)), mscale)
+
+
+def yarn_inv_freq(rope_dim: int, base: float, scale: float, yarn) -> np.ndarray:
+    """Per-pair angle per position with YaRN: pairs below the correction range keep their frequency
+    (extrapolation), those above are interpolated by `scale`, those inside mixed along a linear ramp
+    (ggml_rope_yarn_corr_dims, rope_yarn_ramp)."""
+    orig, beta_fast, beta_slow, ext_factor, _ = yarn
+
+    def corr_dim(rotations: float) -> float:
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(rope_dim - 1.0, math.ceil(corr_dim(beta_slow)))
+    extrap = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    ramp = 1.0 - np.clip((np.arange(rope_dim // 2) - low) / max(0.001, high - low), 0.0, 1.0)
+    mix = ramp * ext_factor
+    return scale * extrap * (1 - mix) + extrap * mix
 
 
 def llama3_factors(base: float, rope_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,

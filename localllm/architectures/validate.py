@@ -50,6 +50,10 @@ HYPERPARAMETERS: dict[str, tuple[str, bool, float | None]] = {
     "rope.scaling.low_freq_factor": ("float", False, 0.0),
     "rope.scaling.high_freq_factor": ("float", False, 0.0),
     "rope.freq_base_swa": ("float", False, 0.0),
+    "rope.scaling.yarn_ext_factor": ("float", False, -1.0),
+    "rope.scaling.yarn_attn_factor": ("float", False, 0.0),
+    "rope.scaling.yarn_beta_fast": ("float", False, 0.0),
+    "rope.scaling.yarn_beta_slow": ("float", False, 0.0),
 }
 
 # Keys under "{arch}." that change nothing localllm computes: informational, or read by llama.cpp only for
@@ -64,7 +68,7 @@ NEUTRAL: dict[str, Any] = {
     "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "router_logit_softcapping": 0.0,
     "logit_scale": 1.0, "embedding_scale": 1.0, "residual_scale": 1.0, "attention.causal": True,
     "use_parallel_residual": False, "attention.clamp_kqv": 0.0, "attention.max_alibi_bias": 0.0,
-    "rope.scaling.attn_factor": 1.0,
+    "rope.scaling.attn_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0,
 }
 
 # Tokenizer keys and the Python types the GGUF reader gives them.
