@@ -358,3 +358,24 @@ def test_convert_refuses_a_qwen3_checkpoint_with_a_per_layer_sliding_window(tmp_
     with pytest.raises(LocalLLMError, match="use_sliding_window is true"):
         convert(src, tmp_path / "out.gguf", "f32", progress=False)
     assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_opencl_backend_matches_transformers_float32_too(case):
+    """RoPE's tables (factors, scalings) are the host's on every backend; the OpenCL forward (PoCL in `make test`)
+    applies them, the window and QK-norm as the CPU does: within 1.3e-6 of transformers, measured."""
+    pytest.importorskip("pyopencl")
+    from test_backend_opencl import POCL_INSTALLED, device_spec
+
+    from localllm.kernels.opencl.device import OpenCLUnavailable
+
+    try:
+        engine = Engine(converted(case, "f32"), ctx=512, quiet=True, backend=device_spec())
+    except Exception as e:  # no OpenCL runtime on this platform, as test_backend_opencl skips
+        if POCL_INSTALLED or not isinstance(e.__cause__ or e, (OpenCLUnavailable, )) and "OpenCL" not in str(e):
+            raise
+        pytest.skip(f"no OpenCL device: {e}")
+    ref = reference(case)
+    logits = all_logits(engine, ref["prompts"][0])
+    assert relative_errors(logits[ref["positions"]], ref["logits"][0]).max() < 1e-3
+    assert np.array_equal(logits.argmax(-1), ref["argmax"][0])
