@@ -112,6 +112,10 @@ def cmd_show(args) -> int:
     print(f"file size       {_human_size(info['file_size'])}")
     print(f"context length  {info['context_length']}")
     print(f"layers          {info['block_count']}, embedding {info['embedding_length']}")
+    if info["supported"]:
+        print(f"features        {'; '.join(info['features'])}")
+    else:
+        print(f"not runnable    {info['refused']}")
     types = ", ".join(f"{k} x{v}" for k, v in info["tensor_types"].items()) or "none"
     print(f"tensor types    {types}")
     print(f"tokenizer       {tok['model']} (pre-tokenizer {tok['pre']}), {tok['vocab_size']} tokens")

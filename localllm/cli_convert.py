@@ -107,7 +107,7 @@ def add_commands(sub) -> None:
                     "(the same keys, tensor names, order and bytes), without torch. SRC is a directory (config.json, "
                     "model*.safetensors, single or sharded with model.safetensors.index.json, tokenizer.json and/or "
                     "tokenizer.model, tokenizer_config.json) or hf://owner/repo[@revision] (only those files are "
-                    "fetched). Architectures: llama, qwen2, gemma3. The output is written beside its final path as "
+                    "fetched). Architectures: llama (Llama, Mistral), qwen2, qwen3, gemma3. The output is written beside its final path as "
                     "OUT.partial and renamed when complete; an interrupted run keeps it for --resume.")
     p.add_argument("src", metavar="SRC", help="checkpoint directory or hf://owner/repo[@revision]")
     p.add_argument("-o", "--output", "--outfile", metavar="OUT.gguf",

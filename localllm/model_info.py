@@ -31,5 +31,19 @@ def model_info(path) -> dict:
         },
         "chat_template": "tokenizer.chat_template" in meta,
     }
+    info.update(_runnable(g))
     g.close()
     return info
+
+
+def _runnable(g) -> dict:
+    """Whether localllm runs the file, and how its architecture departs from a plain llama block (the checks
+    a load runs first, on metadata and tensor headers only: no weight is read)."""
+    from localllm.architectures import features, load_model_config
+    from localllm.errors import ModelFileError
+
+    try:
+        config = load_model_config(g)
+    except ModelFileError as e:
+        return {"supported": False, "refused": str(e), "features": []}
+    return {"supported": True, "features": features(config, g.tensors)}

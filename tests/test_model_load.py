@@ -27,11 +27,13 @@ def byte_vocab() -> list[str]:
 
 
 def write_tiny_model(path, arch="llama", drop=(), replace_type=None, n_embd=N_EMBD, n_head=N_HEAD, n_kv=N_KV,
-                     head_dim=None, extra_tokens=0, meta=None, zero_dim=None, chat_template=None):
+                     head_dim=None, extra_tokens=0, meta=None, zero_dim=None, chat_template=None,
+                     extra_tensors=None):
     """A 2-layer model with random F32 weights and a byte-level BPE vocabulary. head_dim: written as
     attention.key_length (tensors follow it); extra_tokens: tokens beyond the embedding's rows; meta: keys to
     write as they are (key -> (value, GGUFValueType)), replacing the writer's own; zero_dim: a tensor written
-    with a first dimension of 0; chat_template: written as tokenizer.chat_template."""
+    with a first dimension of 0; chat_template: written as tokenizer.chat_template; extra_tensors: name -> array
+    written after the model's own (rope_freqs.weight, or tensors the architecture does not have)."""
     rng = np.random.default_rng(0)
     tokens = byte_vocab() + ["<|endoftext|>"]
     meta = dict(meta or {})
@@ -99,6 +101,8 @@ def write_tiny_model(path, arch="llama", drop=(), replace_type=None, n_embd=N_EM
         tensor(p + "ffn_gate.weight", N_FF, n_embd)
         tensor(p + "ffn_up.weight", N_FF, n_embd)
         tensor(p + "ffn_down.weight", n_embd, N_FF)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, np.asarray(data, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -115,7 +119,7 @@ def test_tiny_f32_model_loads_and_generates(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    with pytest.raises(ModelFileError, match="unsupported architecture 'mamba'; localllm runs gemma3, llama, qwen2"):
+    with pytest.raises(ModelFileError, match="unsupported architecture 'mamba'; localllm runs gemma3, llama, qwen2, qwen3"):
         Engine(write_tiny_model(tmp_path / "m.gguf", arch="mamba"), quiet=True)
 
 

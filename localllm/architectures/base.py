@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from localllm.errors import ModelFileError
 
 
@@ -30,8 +32,16 @@ class ArchTraits:
     # Interleaved sliding-window attention: every `swa_pattern`-th layer is global, the others see only the last
     # `sliding_window` tokens (gemma3: 6). 0 means every layer is global.
     swa_pattern: int = 0
-    # RoPE base of the sliding-window layers, when it differs from the global layers' (gemma3: 10000).
+    # Without a pattern: an attention.sliding_window in the file applies to every layer (Mistral's window, as
+    # transformers' MistralForCausalLM computes it). False: the architecture has no sliding window, and a file
+    # that sets one is refused.
+    swa_all_layers: bool = False
+    # RoPE base of the sliding-window layers, when it differs from the global layers' (gemma3: 10000; the file's
+    # rope.freq_base_swa, where it has one, wins, as in llama.cpp).
     swa_rope_base: float | None = None
+    # The file may carry `rope_freqs.weight`, per-frequency divisors of RoPE's angles (Llama 3.1+'s "llama3"
+    # scaling; llama.cpp loads the tensor for llama only).
+    rope_freq_factors: bool = True
 
 
 @dataclass(frozen=True)
@@ -53,19 +63,35 @@ class ModelConfig:
     attention_scale: float
     sliding_window: int  # 0 = no sliding-window layers
     traits: ArchTraits = field(default_factory=ArchTraits)
+    # How RoPE's angles are scaled: "none", "linear" (rope_scale), "llama3" (rope_factors). Informational: the
+    # numbers below are what the forward uses.
+    rope_scaling: str = "none"
+    # Per-frequency divisors of the angles (rope_dim // 2 of them: Llama 3's rope_freqs.weight), or None.
+    rope_factors: tuple[float, ...] | None = None
+    rope_base_swa: float | None = None  # the sliding-window layers' RoPE base, where it differs
+    # YaRN (rope_scaling "yarn"): (original context, beta_fast, beta_slow, extrapolation mix, cos/sin scale).
+    rope_yarn: tuple[float, float, float, float, float] | None = None
+
+    def layer_rope_yarn(self, layer: int):
+        return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_yarn
+
+    def layer_rope_factors(self, layer: int) -> tuple[float, ...] | None:
+        return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_factors
 
     def layer_is_sliding(self, layer: int) -> bool:
         # llama.cpp's set_swa_pattern(n): layers il with il % n < n - 1 are sliding; every n-th is global.
         p = self.traits.swa_pattern
-        return self.sliding_window > 0 and p > 0 and layer % p < p - 1
+        if p == 0:
+            return self.sliding_window > 0 and self.traits.swa_all_layers
+        return self.sliding_window > 0 and layer % p < p - 1
 
     def layer_rope_base(self, layer: int) -> float:
-        if self.layer_is_sliding(layer) and self.traits.swa_rope_base is not None:
-            return self.traits.swa_rope_base
+        if self.layer_is_sliding(layer) and self.rope_base_swa is not None:
+            return self.rope_base_swa
         return self.rope_base
 
     def layer_rope_scale(self, layer: int) -> float:
-        return 1.0 if self.layer_is_sliding(layer) and self.traits.swa_rope_base is not None else self.rope_scale
+        return 1.0 if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_scale
 
 
 def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_scale=None) -> ModelConfig:
@@ -83,9 +109,14 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
     n_head = int(key("attention.head_count", required=True))
     head_dim = int(key("attention.key_length", n_embd // n_head))
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-    rope_scale = 1.0
-    if key("rope.scaling.type") == "linear" and key("rope.scaling.factor"):
-        rope_scale = 1.0 / float(key("rope.scaling.factor"))
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    rope_base = float(key("rope.freq_base", 10000.0))
+    rope_scaling, rope_scale, rope_factors = _rope_scaling(arch, key, rope_dim, rope_base)
+    rope_yarn = _yarn(arch, key, rope_scale) if rope_scaling == "yarn" else None
+    window = int(key("attention.sliding_window", 0) or 0)
+    if window and not (traits.swa_pattern or traits.swa_all_layers):
+        raise ModelFileError(f"{arch}.attention.sliding_window is {window}, but localllm's {arch} has no sliding-window "
+                             "attention; refused rather than attend beyond the window")
     return ModelConfig(
         architecture=arch,
         n_layers=int(key("block_count", required=True)),
@@ -96,12 +127,113 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
         head_dim=head_dim,
         value_dim=int(key("attention.value_length", head_dim)),
         context_length=int(key("context_length", 2048)),
-        rope_base=float(key("rope.freq_base", 10000.0)),
-        rope_dim=int(key("rope.dimension_count", head_dim)),
+        rope_base=rope_base,
+        rope_dim=rope_dim,
         rope_scale=rope_scale,
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         vocab_size=int(vocab),
         attention_scale=attention_scale if attention_scale is not None else 1.0 / math.sqrt(head_dim),
-        sliding_window=int(key("attention.sliding_window", 0) or 0) if traits.swa_pattern else 0,
+        sliding_window=window,
         traits=traits,
+        rope_scaling=rope_scaling,
+        rope_factors=rope_factors,
+        rope_yarn=rope_yarn,
+        rope_base_swa=(float(key("rope.freq_base_swa", traits.swa_rope_base)) if traits.swa_rope_base is not None
+                       else None),
     )
+
+
+# RoPE scalings localllm computes (rope.scaling.type); llama.cpp's default, when the key is absent, is linear.
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
+
+def _rope_scaling(arch: str, key, rope_dim: int, base: float) -> tuple[str, float, tuple[float, ...] | None]:
+    """(scaling type, linear scale, frequency factors or None) from the metadata, as llama.cpp reads them: a
+    rope.scaling.factor (or the older rope.scale_linear) without a type is linear; "none" never scales. Any
+    other type changes the positions in a way localllm does not compute: refused by name, never run as if it
+    were absent."""
+    kind = key("rope.scaling.type")
+    factor = key("rope.scaling.factor")
+    if factor is None:
+        factor = key("rope.scale_linear")
+    if kind is None:
+        kind = "linear"
+    if kind == "none":
+        return "none", 1.0, None
+    if kind == "linear":
+        if factor is None or float(factor) in (0.0, 1.0):  # llama.cpp: a factor of 0 means none
+            return "none", 1.0, None
+        return "linear", 1.0 / float(factor), None
+    if kind == "llama3":
+        # Llama 3.1's scaling is normally the rope_freqs tensor (llama.cpp's converter writes no type); a file
+        # that names it and has the numbers gets its factors from them, else from that tensor (checked at load).
+        orig, low, high = (key(f"rope.scaling.{k}") for k in ("original_context_length", "low_freq_factor",
+                                                               "high_freq_factor"))
+        if None in (factor, orig, low, high):
+            return "llama3", 1.0, None
+        return "llama3", 1.0, llama3_factors(base, rope_dim, float(factor), float(low), float(high), float(orig))
+    if kind == "yarn":
+        if factor is None or float(factor) <= 1.0:
+            raise ModelFileError(f"{arch}.rope.scaling.type is 'yarn' without a rope.scaling.factor above 1")
+        return "yarn", 1.0 / float(factor), None
+    if kind == "longrope":
+        raise ModelFileError(f"{arch}.rope.scaling.type is {kind!r}: localllm does not compute {kind} RoPE scaling, "
+                             "and running the model without it would give wrong answers")
+    raise ModelFileError(f"{arch}.rope.scaling.type is {kind!r}, a RoPE scaling localllm does not know (it computes "
+                         f"{', '.join(ROPE_SCALINGS)})")
+
+
+def _yarn(arch: str, key, scale: float) -> tuple[float, float, float, float, float]:
+    """YaRN's numbers, as llama.cpp's rope_yarn and transformers' _compute_yarn_parameters use them: the original
+    context (default: context_length), beta_fast 32 and beta_slow 1, the extrapolation mix (yarn_ext_factor,
+    default 1), and the cos/sin scale: yarn_attn_factor where the file gives one (transformers' attention_factor),
+    else 1 + 0.1 ln(factor); times rope.scaling.attn_factor."""
+    if key("rope.scaling.yarn_log_multiplier", 0.0):
+        raise ModelFileError(f"{arch}.rope.scaling.yarn_log_multiplier is set: DeepSeek-style YaRN attention scaling "
+                             "is not computed by localllm")
+    factor = 1.0 / scale
+    orig = float(key("rope.scaling.original_context_length", key("context_length", 2048)))
+    mscale = key("rope.scaling.yarn_attn_factor")
+    mscale = float(mscale) if mscale is not None else 1.0 + 0.1 * math.log(factor)
+    mscale *= float(key("rope.scaling.attn_factor", 1.0))
+    return (orig, float(key("rope.scaling.yarn_beta_fast", 32.0)), float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            float(key("rope.scaling.yarn_ext_factor", 1.0)), mscale)
+
+
+def yarn_inv_freq(rope_dim: int, base: float, scale: float, yarn) -> np.ndarray:
+    """Per-pair angle per position with YaRN: pairs below the correction range keep their frequency
+    (extrapolation), those above are interpolated by `scale`, those inside mixed along a linear ramp
+    (ggml_rope_yarn_corr_dims, rope_yarn_ramp)."""
+    orig, beta_fast, beta_slow, ext_factor, _ = yarn
+
+    def corr_dim(rotations: float) -> float:
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(rope_dim - 1.0, math.ceil(corr_dim(beta_slow)))
+    extrap = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    ramp = 1.0 - np.clip((np.arange(rope_dim // 2) - low) / max(0.001, high - low), 0.0, 1.0)
+    mix = ramp * ext_factor
+    return scale * extrap * (1 - mix) + extrap * mix
+
+
+def llama3_factors(base: float, rope_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   original_context: float) -> tuple[float, ...]:
+    """Llama 3.1's per-frequency divisors (transformers' _compute_llama3_parameters, llama.cpp's rope_freqs):
+    wavelengths shorter than original_context / high_freq_factor are kept, longer than original_context /
+    low_freq_factor divided by `factor`, and those between interpolated smoothly."""
+    if not high_freq_factor > low_freq_factor > 0 or factor <= 0 or original_context <= 0:
+        raise ModelFileError(f"llama3 RoPE scaling with factor {factor}, low_freq_factor {low_freq_factor}, "
+                             f"high_freq_factor {high_freq_factor}, original context {original_context}: these "
+                             "must be positive, the high factor above the low")
+    out = []
+    for i in range(0, rope_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / rope_dim)
+        if wavelen < original_context / high_freq_factor:
+            out.append(1.0)
+        elif wavelen > original_context / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)

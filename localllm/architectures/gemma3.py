@@ -19,6 +19,7 @@ TRAITS = ArchTraits(
     post_norms=True,
     swa_pattern=6,
     swa_rope_base=10000.0,
+    rope_freq_factors=False,
 )
 
 

@@ -6,7 +6,7 @@ architecture) and NeoX-style RoPE (rotating the two halves of each head).
 
 from localllm.architectures.base import ArchTraits, config_from_metadata
 
-TRAITS = ArchTraits(rope_style="neox")
+TRAITS = ArchTraits(rope_style="neox", rope_freq_factors=False)
 
 
 def config(meta):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from localllm import backends
-from localllm.architectures.base import ModelConfig
+from localllm.architectures.base import ModelConfig, yarn_inv_freq
 from localllm.backends.base import Backend
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
@@ -23,11 +23,20 @@ from localllm.kv_cache import KVCache, KVPool
 
 # ---- blocks ----------------------------------------------------------------------------------------------
 class RopeTable:
-    """cos/sin of every position for one (base, scale), grown on demand."""
+    """cos/sin of every position for one (base, scale, frequency factors), grown on demand. Every backend and
+    the fused forward rotate by these tables, so a RoPE variant is a change here only."""
 
-    def __init__(self, rope_dim: int, base: float, scale: float):
-        # ggml_rope: theta_i = pos * scale * base^(-2i/d)
-        self.inv_freq = scale * base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    def __init__(self, rope_dim: int, base: float, scale: float, factors: tuple[float, ...] | None = None,
+                 yarn: tuple | None = None):
+        # ggml_rope_ext: theta_i = pos * scale * base^(-2i/d) / freq_factors[i] (factors: Llama 3's rope_freqs);
+        # YaRN mixes the scaled and unscaled angle per pair and scales cos/sin (yarn[4]).
+        if yarn is not None:
+            self.inv_freq = yarn_inv_freq(rope_dim, base, scale, yarn)
+        else:
+            self.inv_freq = scale * base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+        if factors is not None:
+            self.inv_freq = self.inv_freq / np.asarray(factors, np.float64)
+        self.mscale = 1.0 if yarn is None else yarn[4]
         self.cos = np.empty((0, rope_dim // 2), np.float32)
         self.sin = self.cos
 
@@ -36,7 +45,8 @@ class RopeTable:
         if end > len(self.cos):
             n = max(end, 2 * len(self.cos), 1024)
             angles = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]
-            self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+            self.cos = (np.cos(angles) * self.mscale).astype(np.float32)
+            self.sin = (np.sin(angles) * self.mscale).astype(np.float32)
         return self.cos[positions], self.sin[positions]
 
 
@@ -95,7 +105,10 @@ class Transformer:
     """Weights of a decoder-only model (held by its backend) and its forward pass."""
 
     def __init__(self, g: GGUFFile, config: ModelConfig, backend: Backend | None = None):
-        self.config = c = config
+        # The file's RoPE frequency factors (a no-op when load_model_config already read them).
+        from localllm.architectures import with_rope_factors
+
+        self.config = c = config = with_rope_factors(g, config)
         self.backend = b = backend or backends.get()
         tr = c.traits
 
@@ -148,7 +161,7 @@ class Transformer:
         self._rope = {}
         self.layer_rope = []
         for i in range(c.n_layers):
-            key = (c.layer_rope_base(i), c.layer_rope_scale(i))
+            key = (c.layer_rope_base(i), c.layer_rope_scale(i), c.layer_rope_factors(i), c.layer_rope_yarn(i))
             if key not in self._rope:
                 self._rope[key] = RopeTable(c.rope_dim, *key)
             self.layer_rope.append(self._rope[key])

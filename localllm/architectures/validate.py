@@ -45,6 +45,30 @@ HYPERPARAMETERS: dict[str, tuple[str, bool, float | None]] = {
     "rope.scaling.factor": ("float", False, 0.0),
     "attention.layer_norm_rms_epsilon": ("float", False, 0.0),
     "rope.scaling.type": ("str", False, None),
+    "rope.scale_linear": ("float", False, 0.0),
+    "rope.scaling.original_context_length": ("int", False, 1),
+    "rope.scaling.low_freq_factor": ("float", False, 0.0),
+    "rope.scaling.high_freq_factor": ("float", False, 0.0),
+    "rope.freq_base_swa": ("float", False, 0.0),
+    "rope.scaling.yarn_ext_factor": ("float", False, -1.0),
+    "rope.scaling.yarn_attn_factor": ("float", False, 0.0),
+    "rope.scaling.yarn_beta_fast": ("float", False, 0.0),
+    "rope.scaling.yarn_beta_slow": ("float", False, 0.0),
+}
+
+# Keys under "{arch}." that change nothing localllm computes: informational, or read by llama.cpp only for
+# options localllm does not have (pooling for embeddings; rope.scaling.finetuned).
+INFORMATIONAL = frozenset({"tensor_data_layout", "rope.scaling.finetuned", "pooling_type"})
+
+# Keys that change the computation, with the value that leaves it as localllm computes it. A file that sets one
+# to anything else (a mixture of experts, a soft-cap, a logit scale...) is refused by name: run without it,
+# the model would answer, wrongly, without a word.
+NEUTRAL: dict[str, Any] = {
+    "expert_count": 0, "expert_used_count": 0, "expert_shared_count": 0, "leading_dense_block_count": 0,
+    "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "router_logit_softcapping": 0.0,
+    "logit_scale": 1.0, "embedding_scale": 1.0, "residual_scale": 1.0, "attention.causal": True,
+    "use_parallel_residual": False, "attention.clamp_kqv": 0.0, "attention.max_alibi_bias": 0.0,
+    "rope.scaling.attn_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0,
 }
 
 # Tokenizer keys and the Python types the GGUF reader gives them.
@@ -110,6 +134,29 @@ def check_metadata(meta: dict[str, Any]) -> None:
             f"{arch}.attention.key_length does not give the head size")
 
 
+def check_known_keys(meta: dict[str, Any], arch: str) -> None:
+    """Every "{arch}." key is one localllm reads, one that changes nothing it computes, or one left at the value
+    that means "off" (NEUTRAL). Anything else may change the math: refused by name, never ignored."""
+    prefix = arch + "."
+    for key, value in meta.items():
+        if not key.startswith(prefix):
+            continue
+        suffix = key[len(prefix):]
+        if suffix in HYPERPARAMETERS or suffix in INFORMATIONAL:
+            continue
+        if suffix in NEUTRAL:
+            neutral = NEUTRAL[suffix]
+            same = (value == neutral) if not isinstance(value, (list, np.ndarray)) else False
+            if same and type(neutral) is bool and not isinstance(value, (bool, np.bool_)):
+                same = False
+            if same:
+                continue
+            raise ModelFileError(f"the model sets {key} = {_describe(value)}, which changes what the model computes "
+                                 "and localllm does not implement it; refused rather than answer wrongly")
+        raise ModelFileError(f"the model has the key {key} ({_describe(value)}), which localllm does not know; it may "
+                             "change what the model computes, so the file is refused rather than run without it")
+
+
 def check_config(config: ModelConfig, meta: dict[str, Any]) -> None:
     """What the hyperparameters must satisfy together for the kernels to stay inside their buffers."""
     arch = config.architecture
@@ -131,12 +178,19 @@ def check_config(config: ModelConfig, meta: dict[str, Any]) -> None:
             f"{key('rope.dimension_count')} is {c.rope_dim}; it must be even and between 2 and the head size "
             f"{c.head_dim}")
     # RoPE angles are position * scale * base^(-2i/d): a base or scale that overflows them gives NaN logits.
-    ropes = {(c.rope_base, c.rope_scale)}
-    if c.sliding_window and c.traits.swa_rope_base is not None:
-        ropes.add((c.traits.swa_rope_base, 1.0))
+    ropes = {(c.rope_base, c.rope_scale, c.rope_factors)}
+    if c.sliding_window and c.rope_base_swa is not None:
+        ropes.add((c.rope_base_swa, 1.0, None))
+    if c.rope_factors is not None:
+        factors = np.asarray(c.rope_factors, np.float64)
+        if factors.shape != (c.rope_dim // 2,) or not np.all(np.isfinite(factors) & (factors > 0)):
+            raise ModelFileError(f"the RoPE frequency factors should be {c.rope_dim // 2} finite positive numbers, "
+                                 f"are {_describe(factors)} (min {factors.min() if factors.size else None})")
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        for base, scale in ropes:
+        for base, scale, factors in ropes:
             inv = scale * base ** (-np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim)
+            if factors is not None:
+                inv = inv / np.asarray(factors, np.float64)
             if not np.all(np.isfinite(inv * float(INT_MAX))):  # at any position a context can hold
                 raise ModelFileError(f"{key('rope.freq_base')} {base} (scale {scale}) gives RoPE frequencies that "
                                      "overflow")
@@ -155,6 +209,8 @@ def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str
     yield "output.weight", (c.vocab_size, c.n_embd), "matrix", False  # absent: tied to the embeddings
     yield "output_norm.weight", (c.n_embd,), "vector", True
     tr = c.traits
+    if tr.rope_freq_factors:
+        yield "rope_freqs.weight", (c.rope_dim // 2,), "vector", False  # Llama 3.1+: RoPE frequency factors
     for i in range(c.n_layers):
         p = f"blk.{i}."
         yield from (
@@ -194,7 +250,9 @@ def check_tensors(g, c: ModelConfig) -> None:
         m = _BLOCK_NAME.match(name)
         if m and int(m.group(1)) >= c.n_layers:
             raise ModelFileError(f"{c.architecture}.block_count is {c.n_layers}, but the file has tensor {name!r}")
+    known = set()
     for name, shape, kind, required in expected_tensors(c):
+        known.add(name)
         info = tensors.get(name)
         if info is None:
             if required:
@@ -209,6 +267,13 @@ def check_tensors(g, c: ModelConfig) -> None:
                                  f"not run (supported: {supported}); use a GGUF file quantized to one of those")
         if info.shape != shape:
             raise ModelFileError(f"tensor {name!r} has shape {info.shape}, expected {shape} from the hyperparameters")
+    # A tensor the forward would not read is part of a variant localllm does not compute (llama.cpp refuses
+    # these too: "wrong number of tensors"); ignoring it would run a different model.
+    for name in tensors:
+        if name not in known:
+            raise ModelFileError(f"tensor {name!r} is not part of a {c.architecture} model as localllm computes it; "
+                                 "the file is a variant localllm does not support (refused rather than run without "
+                                 "that tensor)")
 
 
 def _numbers(value: Any, kinds: str) -> np.ndarray | None:

@@ -67,6 +67,19 @@ def _llama_extra(w: gguf.GGUFWriter, hp: dict) -> None:
     if rope_dim is None:
         rope_dim = hp["hidden_size"] // hp["num_attention_heads"]
     w.add_rope_dimension_count(rope_dim)
+    # Mistral's sliding window (Mistral 7B v0.1: 4096), which transformers applies on every layer. Here localllm
+    # departs from convert_hf_to_gguf.py, which drops it (llama.cpp then attends past the window); llama.cpp
+    # ignores the key, so the file still loads there.
+    if (hp.get("architectures") or [None])[0] == "MistralForCausalLM" and hp.get("sliding_window"):
+        w.add_sliding_window(hp["sliding_window"])
+
+
+def _qwen_extra(w: gguf.GGUFWriter, hp: dict) -> None:
+    # transformers' Qwen2/Qwen3 with use_sliding_window attends within a window on layers from max_window_layers
+    # on; llama.cpp's format has no such per-layer window, and converting without it would change the model.
+    if hp.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window is true in config.json: a per-layer sliding window that the GGUF "
+                              "format of this architecture cannot express; not converted")
 
 
 def _gemma3_extra(w: gguf.GGUFWriter, hp: dict) -> None:
@@ -90,6 +103,8 @@ _LLAMA_DEFAULTS = {"vocab_size": 32000, "max_position_embeddings": 2048, "rms_no
                    "tie_word_embeddings": False}
 _QWEN2_DEFAULTS = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                    "rope_theta": 10000.0, "tie_word_embeddings": False}
+_QWEN3_DEFAULTS = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                   "rope_theta": 10000.0, "tie_word_embeddings": False, "head_dim": 128}
 _GEMMA3_DEFAULTS = {"vocab_size": 262208, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
@@ -98,7 +113,10 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "max_position_embeddings": 131072, "rm
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(gguf.MODEL_ARCH.LLAMA, ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
              _LLAMA_DEFAULTS, undo_permute=True, extra_hparams=_llama_extra, vocab_kind=_llama_vocab_kind),
-    ArchSpec(gguf.MODEL_ARCH.QWEN2, ("Qwen2ForCausalLM",), _QWEN2_DEFAULTS, vocab_kind=_spm_if_present),
+    ArchSpec(gguf.MODEL_ARCH.QWEN2, ("Qwen2ForCausalLM",), _QWEN2_DEFAULTS, extra_hparams=_qwen_extra,
+             vocab_kind=_spm_if_present),
+    ArchSpec(gguf.MODEL_ARCH.QWEN3, ("Qwen3ForCausalLM",), _QWEN3_DEFAULTS, extra_hparams=_qwen_extra,
+             vocab_kind=_spm_if_present),
     ArchSpec(gguf.MODEL_ARCH.GEMMA3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _GEMMA3_DEFAULTS,
              norm_shift=1.0, trim_vocab=True, extra_hparams=_gemma3_extra, vocab_kind=_spm_if_present),
 )

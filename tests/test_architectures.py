@@ -1,0 +1,381 @@
+"""Architecture variants: each runs as its reference computes it, or is refused by name.
+
+Llama 3.1+ carries RoPE frequency factors (rope_freqs.weight), others linear or YaRN RoPE scaling; a file that asks for math localllm does not do (an
+unknown RoPE scaling, a soft-cap, experts, a tensor it would not read) is refused naming the key or tensor, never
+run as if it were absent."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localllm.architectures import features, load_model_config
+from localllm.architectures.base import llama3_factors
+from localllm.engine import Engine, GenerationParams
+from localllm.gguf_file import GGUFFile
+from localllm.sampling import SamplingParams
+from test_model_load import F32_, N_EMBD, N_HEAD, STR, U32, refused, write_tiny_model
+
+HALF_ROPE = N_EMBD // N_HEAD // 2  # frequency factors per head: one per rotated pair
+PROMPT = [5, 70, 33, 101, 7, 250, 18, 44, 90, 3, 61, 200]
+
+
+def logits_of(path, tokens=PROMPT) -> np.ndarray:
+    engine = Engine(path, ctx=64, quiet=True)
+    seq = engine.new_sequence()
+    out = engine.evaluate(seq, tokens, logit_positions=range(len(tokens)))
+    seq.close()
+    return out
+
+
+# ---- Llama 3's RoPE frequency factors --------------------------------------------------------------------
+
+def test_rope_frequency_factors_divide_the_angles_as_linear_scaling_does(tmp_path):
+    """rope_freqs.weight of all 2.0 divides every angle by 2: the same positions as linear scaling by 2, so the
+    same logits bit for bit; and different logits from the model without it (the factors are not ignored)."""
+    factors = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
+    linear = write_tiny_model(tmp_path / "l.gguf", meta={"llama.rope.scaling.type": ("linear", STR),
+                                                         "llama.rope.scaling.factor": (2.0, F32_)})
+    plain = write_tiny_model(tmp_path / "p.gguf")
+    with_factors = logits_of(factors)
+    assert np.array_equal(with_factors, logits_of(linear))
+    assert not np.allclose(with_factors, logits_of(plain), rtol=1e-3, atol=1e-3)
+
+
+def test_rope_frequency_factors_apply_per_frequency(tmp_path):
+    """Factors of 1.0 change nothing; a factor on one frequency only changes the logits (it is read per pair)."""
+    ones = write_tiny_model(tmp_path / "ones.gguf", extra_tensors={"rope_freqs.weight": np.ones(HALF_ROPE)})
+    plain = write_tiny_model(tmp_path / "p.gguf")
+    assert np.array_equal(logits_of(ones), logits_of(plain))
+    one = np.ones(HALF_ROPE)
+    one[-1] = 8.0
+    last = write_tiny_model(tmp_path / "last.gguf", extra_tensors={"rope_freqs.weight": one})
+    assert not np.array_equal(logits_of(last), logits_of(plain))
+
+
+def test_a_scaling_factor_without_a_type_is_linear_as_in_llama_cpp(tmp_path):
+    untyped = write_tiny_model(tmp_path / "u.gguf", meta={"llama.rope.scaling.factor": (2.0, F32_)})
+    linear = write_tiny_model(tmp_path / "l.gguf", meta={"llama.rope.scaling.type": ("linear", STR),
+                                                         "llama.rope.scaling.factor": (2.0, F32_)})
+    none = write_tiny_model(tmp_path / "n.gguf", meta={"llama.rope.scaling.type": ("none", STR),
+                                                       "llama.rope.scaling.factor": (2.0, F32_)})
+    plain = write_tiny_model(tmp_path / "p.gguf")
+    assert np.array_equal(logits_of(untyped), logits_of(linear))
+    assert np.array_equal(logits_of(none), logits_of(plain))  # "none" never scales
+
+
+def test_a_llama3_scaling_given_by_keys_runs_as_its_rope_freqs_tensor(tmp_path):
+    keys = {"llama.rope.scaling.type": ("llama3", STR), "llama.rope.scaling.factor": (8.0, F32_),
+            "llama.rope.scaling.original_context_length": (64, U32),
+            "llama.rope.scaling.low_freq_factor": (1.0, F32_), "llama.rope.scaling.high_freq_factor": (4.0, F32_)}
+    factors = llama3_factors(10000.0, 2 * HALF_ROPE, 8.0, 1.0, 4.0, 64)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0  # high, medium, low bands
+    by_keys = write_tiny_model(tmp_path / "k.gguf", meta=keys)
+    by_tensor = write_tiny_model(tmp_path / "t.gguf",
+                                 extra_tensors={"rope_freqs.weight": np.array(factors, np.float32)})
+    np.testing.assert_allclose(logits_of(by_keys), logits_of(by_tensor), rtol=1e-5, atol=1e-6)
+
+
+def test_llama3_factors_match_the_converters_float32_rope_freqs():
+    from localllm.convert.architectures import llama3_rope_factors
+
+    hp = {"head_dim": 64, "hidden_size": 256, "num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    np.testing.assert_allclose(llama3_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192), llama3_rope_factors(hp),
+                               rtol=1e-6)
+
+
+def test_the_frequency_factors_reach_the_config_and_the_features_show_lists(tmp_path):
+    path = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
+    g = GGUFFile(path)
+    config = load_model_config(g)
+    assert config.rope_scaling == "llama3" and config.rope_factors == (2.0,) * HALF_ROPE
+    assert "RoPE adjacent pairs, base 10000, llama3 frequency factors 2..2" in features(config, g.tensors)
+
+
+def test_show_prints_the_features_or_why_the_file_is_refused(tmp_path, capsys):
+    from localllm.cli import main
+
+    path = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
+    assert main(["show", str(path)]) == 0
+    assert "features        grouped-query attention (4 query heads, 2 KV heads); RoPE adjacent pairs" in \
+        capsys.readouterr().out
+    path = write_tiny_model(tmp_path / "y.gguf", meta={"llama.rope.scaling.type": ("dynamic", STR)})
+    assert main(["show", str(path)]) == 0
+    assert "not runnable    " in capsys.readouterr().out
+
+
+# ---- refused by name ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, message", [
+    ("longrope", "llama.rope.scaling.type is 'longrope': localllm does not compute longrope RoPE scaling"),
+    ("dynamic", "llama.rope.scaling.type is 'dynamic', a RoPE scaling localllm does not know"),
+])
+def test_a_rope_scaling_type_localllm_does_not_compute_is_refused_naming_it(tmp_path, kind, message):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": (kind, STR),
+                                                       "llama.rope.scaling.factor": (4.0, F32_)})
+    assert message in refused(path)
+
+
+def test_a_yarn_scaling_without_a_factor_or_with_deepseeks_log_multiplier_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": ("yarn", STR)})
+    assert "llama.rope.scaling.type is 'yarn' without a rope.scaling.factor above 1" in refused(path)
+    path = write_tiny_model(tmp_path / "d.gguf", meta={"llama.rope.scaling.type": ("yarn", STR),
+                                                       "llama.rope.scaling.factor": (4.0, F32_),
+                                                       "llama.rope.scaling.yarn_log_multiplier": (0.1, F32_)})
+    assert "llama.rope.scaling.yarn_log_multiplier is set" in refused(path)
+
+
+def test_a_llama3_scaling_without_its_factors_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": ("llama3", STR)})
+    assert "neither the rope_freqs.weight tensor nor the rope.scaling keys" in refused(path)
+
+
+@pytest.mark.parametrize("key, value, vtype", [
+    ("llama.expert_count", 8, U32),
+    ("llama.final_logit_softcapping", 30.0, F32_),
+    ("llama.attn_logit_softcapping", 50.0, F32_),
+    ("llama.logit_scale", 0.5, F32_),
+])
+def test_a_key_that_changes_the_math_is_refused_naming_it(tmp_path, key, value, vtype):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={key: (value, vtype)})
+    assert f"the model sets {key} = {value!r}, which changes what the model computes" in refused(path)
+
+
+def test_a_math_key_at_its_neutral_value_is_accepted(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.expert_count": (0, U32),
+                                                       "llama.final_logit_softcapping": (0.0, F32_)})
+    assert np.array_equal(logits_of(path), logits_of(write_tiny_model(tmp_path / "p.gguf")))
+
+
+def test_an_unknown_key_of_the_architecture_is_refused_naming_it(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.rope.dimension_sections": (3, U32)})
+    assert "the model has the key llama.rope.dimension_sections (3), which localllm does not know" in refused(path)
+
+
+def test_a_tensor_the_forward_would_not_read_is_refused_naming_it(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", extra_tensors={"blk.0.attn_output.bias": np.zeros(N_EMBD)})
+    assert "tensor 'blk.0.attn_output.bias' is not part of a llama model" in refused(path)
+
+
+def test_rope_frequency_factors_in_an_architecture_without_them_are_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", arch="qwen2",
+                            extra_tensors={"rope_freqs.weight": np.ones(HALF_ROPE)})
+    assert "tensor 'rope_freqs.weight' is not part of a qwen2 model" in refused(path)
+
+
+@pytest.mark.parametrize("values, message", [
+    (np.ones(HALF_ROPE + 1), "tensor 'rope_freqs.weight' has shape (5,), expected (4,)"),
+    (np.array([1.0, 0.0, 1.0, 1.0]), "the RoPE frequency factors should be 4 finite positive numbers"),
+    (np.array([1.0, np.nan, 1.0, 1.0]), "the RoPE frequency factors should be 4 finite positive numbers"),
+])
+def test_rope_frequency_factors_of_the_wrong_size_or_not_positive_are_refused(tmp_path, values, message):
+    path = write_tiny_model(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": values})
+    assert message in refused(path)
+
+
+# ---- against transformers: tiny checkpoints with each feature switched on (tests/data/arch) -----------------
+# tools/make_arch_fixtures.py built them with transformers (random weights, fixed seeds) and recorded its float32
+# forward; here `localllm convert` turns them into F32 and Q8_0 GGUF files and localllm runs those. Measured
+# (2-core machine): F32 logits within 1e-6 relative of transformers' on every case; Q8_0 top-1 98.3-100%.
+
+ARCH_DATA = Path(__file__).parent / "data" / "arch"
+CASES = sorted(p.name for p in ARCH_DATA.iterdir() if (p / "reference.npz").is_file())
+# What each case switches on, and the config.json change that switches it off (the fixture must need it).
+FEATURE_OFF = {
+    "llama3": ("llama3 frequency factors", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "llama-linear": ("linear scaling x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "llama-yarn": ("YaRN x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
+}
+FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
+            "llama-yarn": "YaRN x4 from a context of 64",
+            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm"}
+
+
+def test_every_architecture_fixture_is_there():
+    assert set(CASES) == set(FEATURES)
+
+
+@functools.cache
+def converted(case: str, out_type: str, changes: str = "") -> Path:
+    """The case's checkpoint converted by `localllm convert` (once per session); `changes`: config.json changes
+    (JSON) applied to a copy first."""
+    from localllm.convert.converter import convert
+
+    out_dir = Path(tempfile.mkdtemp(prefix=f"arch-{case}-"))
+    src = ARCH_DATA / case
+    if changes:
+        copy = out_dir / case
+        shutil.copytree(src, copy)
+        config = json.loads((copy / "config.json").read_text())
+        config.update(json.loads(changes))
+        (copy / "config.json").write_text(json.dumps(config))
+        src = copy
+    out = out_dir / f"{case}-{out_type}.gguf"
+    convert(src, out, out_type, progress=False)
+    return out
+
+
+@functools.cache
+def arch_engine(case: str, out_type: str, kv_type: str = "f32") -> Engine:
+    return Engine(converted(case, out_type), ctx=512, quiet=True, kv_type=kv_type)
+
+
+def reference(case: str):
+    return np.load(ARCH_DATA / case / "reference.npz")
+
+
+def all_logits(engine: Engine, prompt) -> np.ndarray:
+    seq = engine.new_sequence()
+    try:
+        return engine.evaluate(seq, [int(t) for t in prompt], logit_positions=range(len(prompt)))
+    finally:
+        seq.close()
+
+
+def relative_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per position: the largest logit difference over the largest logit magnitude."""
+    return np.abs(got - want).max(-1) / np.abs(want).max(-1)
+
+
+def greedy(engine: Engine, prompt, n: int = 64, speculation=None) -> list[int]:
+    params = GenerationParams(max_tokens=n, ignore_eos=True, sampling=SamplingParams(temperature=0),
+                              speculation=speculation)
+    return [e.token for e in engine.generate([int(t) for t in prompt], params)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f32_logits_match_transformers_float32_on_300_token_prompts(case):
+    ref = reference(case)
+    engine = arch_engine(case, "f32")
+    assert FEATURES[case] in "; ".join(features(engine.config, engine.gguf.tensors))
+    assert ref["prompts"].shape[1] >= 300
+    for prompt, want, top1 in zip(ref["prompts"], ref["logits"], ref["argmax"]):
+        logits = all_logits(engine, prompt)
+        assert relative_errors(logits[ref["positions"]], want).max() < 1e-3
+        assert np.array_equal(logits.argmax(-1), top1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f32_greedy_continuation_is_transformers_64_tokens(case):
+    ref = reference(case)
+    for prompt, want in zip(ref["prompts"], ref["greedy"]):
+        assert greedy(arch_engine(case, "f32"), prompt) == want.tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_q8_0_top1_agrees_with_transformers_on_98_percent_of_positions(case):
+    ref = reference(case)
+    engine = arch_engine(case, "q8_0")
+    agree = [all_logits(engine, p).argmax(-1) == top1 for p, top1 in zip(ref["prompts"], ref["argmax"])]
+    assert np.mean(agree) >= 0.98
+
+
+@pytest.mark.parametrize("case", sorted(FEATURE_OFF))
+def test_the_fixture_is_wrong_by_far_without_its_feature(case):
+    """The checkpoint converted with its feature switched off in config.json runs 10x past the tolerance: the
+    comparison above would catch a feature ignored or computed wrongly."""
+    name, changes = FEATURE_OFF[case]
+    ref = reference(case)
+    engine = Engine(converted(case, "f32", json.dumps(changes)), ctx=512, quiet=True)
+    assert name not in "; ".join(features(engine.config, engine.gguf.tensors))
+    logits = all_logits(engine, ref["prompts"][0])
+    assert relative_errors(logits[ref["positions"]], ref["logits"][0]).max() > 1e-2
+
+
+# ---- every path: fused, paged, q8_0 KV, batched, speculative ----------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fused_forward_equals_the_per_kernel_path_bitwise_in_both_kv_layouts(case):
+    from test_fused_forward import assert_bitwise, run
+
+    engine = arch_engine(case, "q8_0")
+    assert engine.model.fused.available
+    prompt = reference(case)["prompts"][1].tolist()
+    steps = [prompt[i:j] for i, j in ((0, 1), (1, 4), (4, 5), (5, 13), (13, 29), (29, 66))]
+    for interleave in (False, True):
+        assert_bitwise(run(engine, True, prompt[:70], steps, interleave),
+                       run(engine, False, prompt[:70], steps, interleave))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_q8_0_kv_cache_keeps_the_top1_tokens(case):
+    ref = reference(case)
+    engine = arch_engine(case, "f32", "q8_0")
+    agree = [all_logits(engine, p).argmax(-1) == top1 for p, top1 in zip(ref["prompts"], ref["argmax"])]
+    assert np.mean(agree) >= 0.98
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_batched_step_gives_each_sequence_its_logits_alone_bitwise(case):
+    engine = arch_engine(case, "q8_0")
+    prompts = [p.tolist() for p in reference(case)["prompts"]]
+    alone = []
+    for p in prompts:
+        seq = engine.new_sequence()
+        alone.append(engine.evaluate(seq, p[:100]).reshape(-1))
+        seq.close()
+    seqs = [engine.new_sequence() for _ in prompts]
+    together = engine.evaluate_batch([(s, p[:100]) for s, p in zip(seqs, prompts)])
+    for s in seqs:
+        s.close()
+    for a, t in zip(alone, together):
+        assert a.shape == t.shape == (engine.config.vocab_size,)
+        assert np.array_equal(a.view(np.uint32), t.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculative_decoding_with_the_q8_0_file_as_draft_keeps_the_greedy_tokens(case):
+    from localllm.speculative import SpeculationParams
+
+    spec = SpeculationParams(mode="draft", draft_model=str(converted(case, "q8_0")), draft_max=4, adaptive=False,
+                             lookup=False)
+    prompt = reference(case)["prompts"][2]
+    assert greedy(arch_engine(case, "f32"), prompt, 24, spec) == reference(case)["greedy"][2][:24].tolist()
+
+
+def test_a_sliding_window_in_an_architecture_without_one_is_refused(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", arch="qwen2", meta={"qwen2.attention.sliding_window": (16, U32)})
+    assert "qwen2.attention.sliding_window is 16, but localllm's qwen2 has no sliding-window attention" in \
+        refused(path)
+
+
+def test_convert_refuses_a_qwen3_checkpoint_with_a_per_layer_sliding_window(tmp_path):
+    from localllm.convert.converter import convert
+    from localllm.errors import LocalLLMError
+
+    src = shutil.copytree(ARCH_DATA / "qwen3", tmp_path / "qwen3")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 32}))
+    with pytest.raises(LocalLLMError, match="use_sliding_window is true"):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_opencl_backend_matches_transformers_float32_too(case):
+    """RoPE's tables (factors, scalings) are the host's on every backend; the OpenCL forward (PoCL in `make test`)
+    applies them, the window and QK-norm as the CPU does: within 1.3e-6 of transformers, measured."""
+    pytest.importorskip("pyopencl")
+    from test_backend_opencl import POCL_INSTALLED, device_spec
+
+    from localllm.kernels.opencl.device import OpenCLUnavailable
+
+    try:
+        engine = Engine(converted(case, "f32"), ctx=512, quiet=True, backend=device_spec())
+    except Exception as e:  # no OpenCL runtime on this platform, as test_backend_opencl skips
+        if POCL_INSTALLED or not isinstance(e.__cause__ or e, (OpenCLUnavailable, )) and "OpenCL" not in str(e):
+            raise
+        pytest.skip(f"no OpenCL device: {e}")
+    ref = reference(case)
+    logits = all_logits(engine, ref["prompts"][0])
+    assert relative_errors(logits[ref["positions"]], ref["logits"][0]).max() < 1e-3
+    assert np.array_equal(logits.argmax(-1), ref["argmax"][0])
