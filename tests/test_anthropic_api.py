@@ -253,6 +253,12 @@ def test_a_tool_call_cut_off_by_max_tokens_has_no_input_and_stop_reason_max_toke
 def served():
     """(base URL, engine): the app with its scheduler under uvicorn in a thread, on a free loopback port."""
     engine = Engine.load(str(model_file(MODEL)), ctx=1024, quiet=True)
+    # The scheduler's batched step (op-by-op kernels) compiled here, not inside the first request: on a fresh
+    # machine that takes minutes on 2 cores, which a client's timeout would count.
+    seqs = [engine.new_sequence(), engine.new_sequence()]
+    engine.evaluate_batch([(seqs[0], [1, 2, 3]), (seqs[1], [4, 5])])
+    for seq in seqs:
+        seq.close()
     state = ServerState(engine=engine, scheduler=Scheduler(engine, parallel=4), model_name=MODEL,
                         model_path=str(model_file(MODEL)), max_tokens=MAX_TOKENS, parallel=4, api_key=KEY)
     sock = bind("127.0.0.1", 0)
@@ -271,12 +277,12 @@ def served():
 
 @pytest.fixture
 def client(served):
-    return anthropic.Anthropic(base_url=served[0], api_key=KEY, max_retries=0, timeout=60)
+    return anthropic.Anthropic(base_url=served[0], api_key=KEY, max_retries=0, timeout=600)
 
 
 def raw(served, path: str, body: dict, **headers) -> httpx.Response:
     headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01", **headers}
-    return httpx.post(served[0] + path, json=body, headers=headers, timeout=60)
+    return httpx.post(served[0] + path, json=body, headers=headers, timeout=600)
 
 
 def test_a_message_answers_with_text_usage_and_end_turn_or_max_tokens(client, served):
