@@ -122,3 +122,13 @@ def format_of(qtype: GGMLQuantizationType | int) -> QuantFormat:
         f"tensor type {name} is not supported by this version of localllm (supported: {supported}); "
         "use a GGUF file quantized to one of those"
     )
+
+
+def row_range(raw: np.ndarray, rows: tuple[int, int] | None, name: str = "tensor") -> np.ndarray:
+    """Rows lo to hi of a (rows, row_bytes) tensor view (still C-contiguous: whole rows), checked."""
+    if rows is None:
+        return raw
+    lo, hi = int(rows[0]), int(rows[1])
+    if not 0 <= lo < hi <= raw.shape[0]:
+        raise ValueError(f"{name}: rows {lo} to {hi} are not within its {raw.shape[0]} rows")
+    return raw[lo:hi]

@@ -31,6 +31,7 @@ from localllm.kernels.cpu import attention as _attention
 from localllm.kernels.cpu import runtime as _runtime
 from localllm.kernels.cpu import blocks as _blocks
 from localllm.kernels.cpu.formats import FORMATS, CpuFormat, format_of
+from localllm.kernels.formats import row_range
 
 try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
     from localllm.kernels.cpu import quant_dot as _quant_dot
@@ -94,9 +95,9 @@ class Weight:
         self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
 
     @classmethod
-    def from_gguf(cls, gguf_file, name: str) -> "Weight":
+    def from_gguf(cls, gguf_file, name: str, rows: tuple[int, int] | None = None) -> "Weight":
         info = gguf_file.tensor_info(name)
-        return cls(gguf_file.raw(name), info.qtype)
+        return cls(row_range(gguf_file.raw(name), rows, name), info.qtype)
 
     @property
     def nbytes(self) -> int:

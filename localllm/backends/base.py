@@ -33,8 +33,12 @@ class Backend(ABC):
 
     # -- weights ------------------------------------------------------------------------------------------
     @abstractmethod
-    def matrix(self, gguf_file, name: str) -> Matrix:
-        """The GGUF tensor `name` (rows, cols in any format of the table), uploaded once; `.rows`/`.cols`."""
+    def matrix(self, gguf_file, name: str, rows: tuple[int, int] | None = None) -> Matrix:
+        """The GGUF tensor `name` (rows, cols in any format of the table), uploaded once; `.rows`/`.cols`.
+
+        `rows` = (lo, hi): only those rows of the tensor seen as 2-D (every dimension but the innermost folded
+        into rows), as a matrix of its own: one part of a fused tensor (Phi-3's attn_qkv, ffn_up as gate and
+        up) or one expert of a stacked tensor (blk.N.ffn_*_exps: expert e is rows e*n_ff to (e+1)*n_ff)."""
 
     @abstractmethod
     def vector(self, values: np.ndarray) -> Tensor:

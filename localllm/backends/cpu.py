@@ -25,8 +25,8 @@ class CpuBackend(Backend):
     # The kernel module, for the few callers that need CPU-only features (threads, bandwidth figures).
     ops = ops
 
-    def matrix(self, gguf_file, name):
-        return ops.Weight.from_gguf(gguf_file, name)
+    def matrix(self, gguf_file, name, rows=None):
+        return ops.Weight.from_gguf(gguf_file, name, rows)
 
     def vector(self, values):
         return values

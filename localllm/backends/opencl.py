@@ -125,11 +125,12 @@ class OpenCLBackend(Backend):
                 "(use a smaller quantization or --ctx, or --device cpu)")
 
     # -- weights --
-    def matrix(self, gguf_file, name):
+    def matrix(self, gguf_file, name, rows=None):
+        from localllm.kernels.formats import row_range
         from localllm.kernels.opencl.formats import DeviceWeight
 
         info = gguf_file.tensor_info(name)
-        return DeviceWeight(self.dev, gguf_file.raw(name), info.qtype)
+        return DeviceWeight(self.dev, row_range(gguf_file.raw(name), rows, name), info.qtype)
 
     def vector(self, values):
         return self.ops.to_device(np.ascontiguousarray(values, np.float32))
