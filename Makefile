@@ -35,8 +35,9 @@ test-models: setup
 test: setup-dev test-models
 	$(BIN)/python -m pytest -q --durations=15
 
+# LLAMA_BENCH=/path/to/llama-bench: llama.cpp's figures beside localllm's, as ratios from the same run.
 bench: setup
-	$(BIN)/localllm bench --present
+	$(BIN)/localllm bench --present --depth 4096 $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

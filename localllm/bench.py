@@ -40,6 +40,26 @@ def time_generation(engine, n: int) -> float:
     return time.perf_counter() - t
 
 
+def time_generation_at_depth(engine, n: int, depth: int, reps: int) -> list[float]:
+    """tg n after `depth` tokens of context (llama-bench -d): the context is evaluated once, then each repetition
+    decodes n tokens one forward at a time and the sequence is cut back to `depth` (llama-bench re-evaluates the
+    context before every repetition; the timed part is the same). One warm-up repetition first."""
+    seq = engine.new_sequence()
+    try:
+        engine.evaluate(seq, _tokens(engine, depth, seed=5))
+        tokens = _tokens(engine, n, seed=1)
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            for tok in tokens:
+                engine.evaluate(seq, [tok])
+            times.append(time.perf_counter() - t)
+            seq.truncate(depth)
+        return times[1:]
+    finally:
+        seq.close()
+
+
 def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> dict:
     """A chat's next turn: time to first token with the conversation's cache reused, against the same
     history processed cold (a fresh KV pool, so nothing is found cached), and time per output token."""
@@ -103,7 +123,7 @@ def k_token_ratios(engine, ks=(2, 4, 8), context: int = 512, reps: int = 5) -> d
         seq.close()
 
 
-def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict:
+def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3, depth: int = 0) -> dict:
     result = {"model": engine.name, "device": engine.model.backend.name,
               "params": sum(w.rows * w.cols for w in engine.model.weights()),
               "size": engine.path.stat().st_size}
@@ -117,6 +137,14 @@ def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3) -> dict:
         result[key] = statistics.fmean(speeds)
         result[f"{key}_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
         result[f"{key}_n"] = n
+    if depth and n_gen:
+        if depth + n_gen >= engine.ctx:
+            raise ValueError(f"tg{n_gen} at depth {depth} does not fit the context of {engine.ctx} tokens")
+        speeds = [n_gen / t for t in time_generation_at_depth(engine, n_gen, depth, reps)]
+        result["tg_depth"] = statistics.fmean(speeds)
+        result["tg_depth_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
+        result["tg_depth_n"] = n_gen
+        result["depth"] = depth
     if "tg" in result:
         result["weight_bytes_per_token"] = weight_bytes_per_token(engine)
         result["bandwidth_gbs"] = result["weight_bytes_per_token"] * result["tg"] / 1e9
@@ -144,16 +172,72 @@ def format_extras(r: dict) -> list[str]:
     return lines
 
 
+def _tests(r: dict):
+    """(key, test label as llama-bench prints it) of the tests in a result."""
+    for key in ("pp", "tg", "tg_depth"):
+        if key in r:
+            n = r[key + "_n"]
+            yield key, (f"tg{n} @ d{r['depth']}" if key == "tg_depth" else f"{key}{n}")
+
+
 def format_rows(results: list[dict], threads: int) -> str:
-    lines = [f"| {'model':<30} | {'size':>9} | {'threads':>7} | {'test':>6} | {'t/s':>16} |",
-             f"| {'-' * 30} | {'-' * 9}:| {'-' * 7}:| {'-' * 6}:| {'-' * 16}:|"]
+    """llama-bench's table; with llama.cpp's figures in the results (`llama_cpp`), its t/s and the ratio beside."""
+    ref = any("llama_cpp" in r for r in results)
+    head = f"| {'model':<30} | {'size':>9} | {'threads':>7} | {'test':>13} | {'t/s':>16} |"
+    rule = f"| {'-' * 30} | {'-' * 9}:| {'-' * 7}:| {'-' * 13}:| {'-' * 16}:|"
+    if ref:
+        head += f" {'llama.cpp t/s':>16} | {'ratio':>5} |"
+        rule += f" {'-' * 16}:| {'-' * 5}:|"
+    lines = [head, rule]
     for r in results:
-        for key in ("pp", "tg"):
-            if key in r:
-                speed = f"{r[key]:.2f} ± {r[key + '_sd']:.2f}"
-                lines.append(f"| {r['model']:<30} | {r['size'] / 2**20:>5.0f} MiB | {threads:>7} | "
-                             f"{key}{r[key + '_n']:<4} | {speed:>16} |")
+        for key, label in _tests(r):
+            speed = f"{r[key]:.2f} ± {r[key + '_sd']:.2f}"
+            line = f"| {r['model']:<30} | {r['size'] / 2**20:>5.0f} MiB | {threads:>7} | {label:>13} | {speed:>16} |"
+            if ref:
+                theirs = r.get("llama_cpp", {}).get(key)
+                if theirs:
+                    line += f" {theirs['ts']:>8.2f} ± {theirs['sd']:>5.2f} | {r[key] / theirs['ts']:>5.2f} |"
+                else:
+                    line += f" {'-':>16} | {'-':>5} |"
+            lines.append(line)
     return "\n".join(lines)
+
+
+def llama_bench(binary: str, model_path, n_prompt: int, n_gen: int, reps: int, threads: int, depth: int = 0) -> dict:
+    """llama.cpp's figures for the same tests on the same file, from its llama-bench (`-o json`): {key: {"ts",
+    "sd"}} with bench.run's keys. Two invocations, so llama-bench does not also run pp at depth."""
+    import json
+    import subprocess
+
+    from localllm.errors import LocalLLMError
+
+    def invoke(args: list[str]) -> list[dict]:
+        cmd = [binary, "-m", str(model_path), "-r", str(reps), "-t", str(threads), "-o", "json", *args]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise LocalLLMError(f"cannot run llama-bench at {binary}: {e.strerror}") from None
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise LocalLLMError(f"llama-bench failed (exit {done.returncode}): " + " / ".join(tail))
+        try:
+            return json.loads(done.stdout)
+        except ValueError:
+            raise LocalLLMError("llama-bench printed something other than its JSON (-o json)") from None
+
+    out = {}
+    rows = invoke(["-p", str(n_prompt), "-n", str(n_gen), "-d", "0"]) if (n_prompt or n_gen) else []
+    if depth and n_gen:
+        rows += invoke(["-p", "0", "-n", str(n_gen), "-d", str(depth)])
+    for row in rows:
+        if row.get("n_depth", 0) and row["n_gen"]:
+            key = "tg_depth"
+        elif row["n_prompt"]:
+            key = "pp"
+        else:
+            key = "tg"
+        out[key] = {"ts": float(row["avg_ts"]), "sd": float(row["stddev_ts"])}
+    return out
 
 
 # ---- speculative decoding: the same greedy decode with and without it ----------------------------------------

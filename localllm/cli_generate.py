@@ -408,9 +408,14 @@ def cmd_bench(args) -> int:
     machine_bandwidth = None if args.no_bandwidth else read_bandwidth() / 1e9
     results = []
     for name in names:
-        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.chat_turn + 64, 512 + 16),
+        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.depth + args.n + 16,
+                                           args.chat_turn + 64, 512 + 16),
                              quiet=args.json, kv_type=args.kv_type, device=args.device)
-        result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r)
+        result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r, depth=args.depth)
+        if args.llama_bench:
+            # Back to back with localllm's run, on the same file and thread count: quote the ratio, not the figures.
+            result["llama_cpp"] = bench.llama_bench(args.llama_bench, engine.path, args.p, args.n, args.r,
+                                                    ops.threads(), args.depth)
         if machine_bandwidth is not None:
             result["machine_bandwidth_gbs"] = machine_bandwidth
         if args.k_ratio:
@@ -523,6 +528,11 @@ def add_commands(sub) -> None:
     p.add_argument("-r", type=whole_number(1), default=3, help="repetitions (default 3)")
     p.add_argument("-t", "--threads", type=whole_number(1), default=None, help="threads (default: all cores)")
     p.add_argument("--ctx", type=whole_number(0), default=None, help="context size (default: enough for the test)")
+    p.add_argument("-d", "--depth", type=whole_number(0), default=0, metavar="N",
+                   help="also time tg after N tokens of context (llama-bench -d N; default 0: skip)")
+    p.add_argument("--llama-bench", metavar="PATH", default=None,
+                   help="run llama.cpp's llama-bench (this binary) on the same file, tests and threads right after "
+                        "each model, and print its t/s and localllm's ratio beside")
     add_kv_type_option(p)
     p.add_argument("--chat-turn", type=whole_number(0), default=512, metavar="N",
                    help="time a chat's next turn after N tokens of history (TTFT with the cache and cold, TPOT) "
