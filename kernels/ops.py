@@ -253,11 +253,11 @@ def _warm_blocks() -> None:
         gated_activation(x[0], x[0], kind)
 
 
-def _warm_attention() -> None:
-    """Both KV storage types (float32, q8_0): writing rows, reading them back, attending."""
+def _warm_attention(kv_type: str) -> None:
+    """One KV storage type (f32: float32, q8_0: int8 with scales): writing rows, reading them back, attending."""
     q = np.ones((1, 2, 32), _F32)
     table, cols = np.zeros(1, np.int64), np.zeros(1, np.int64)
-    for dtype, n_scales in ((_F32, 0), (np.int8, 1)):
+    for dtype, n_scales in {"f32": [(_F32, 0)], "q8_0": [(np.int8, 1)]}[kv_type]:
         k, scales = np.zeros((1, 16, 32), dtype), np.ones((1, 16, n_scales), _F32)
         _attention.write_rows(k, scales, cols, q[:, :1])
         _attention.read_rows(k, scales, cols, np.empty((1, 1, 32), _F32))
@@ -308,14 +308,16 @@ def attention(q: np.ndarray, cache_inputs: tuple, q_positions: np.ndarray, key_s
     return out
 
 
-def warm_up_calls(weights) -> list[tuple[str, object]]:
+def warm_up_calls(weights, kv_type: str | None = None) -> list[tuple[str, object]]:
     """(label, thunk) pairs that call every kernel variant these weights will use, once, on tiny inputs.
 
     Numba compiles a kernel on its first call (several seconds each); running these up front lets a front end
     show progress instead of freezing on the first token. Thunks use slices of the real weights, so the
     compiled signatures (read-only memory-mapped uint8 rows) are exactly those used later.
     """
-    calls, seen = [("norm and rope", _warm_blocks), ("attention", _warm_attention)], set()
+    calls, seen = [("norm and rope", _warm_blocks)], set()
+    for kv in ("f32", "q8_0") if kv_type is None else (kv_type,):
+        calls.append((f"attention {kv}", lambda kv=kv: _warm_attention(kv)))
     for w in weights:
         if w._dense is not None:
             continue

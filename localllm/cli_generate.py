@@ -125,7 +125,9 @@ def add_overflow_options(p, default: str, why: str) -> None:
 def load_engine(args):
     from localllm.engine import Engine
 
-    return Engine.load(args.model, ctx=args.ctx, kv_type=args.kv_type, device=args.device)
+    # run and chat generate for one sequence at a time: the whole-forward path only (perplexity scores op by op).
+    warm = "all" if args.command == "perplexity" else "first-token"
+    return Engine.load(args.model, ctx=args.ctx, kv_type=args.kv_type, device=args.device, warm=warm)
 
 
 # ---- run -------------------------------------------------------------------------------------------------
@@ -410,7 +412,7 @@ def cmd_bench(args) -> int:
     for name in names:
         engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.depth + args.n + 16,
                                            args.chat_turn + 64, 512 + 16),
-                             quiet=args.json, kv_type=args.kv_type, device=args.device)
+                             quiet=args.json, kv_type=args.kv_type, device=args.device, warm="first-token")
         result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r, depth=args.depth)
         if args.llama_bench:
             # Back to back with localllm's run, on the same file and thread count: quote the ratio, not the figures.
@@ -446,7 +448,8 @@ def bench_speculative(args, names, spec) -> int:
     prompt = read_text_file(args.prompt_file) if args.prompt_file else bench.SPEC_PROMPT
     results = []
     for name in names:
-        engine = Engine.load(name, ctx=args.ctx, quiet=args.json, kv_type=args.kv_type, device=args.device)
+        engine = Engine.load(name, ctx=args.ctx, quiet=args.json, kv_type=args.kv_type, device=args.device,
+                             warm="first-token")
         results.append(bench.speculative(engine, engine.tokenize_prompt(prompt), spec, n_gen=args.n, reps=args.r))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))

@@ -165,8 +165,14 @@ class Sequence:
 
 class Engine:
     def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
-                 backend: str = "cpu"):
-        """`backend`: where the model runs, as `--device` names it ("cpu", "opencl[:PLATFORM:DEVICE]")."""
+                 backend: str = "cpu", warm: str = "all"):
+        """`backend`: where the model runs, as `--device` names it ("cpu", "opencl[:PLATFORM:DEVICE]").
+
+        `warm`: what to compile before returning. "all": every kernel the model can use (a server's batched steps,
+        embeddings, scoring run op by op). "first-token": only what one sequence's generation needs, when the
+        backend has a whole-forward override (run, chat, bench): on a cold start the op-by-op kernels are most
+        of the compile time (smollm2 on 2 cores: ~12 of the 16 compile items), and a one-sequence session never
+        calls them; anything else compiles on its first use."""
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         meta = self.gguf.metadata
@@ -196,21 +202,26 @@ class Engine:
         self.kv_type = kv_type
         self.device = backend
         self._draft_engines: dict[str, Engine] = {}
-        warm_up(self.model.backend.warm_up_calls(self.model.weights()) + self.model.warm_up_calls(kv_type),
-                quiet=quiet, where="this CPU" if self.model.backend.name == "cpu" else self.model.backend.name)
+        if warm not in ("all", "first-token"):
+            raise ValueError(f"warm={warm!r}")
+        calls = self.model.warm_up_calls(kv_type)
+        if warm == "all" or not self.model.fused_available:
+            calls = self.model.backend.warm_up_calls(self.model.weights(), kv_type=kv_type) + calls
+        warm_up(calls, quiet=quiet, where="this CPU" if self.model.backend.name == "cpu" else self.model.backend.name)
 
     @classmethod
     def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
-             device: str = "cpu") -> "Engine":
+             device: str = "cpu", warm: str = "all") -> "Engine":
         from localllm import store
 
-        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type, backend=device)
+        return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type, backend=device, warm=warm)
 
     def draft_engine(self, name_or_path: str) -> "Engine":
         """A draft model for speculative decoding (loaded once, same context size and KV type)."""
         key = str(name_or_path)
         if key not in self._draft_engines:
-            draft = Engine.load(key, ctx=self.ctx, quiet=True, kv_type=self.kv_type, device=self.device)
+            draft = Engine.load(key, ctx=self.ctx, quiet=True, kv_type=self.kv_type, device=self.device,
+                                warm="first-token")
             check_draft_engine(self, draft)
             self._draft_engines[key] = draft
         return self._draft_engines[key]

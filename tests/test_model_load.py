@@ -221,3 +221,28 @@ def test_a_norm_weight_that_is_not_float32_is_refused_naming_it(tmp_path):
 def test_a_block_count_beyond_the_files_layers_is_refused_at_once(tmp_path):
     path = write_tiny_model(tmp_path / "m.gguf", meta={"llama.block_count": (2**31 - 1, U32)})
     assert "tensor 'blk.2.attn_norm.weight' is missing from the file" in refused(path)
+
+
+def _warm_up_labels(monkeypatch, **load_kwargs) -> list[str]:
+    """The labels of the compile steps an engine load asks for (recorded, not run)."""
+    import localllm.engine as engine_module
+
+    from conftest import model_file
+
+    seen = []
+    monkeypatch.setattr(engine_module, "warm_up", lambda calls, **_: seen.extend(label for label, _ in calls))
+    Engine(model_file("smollm2-135m-instruct"), ctx=64, quiet=True, **load_kwargs)
+    return seen
+
+
+def test_a_first_token_load_compiles_only_the_whole_forward_of_its_kv_type(monkeypatch):
+    # run, chat and bench: one sequence at a time, through the fused forward; the op-by-op kernels (most of a
+    # cold start's compile time) are left to their first use.
+    assert _warm_up_labels(monkeypatch, warm="first-token") == ["whole forward f32"]
+    assert _warm_up_labels(monkeypatch, warm="first-token", kv_type="q8_0") == ["whole forward q8_0"]
+
+
+def test_a_full_load_compiles_the_op_by_op_kernels_too_for_its_kv_type_only(monkeypatch):
+    labels = _warm_up_labels(monkeypatch, kv_type="q8_0")  # warm="all", the default (serve, embed, perplexity)
+    assert "attention q8_0" in labels and "attention f32" not in labels
+    assert "norm and rope" in labels and "Q8_0 decode" in labels and labels[-1] == "whole forward q8_0"

@@ -22,7 +22,7 @@ def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], Non
     """Load a model quietly (the console progress bars would corrupt the screen), reporting kernel compilation,
     which only happens on a first start, to `on_compile(done, total)`."""
     with warmup.reporting(on_compile):
-        return Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type, device=device)
+        return Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type, device=device, warm="first-token")
 
 
 @dataclass

@@ -175,7 +175,7 @@ class Transformer:
         self.fused = b.whole_forward(self)
 
     @property
-    def _fused_available(self) -> bool:
+    def fused_available(self) -> bool:
         return self.fused is not None and self.fused.available
 
     def weights(self) -> list:
@@ -189,7 +189,7 @@ class Transformer:
         """(label, thunk) compiling the fused forward for this KV type (one compile serves every model), or, for a
         backend without one, its remaining kernels (norms, RoPE, attention...) by a decode step and a 9-token
         step (the tiled products' path; labelled with the backend and the weights' formats)."""
-        if not self._fused_available:
+        if not self.fused_available:
             if self.backend.name == "cpu":
                 return []  # the CPU's op-by-op kernels are its warm_up_calls' (Numba compiles each once)
 
@@ -260,7 +260,7 @@ class Transformer:
         `hidden`: return the selected rows' final hidden states (after the output norm, what the output matrix
         would take: embeddings) instead of logits; always this op-by-op path, so a text's vectors are the same
         alone or beside others."""
-        if (observe is None and not hidden and len(segments) == 1 and self._fused_available and len(segments[0][0]) > 0
+        if (observe is None and not hidden and len(segments) == 1 and self.fused_available and len(segments[0][0]) > 0
                 and not (precise and len(segments[0][0]) >= self.backend.precise_min_rows)):
             return [self.fused(*segments[0])]
         c = self.config

@@ -136,9 +136,9 @@ class Backend(ABC):
         """An optional override of the op-by-op forward for one sequence (None: none)."""
         return None
 
-    def warm_up_calls(self, weights) -> list[tuple[str, Callable[[], None]]]:
+    def warm_up_calls(self, weights, kv_type: str | None = None) -> list[tuple[str, Callable[[], None]]]:
         """(label, thunk) pairs compiling and warming the kernels these weights need (`prepare()` runs them
-        with progress: localllm/warmup.py)."""
+        with progress: localllm/warmup.py); `kv_type`: only that KV cache type's kernels (None: every type)."""
         return []
 
 

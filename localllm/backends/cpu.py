@@ -93,8 +93,8 @@ class CpuBackend(Backend):
         weight's format has no integer kernel."""
         return _WholeForward(model)
 
-    def warm_up_calls(self, weights):
-        return ops.warm_up_calls(weights)
+    def warm_up_calls(self, weights, kv_type=None):
+        return ops.warm_up_calls(weights, kv_type)
 
 
 class CpuKVStorage(KVStorage):

@@ -209,7 +209,7 @@ class OpenCLBackend(Backend):
     def to_host(self, x):
         return self.ops.to_host(x)
 
-    def warm_up_calls(self, weights):
+    def warm_up_calls(self, weights, kv_type=None):
         """One product per weight format, of 1 row (decode's kernel) and of 9 (the tiled one, a full tile and a
         partial one): PoCL compiles a kernel at its first launch (~1-3 s each on 2 cores), so a cold first
         forward would otherwise sit silent for tens of seconds."""
