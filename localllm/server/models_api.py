@@ -95,7 +95,7 @@ def ps(state: ServerState) -> list[dict]:
     for m in state.registry.ps():
         entry = tag_entry(m.name, m.path)
         entry.update({"size": m.size, "size_vram": 0, "expires_at": iso(m.expires_at()),
-                      "context_length": m.state.engine.ctx})
+                      "context_length": m.ctx})
         out.append(entry)
     return out
 
@@ -106,8 +106,7 @@ def model_cards(state: ServerState) -> list[dict]:
     for name, path in present(state):
         card = {"id": name, "object": "model", "created": int(path.stat().st_mtime), "owned_by": "localllm"}
         if name in loaded:
-            engine = loaded[name].state.engine
-            card["meta"] = {"n_ctx": engine.ctx, "n_vocab": engine.config.vocab_size}
+            card["meta"] = {"n_ctx": loaded[name].ctx, "n_vocab": loaded[name].n_vocab}
         out.append(card)
     return out
 

@@ -26,6 +26,7 @@ import math
 import os
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,8 @@ class LoadedModel:
     last_used: float = field(default_factory=time.time)
     keep_alive: float = FOREVER
     pinned: bool = False  # --pin or the single model: only the operator's word unloads it
+    ctx: int = 0
+    n_vocab: int = 0
     held: bool = False  # a request's keep_alive -1: not unloaded for room until a request says otherwise
     gone: bool = False
 
@@ -294,8 +297,8 @@ class ModelRegistry:
         name, path = await off_loop(self.lookup, name)
         key = file_key(path)
         model = self.models.get(key)
-        if model is None:
-            async with self._lock:
+        if model is None or model.gone:
+            async with self._lock:  # (a model being unloaded is gone once the lock is free)
                 model = self.models.get(key)
                 if model is None:
                     model = await self._load(name, path, key)
@@ -364,7 +367,8 @@ class ModelRegistry:
         state = dataclasses.replace(self.base, engine=engine, scheduler=scheduler, model_name=name,
                                     model_path=str(path), max_tokens=min(self.base.max_tokens, engine.ctx))
         model = LoadedModel(name, path, key, path.stat().st_size + engine.kv_pool.budget_bytes, state,
-                            keep_alive=self.keep_alive, pinned=name in self.pins)
+                            keep_alive=self.keep_alive, pinned=name in self.pins, ctx=engine.ctx,
+                            n_vocab=engine.config.vocab_size)
         self.models[key] = model
         return model
 
@@ -386,16 +390,26 @@ class ModelRegistry:
             return True
 
     async def _unload_now(self, model: LoadedModel) -> None:  # holding the lock; model idle
-        model.gone = True
-        del self.models[model.key]
+        model.gone = True  # no new lease; /api/ps lists it until its memory is back
         scheduler = model.state.scheduler
         engine = model.state.engine
         model.state = None
         log.info("unloading %s", model.name)
         await asyncio.to_thread(scheduler.stop)
         engine.gguf.close()
+        alive = weakref.ref(engine)
         del engine, scheduler
+        # The last request's task may still hold the engine for a moment after its lease was released (its
+        # response object, its frame): collect until the engine is gone, so its memory is back when this returns.
+        for _ in range(40):
+            await asyncio.to_thread(gc.collect)
+            if alive() is None:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            log.warning("%s is still referenced after unloading; its memory stays until it is not", model.name)
         await asyncio.to_thread(release_memory)
+        del self.models[model.key]
 
     async def stop_model(self, name) -> str:
         """`localllm stop` / keep_alive 0 with no prompt: unload a model now (after its requests end). Returns
@@ -437,8 +451,9 @@ class ModelRegistry:
         if self._sweeper is not None:
             self._sweeper.cancel()
         for model in list(self.models.values()):
-            await asyncio.to_thread(model.state.scheduler.stop)
+            if model.state is not None:
+                await asyncio.to_thread(model.state.scheduler.stop)
         self.models.clear()
 
     def ps(self) -> list[LoadedModel]:
-        return sorted((m for m in self.models.values() if not m.gone), key=lambda m: -m.last_used)
+        return sorted(self.models.values(), key=lambda m: -m.last_used)
