@@ -4,7 +4,8 @@ one scheduler that batches concurrent requests on the engine.
 Modules: `app` (the Starlette app: auth, limits, errors, request plumbing), `scheduler` (continuous batching in
 the engine's thread), `openai_api`, `anthropic_api`, `llamacpp_api`, `ollama_api` (the routes), `embeddings_api`
 (the embedding routes of the OpenAI, Ollama and llama.cpp APIs), `infill` (FIM prompts), `metrics` (Prometheus
-text).
+text), `registry` (several models behind the port: loaded by the request's model, unloaded for room or after their
+keep_alive), `models_api` (the model lists, and Ollama's delete, copy, create and blobs on the model store).
 """
 
 from __future__ import annotations
