@@ -175,15 +175,15 @@ def cmd_embed(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from localllm import catalog
     from localllm.cli_generate import speculation_params
     from localllm.server import serve
 
-    serve(args.model or catalog.default_entry().name, host=args.host, port=args.port,
+    serve(args.model, host=args.host, port=args.port,
           api_key=args.api_key or os.environ.get("LOCALLLM_API_KEY") or None, parallel=args.parallel,
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
           max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args),
-          allowed_hosts=args.allowed_host, device=args.device)
+          allowed_hosts=args.allowed_host, device=args.device, models=args.models, max_loaded=args.max_loaded,
+          pins=args.pin, keep_alive=args.keep_alive)
     return 0
 
 
@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/metrics..., and Ollama's /api/.... Concurrent "
                                    "requests are decoded together (continuous batching, up to --parallel); the "
                                    "rest wait in a queue, first come first served.")
-    p.add_argument("model", nargs="?", metavar="MODEL", help=DEFAULT_MODEL_HELP + " (default: the default model)")
+    p.add_argument("model", nargs="?", metavar="MODEL", help=DEFAULT_MODEL_HELP + " (without it: several models, "
+                   "each loaded by the requests that name it; see --models)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=whole_number(0, 65535), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on "
@@ -352,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     cli_generate.add_device_option(p)
     cli_generate.add_speculation_options(p)
+    from localllm import cli_server
+
+    cli_server.add_serve_options(p)
     p.set_defaults(func=cmd_serve)
+    cli_server.add_commands(sub)
 
     p = sub.add_parser("bench-serve", help="load-test a running server: TTFT, TPOT, throughput, goodput",
                        description="Send streamed requests from N concurrent clients to a running server "

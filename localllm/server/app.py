@@ -27,6 +27,7 @@ log = logging.getLogger("localllm.server")
 MAX_BODY = 4 * 1024 * 1024  # bytes
 # Bodies above this are parsed in a worker thread: json.loads of 4 MiB holds the event loop for ~30 ms.
 PARSE_OFF_LOOP = 64 * 1024
+BODY_KEY = "localllm.json"  # where a body parsed before its handler ran is kept in the ASGI scope
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ServerState:
     api_key: str | None = None
     max_body: int = MAX_BODY
     created: int = field(default_factory=lambda: int(time.time()))
+    # Several models behind one port (registry.ModelRegistry): the app's base state holds it, and each request
+    # gets the state of the model it names. None: this state's one engine serves every request.
+    registry: object | None = None
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -167,6 +171,9 @@ def parse_json(raw: bytes) -> dict:
 async def read_json(request: Request, max_body: int) -> dict:
     """The request's JSON object, or a 4xx: not sent as JSON (415), too large (413), not JSON, not an object,
     not text (400)."""
+    cached = request.scope.get(BODY_KEY)
+    if cached is not None:  # read already, to learn the model it names (asgi.endpoint)
+        return cached
     content_type = request.headers.get("content-type", "")
     if not is_json_type(content_type):
         raise ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (got "

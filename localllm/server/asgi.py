@@ -17,11 +17,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from localllm.errors import LocalLLMError
-from localllm.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_api
-from localllm.server.app import ApiError, ServerState, error_response, flavor_of
+from localllm.server import anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, openai_api
+from localllm.server.app import BODY_KEY, ApiError, ServerState, error_response, flavor_of, read_json
+from localllm.server.metrics import Metrics
 
 log = logging.getLogger("localllm.server")
 
@@ -177,17 +179,88 @@ class WebPageGuard:
         await self.app(scope, receive, send)
 
 
-def endpoint(state: ServerState, fn):
+# The routes that run a model: with several models behind the port (a registry), each request gets the state of
+# the model it names (the body's `model`, or `?model=` on GET), loaded if it is not. Every other route (the model
+# lists, the management routes) gets the server's own state.
+MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages",
+                "/v1/messages/count_tokens", "/api/generate", "/api/chat", "/api/show", "/api/embed",
+                "/api/embeddings", "/completion", "/completions", "/infill", "/tokenize", "/detokenize",
+                "/apply-template", "/embedding", "/embeddings", "/props", "/slots", "/metrics"}
+# Read without loading anything: with no model named and none loaded, an empty answer.
+PEEK_ROUTES = {"/slots": lambda: JSONResponse([]),
+               "/metrics": lambda: PlainTextResponse(Metrics().render(), media_type="text/plain; version=0.0.4")}
+
+
+class _Releasing:
+    """A response that releases the request's hold on its model once it has been sent (a stream: once it ends
+    or its client goes away)."""
+
+    def __init__(self, response, lease):
+        self.response, self.lease = response, lease
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.lease.release()
+
+
+async def _model_request(state: ServerState, request: Request, path: str):
+    """(name, keep_alive, body) a request names; the body (parsed once) is kept for its handler."""
+    from localllm.server.registry import parse_keep_alive
+
+    if request.method != "POST":
+        return request.query_params.get("model") or None, None, None
+    data = await read_json(request, state.max_body)
+    request.scope[BODY_KEY] = data
+    name = data.get("model")
+    if path == "/api/show" and not name:
+        name = data.get("name")
+    return name, parse_keep_alive(data.get("keep_alive")), data
+
+
+async def _stop(registry, path: str, name, data: dict):
+    """Ollama's way to unload a model (`ollama stop`): /api/generate or /api/chat with keep_alive 0 and nothing
+    to answer."""
+    from localllm.server.ollama_api import _now
+
+    await registry.stop_model(name)
+    out = {"model": name, "created_at": _now(), "done": True, "done_reason": "unload"}
+    out.update({"response": ""} if path == "/api/generate" else {"message": {"role": "assistant", "content": ""}})
+    return JSONResponse(out)
+
+
+def endpoint(state: ServerState, fn, path: str = ""):
     """Wraps a handler: ApiErrors (and user errors from the library) become the API's error response."""
+    registry = state.registry
+    routed = registry is not None and path in MODEL_ROUTES
 
     async def handler(request: Request):
         flavor = flavor_of(request.url.path)
+        lease = None
         try:
-            return await fn(state, request)
+            if not routed:
+                return await fn(state, request)
+            name, keep_alive, data = await _model_request(state, request, path)
+            if (keep_alive == 0 and path in ("/api/generate", "/api/chat") and not data.get("prompt")
+                    and not data.get("messages") and not data.get("suffix")):
+                return await _stop(registry, path, name, data)
+            if name is None and path in PEEK_ROUTES:
+                model = registry.loaded()
+                if model is None:
+                    return PEEK_ROUTES[path]()
+                name = model.name
+            lease = await registry.acquire(name, keep_alive)
+            response = _Releasing(await fn(lease.state, request), lease)
+            lease = None
+            return response
         except ApiError as e:
             return error_response(flavor, e.status, e.message, e.param, e.kind)
         except LocalLLMError as e:
             return error_response(flavor, 400, str(e))
+        finally:
+            if lease is not None:  # the handler failed: its response will not release it
+                lease.release()
 
     return handler
 
@@ -197,9 +270,9 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
     """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
     call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
     routes = []
-    for module in (anthropic_api, openai_api, llamacpp_api, ollama_api, embeddings_api):
+    for module in (anthropic_api, openai_api, llamacpp_api, ollama_api, embeddings_api, models_api):
         for path, methods, fn in module.ROUTES:
-            routes.append(Route(path, endpoint(state, fn), methods=methods))
+            routes.append(Route(path, endpoint(state, fn, path), methods=methods))
 
     async def http_error(request: Request, exc: HTTPException):
         message = {404: f"no such endpoint: {request.url.path}",
@@ -220,11 +293,17 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state.scheduler.start()
+        if state.registry is not None:
+            await state.registry.start()
+        else:
+            state.scheduler.start()
         try:
             yield
         finally:
-            state.scheduler.stop()
+            if state.registry is not None:
+                await state.registry.close()
+            else:
+                state.scheduler.stop()
 
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)

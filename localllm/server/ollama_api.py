@@ -73,10 +73,18 @@ async def version(state: ServerState, request: Request):
 
 
 async def tags(state: ServerState, request: Request):
+    if state.registry is not None:  # the models this server serves that are in the store
+        from localllm.server import models_api
+
+        return json_response({"models": await off_loop(models_api.tags, state)})
     return json_response({"models": [_model_entry(state)]})
 
 
 async def ps(state: ServerState, request: Request):
+    if state.registry is not None:  # the models loaded now, and until when
+        from localllm.server import models_api
+
+        return json_response({"models": await off_loop(models_api.ps, state)})
     entry = _model_entry(state)
     entry.update({"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0, "context_length": state.engine.ctx})
     return json_response({"models": [entry]})

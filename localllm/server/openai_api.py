@@ -31,11 +31,19 @@ def model_card(state: ServerState) -> dict:
 
 
 async def list_models(state: ServerState, request: Request):
+    if state.registry is not None:
+        from localllm.server import models_api
+
+        return json_response({"object": "list", "data": await off_loop(models_api.model_cards, state)})
     return json_response({"object": "list", "data": [model_card(state)]})
 
 
 async def get_model(state: ServerState, request: Request):
     name = request.path_params["model"]
+    if state.registry is not None:
+        from localllm.server import models_api
+
+        return json_response(await off_loop(models_api.model_card, state, name))
     if name != state.model_name:
         raise ApiError(404, f"the model '{name}' does not exist (this server runs '{state.model_name}')",
                        param="model", kind="invalid_request_error")
