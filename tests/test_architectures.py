@@ -194,10 +194,14 @@ FEATURE_OFF = {
     "llama-linear": ("linear scaling x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "llama-yarn": ("YaRN x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
+    "phi3": ("LongRoPE", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75}}),
 }
 FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
             "llama-yarn": "YaRN x4 from a context of 64",
-            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm"}
+            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm",
+            "phi3": "RoPE NeoX halves, base 10000, 24 of 32 dimensions, LongRoPE factors short 1..3 / long 1..24 "
+                    "(long above a context of 512; using short), cos/sin x1.155; fused QKV; fused gate/up"}
 
 
 def test_every_architecture_fixture_is_there():
@@ -379,3 +383,64 @@ def test_the_opencl_backend_matches_transformers_float32_too(case):
     logits = all_logits(engine, ref["prompts"][0])
     assert relative_errors(logits[ref["positions"]], ref["logits"][0]).max() < 1e-3
     assert np.array_equal(logits.argmax(-1), ref["argmax"][0])
+
+
+# ---- phi3: LongRoPE's long factors above the original context --------------------------------------------------
+
+def test_phi3_a_context_above_the_original_uses_the_long_factors_and_matches_transformers_there():
+    """llama.cpp picks LongRoPE's set by the context of a sequence (long above the original 512), transformers by
+    the length reached: on a 600-token prompt both use the long factors. A context of 1024 runs the file's
+    rope_factors_long, and its logits match transformers' float32 forward of that prompt; the fixture's context of
+    512 runs rope_factors_short (the other tests)."""
+    path = converted("phi3", "f32")
+    g = GGUFFile(path)
+    long = tuple(g.raw("rope_factors_long.weight").view(np.float32).reshape(-1).astype(float))
+    short = tuple(g.raw("rope_factors_short.weight").view(np.float32).reshape(-1).astype(float))
+    assert max(short) > 2 and max(long) > 20  # the fixture's factors differ from 1 and from each other
+    assert arch_engine("phi3", "f32").config.rope_factors == short
+    engine = Engine(path, ctx=1024, quiet=True)
+    assert engine.config.rope_factors == long
+    assert "using long" in "; ".join(features(engine.config, engine.gguf.tensors))
+    np.testing.assert_allclose(engine.model.layer_rope[0].inv_freq,
+                               10000.0 ** (-np.arange(0, 24, 2) / 24) / np.array(long), rtol=1e-12)
+    ref = reference("phi3")
+    logits = all_logits(engine, ref["long_prompt"])
+    assert relative_errors(logits[ref["long_positions"]], ref["long_logits"]).max() < 1e-3
+    # and the short factors there are far off: the long ones are what matches (a model built without a context
+    # uses the short ones, as transformers before the sequence passes the original context)
+    from localllm.architectures.transformer import Transformer
+
+    model = Transformer(g, load_model_config(g))
+    assert model.config.rope_factors == short
+    positions = ref["long_positions"]
+    logits = model.forward([int(t) for t in ref["long_prompt"]], model.new_cache(1024), output_rows=positions)
+    assert relative_errors(logits, ref["long_logits"]).max() > 1e-2
+
+
+def test_phi3_file_has_fused_tensors_loaded_as_separate_matrices():
+    """attn_qkv and the 2 n_ff rows of ffn_up (gate first), as llama.cpp's converter writes them; the model
+    holds them as Q, K, V, gate and up matrices, which the fused forward multiplies as any other (the fused and
+    per-kernel tests above run on them)."""
+    engine = arch_engine("phi3", "q8_0")
+    names = set(engine.gguf.tensors)
+    assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight"} <= names
+    assert not names & {"blk.0.attn_q.weight", "blk.0.ffn_gate.weight"}
+    assert engine.gguf.tensors["blk.0.ffn_up.weight"].shape == (2 * engine.config.n_ff, engine.config.n_embd)
+    L = engine.model.layers[0]
+    assert [(w.rows, w.cols) for w in (L.wq, L.wk, L.wv, L.ffn_gate, L.ffn_up)] == \
+        [(64, 64), (32, 64), (32, 64), (128, 64), (128, 64)]
+    qkv = engine.gguf.raw("blk.0.attn_qkv.weight")
+    assert np.shares_memory(L.wk.raw, qkv) and np.array_equal(L.wk.raw, qkv[64:96])
+    assert np.array_equal(L.ffn_up.raw, engine.gguf.raw("blk.0.ffn_up.weight")[128:])
+
+
+def test_phi3_sliding_window_in_the_file_is_read_and_not_applied_as_in_llama_cpp():
+    """Phi-3-mini-4k's config has a sliding window (2047); llama.cpp's converter writes it and its loader disables
+    it ("Phi SWA is currently disabled"). localllm does the same, and says so in `show`."""
+    path = converted("phi3", "f32", json.dumps({"sliding_window": 48}))
+    engine = Engine(path, ctx=512, quiet=True)
+    assert engine.gguf.metadata["phi3.attention.sliding_window"] == 48
+    assert engine.config.sliding_window == 0 and not any(engine.model.layer_window)
+    assert "sliding window 48 in the file, not applied (as llama.cpp)" in features(engine.config, engine.gguf.tensors)
+    prompt = reference("phi3")["prompts"][0]
+    assert np.array_equal(all_logits(engine, prompt), all_logits(arch_engine("phi3", "f32"), prompt))
