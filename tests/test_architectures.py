@@ -444,3 +444,71 @@ def test_phi3_sliding_window_in_the_file_is_read_and_not_applied_as_in_llama_cpp
     assert "sliding window 48 in the file, not applied (as llama.cpp)" in features(engine.config, engine.gguf.tensors)
     prompt = reference("phi3")["prompts"][0]
     assert np.array_equal(all_logits(engine, prompt), all_logits(arch_engine("phi3", "f32"), prompt))
+
+
+def _phi3_copy(tmp_path, **config_changes) -> Path:
+    src = shutil.copytree(ARCH_DATA / "phi3", tmp_path / "phi3")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return src
+
+
+def test_convert_writes_phi3s_sentencepiece_vocabulary_as_phi3minimodel_does(tmp_path):
+    """Phi-3/3.5's tokenizer.model (tokenizer_class LlamaTokenizer): the pieces padded to vocab_size with [PADn],
+    then the added tokens as written, control where marked special (Phi3MiniModel.set_vocab)."""
+    from convert_fixtures import sentencepiece_model
+
+    from localllm.convert.converter import convert
+
+    src = _phi3_copy(tmp_path)
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581t", "he"]
+    fields = {"tokenizer.ggml.tokens": pieces, "tokenizer.ggml.scores": [0.0] * 3 + [0.0] * 256 + [-1.0, -2.0],
+              "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1, 1]}
+    (src / "tokenizer.model").write_bytes(sentencepiece_model(fields))
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "added_tokens_decoder": {
+        "300": {"content": "<|assistant|>", "special": True}, "301": {"content": "<|placeholder1|>", "special": False}}}))
+    convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    meta = GGUFFile(tmp_path / "out.gguf").metadata
+    tokens, types = meta["tokenizer.ggml.tokens"], list(meta["tokenizer.ggml.token_type"])
+    assert meta["tokenizer.ggml.model"] == "llama" and len(tokens) == 320
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[259] == "\u2581t" and types[:4] == [2, 3, 3, 6]
+    assert (tokens[300], types[300]) == ("<|assistant|>", 3) and (tokens[301], types[301]) == ("<|placeholder1|>", 4)
+    assert (tokens[310], types[310]) == ("[PAD310]", 5)
+
+
+@pytest.mark.parametrize("changes, files, message", [
+    ({}, ("tokenizer_config.json",), "a Phi-3 checkpoint needs its tokenizer.model"),
+    ({"head_dim": 16}, (), "head_dim 16 is not hidden_size / num_attention_heads"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                          "long_factor": [1.0] * 12, "short_factor": [1.0] * 12}}, (),
+     "Phi-3 RoPE scaling 'yarn' with long_factor is not converted"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                          "long_factor": [1.0] * 11, "short_factor": [1.0] * 11}}, (),
+     "rope long_factor and short_factor must have 12 values each, have 11 and 11"),
+])
+def test_convert_refuses_a_phi3_checkpoint_it_cannot_express_naming_why(tmp_path, changes, files, message):
+    from localllm.convert.converter import convert
+    from localllm.errors import LocalLLMError
+
+    src = _phi3_copy(tmp_path, **changes)
+    for name in files:
+        (src / name).unlink()
+    with pytest.raises(LocalLLMError, match=message):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_rope_attn_factor_scales_cos_and_sin_as_llama_cpp_does_for_any_architecture(tmp_path):
+    """rope.scaling.attn_factor (LongRoPE's, written by the phi3 converter) multiplies RoPE's cos and sin, as
+    llama.cpp's rope_attn_factor does in ggml_rope_ext, whatever the architecture: read, never ignored."""
+    from localllm.architectures.transformer import RopeTable
+
+    path = write_tiny_model(tmp_path / "a.gguf", meta={"llama.rope.scaling.attn_factor": (2.0, F32_)})
+    engine = Engine(path, ctx=64, quiet=True)
+    assert engine.config.rope_attn_factor == 2.0
+    cos, sin = engine.model.layer_rope[0].get(np.arange(40))
+    plain_cos, plain_sin = RopeTable(engine.config.rope_dim, engine.config.rope_base, 1.0).get(np.arange(40))
+    np.testing.assert_allclose(cos, 2 * plain_cos, rtol=1e-6)
+    np.testing.assert_allclose(sin, 2 * plain_sin, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(logits_of(path), logits_of(write_tiny_model(tmp_path / "p.gguf")), rtol=1e-3)
