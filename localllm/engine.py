@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from localllm.architectures import load_model_config
+from localllm.architectures import for_context, load_model_config
 from localllm import backends
 from localllm.architectures.transformer import Transformer
 from localllm.chat_template import ChatTemplate
@@ -187,6 +187,8 @@ class Engine:
         self.ctx = int(ctx) if ctx else min(self.config.context_length, DEFAULT_CTX)
         if self.ctx < 8:
             raise LocalLLMError(f"context size {self.ctx} is too small")
+        # LongRoPE (phi3): the long factors for a context above the original one, as llama.cpp picks them
+        self.config = for_context(self.config, self.ctx)
         kv_per_token = KVPool.for_model(self.config, kv_type=kv_type, storage=device.kv_storage()).bytes_per_token
         device.check_fits(sum(device.weight_bytes(t) for t in self.gguf.tensors.values()), self.ctx * kv_per_token)
         self.model = Transformer(self.gguf, self.config, device)

@@ -194,10 +194,14 @@ FEATURE_OFF = {
     "llama-linear": ("linear scaling x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "llama-yarn": ("YaRN x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
+    "phi3": ("LongRoPE", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75}}),
 }
 FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
             "llama-yarn": "YaRN x4 from a context of 64",
-            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm"}
+            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm",
+            "phi3": "RoPE NeoX halves, base 10000, 24 of 32 dimensions, LongRoPE factors short 1..3 / long 1..24 "
+                    "(long above a context of 512; using short), cos/sin x1.155; fused QKV; fused gate/up"}
 
 
 def test_every_architecture_fixture_is_there():
@@ -379,3 +383,132 @@ def test_the_opencl_backend_matches_transformers_float32_too(case):
     logits = all_logits(engine, ref["prompts"][0])
     assert relative_errors(logits[ref["positions"]], ref["logits"][0]).max() < 1e-3
     assert np.array_equal(logits.argmax(-1), ref["argmax"][0])
+
+
+# ---- phi3: LongRoPE's long factors above the original context --------------------------------------------------
+
+def test_phi3_a_context_above_the_original_uses_the_long_factors_and_matches_transformers_there():
+    """llama.cpp picks LongRoPE's set by the context of a sequence (long above the original 512), transformers by
+    the length reached: on a 600-token prompt both use the long factors. A context of 1024 runs the file's
+    rope_factors_long, and its logits match transformers' float32 forward of that prompt; the fixture's context of
+    512 runs rope_factors_short (the other tests)."""
+    path = converted("phi3", "f32")
+    g = GGUFFile(path)
+    long = tuple(g.raw("rope_factors_long.weight").view(np.float32).reshape(-1).astype(float))
+    short = tuple(g.raw("rope_factors_short.weight").view(np.float32).reshape(-1).astype(float))
+    assert max(short) > 2 and max(long) > 20  # the fixture's factors differ from 1 and from each other
+    assert arch_engine("phi3", "f32").config.rope_factors == short
+    engine = Engine(path, ctx=1024, quiet=True)
+    assert engine.config.rope_factors == long
+    assert "using long" in "; ".join(features(engine.config, engine.gguf.tensors))
+    np.testing.assert_allclose(engine.model.layer_rope[0].inv_freq,
+                               10000.0 ** (-np.arange(0, 24, 2) / 24) / np.array(long), rtol=1e-12)
+    ref = reference("phi3")
+    logits = all_logits(engine, ref["long_prompt"])
+    assert relative_errors(logits[ref["long_positions"]], ref["long_logits"]).max() < 1e-3
+    # and the short factors there are far off: the long ones are what matches (a model built without a context
+    # uses the short ones, as transformers before the sequence passes the original context)
+    from localllm.architectures.transformer import Transformer
+
+    model = Transformer(g, load_model_config(g))
+    assert model.config.rope_factors == short
+    positions = ref["long_positions"]
+    logits = model.forward([int(t) for t in ref["long_prompt"]], model.new_cache(1024), output_rows=positions)
+    assert relative_errors(logits, ref["long_logits"]).max() > 1e-2
+
+
+def test_phi3_file_has_fused_tensors_loaded_as_separate_matrices():
+    """attn_qkv and the 2 n_ff rows of ffn_up (gate first), as llama.cpp's converter writes them; the model
+    holds them as Q, K, V, gate and up matrices, which the fused forward multiplies as any other (the fused and
+    per-kernel tests above run on them)."""
+    engine = arch_engine("phi3", "q8_0")
+    names = set(engine.gguf.tensors)
+    assert {"blk.0.attn_qkv.weight", "blk.1.ffn_up.weight"} <= names
+    assert not names & {"blk.0.attn_q.weight", "blk.0.ffn_gate.weight"}
+    assert engine.gguf.tensors["blk.0.ffn_up.weight"].shape == (2 * engine.config.n_ff, engine.config.n_embd)
+    L = engine.model.layers[0]
+    assert [(w.rows, w.cols) for w in (L.wq, L.wk, L.wv, L.ffn_gate, L.ffn_up)] == \
+        [(64, 64), (32, 64), (32, 64), (128, 64), (128, 64)]
+    qkv = engine.gguf.raw("blk.0.attn_qkv.weight")
+    assert np.shares_memory(L.wk.raw, qkv) and np.array_equal(L.wk.raw, qkv[64:96])
+    assert np.array_equal(L.ffn_up.raw, engine.gguf.raw("blk.0.ffn_up.weight")[128:])
+
+
+def test_phi3_sliding_window_in_the_file_is_read_and_not_applied_as_in_llama_cpp():
+    """Phi-3-mini-4k's config has a sliding window (2047); llama.cpp's converter writes it and its loader disables
+    it ("Phi SWA is currently disabled"). localllm does the same, and says so in `show`."""
+    path = converted("phi3", "f32", json.dumps({"sliding_window": 48}))
+    engine = Engine(path, ctx=512, quiet=True)
+    assert engine.gguf.metadata["phi3.attention.sliding_window"] == 48
+    assert engine.config.sliding_window == 0 and not any(engine.model.layer_window)
+    assert "sliding window 48 in the file, not applied (as llama.cpp)" in features(engine.config, engine.gguf.tensors)
+    prompt = reference("phi3")["prompts"][0]
+    assert np.array_equal(all_logits(engine, prompt), all_logits(arch_engine("phi3", "f32"), prompt))
+
+
+def _phi3_copy(tmp_path, **config_changes) -> Path:
+    src = shutil.copytree(ARCH_DATA / "phi3", tmp_path / "phi3")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return src
+
+
+def test_convert_writes_phi3s_sentencepiece_vocabulary_as_phi3minimodel_does(tmp_path):
+    """Phi-3/3.5's tokenizer.model (tokenizer_class LlamaTokenizer): the pieces padded to vocab_size with [PADn],
+    then the added tokens as written, control where marked special (Phi3MiniModel.set_vocab)."""
+    from convert_fixtures import sentencepiece_model
+
+    from localllm.convert.converter import convert
+
+    src = _phi3_copy(tmp_path)
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581t", "he"]
+    fields = {"tokenizer.ggml.tokens": pieces, "tokenizer.ggml.scores": [0.0] * 3 + [0.0] * 256 + [-1.0, -2.0],
+              "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1, 1]}
+    (src / "tokenizer.model").write_bytes(sentencepiece_model(fields))
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "added_tokens_decoder": {
+        "300": {"content": "<|assistant|>", "special": True}, "301": {"content": "<|placeholder1|>", "special": False}}}))
+    convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    meta = GGUFFile(tmp_path / "out.gguf").metadata
+    tokens, types = meta["tokenizer.ggml.tokens"], list(meta["tokenizer.ggml.token_type"])
+    assert meta["tokenizer.ggml.model"] == "llama" and len(tokens) == 320
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[259] == "\u2581t" and types[:4] == [2, 3, 3, 6]
+    assert (tokens[300], types[300]) == ("<|assistant|>", 3) and (tokens[301], types[301]) == ("<|placeholder1|>", 4)
+    assert (tokens[310], types[310]) == ("[PAD310]", 5)
+
+
+@pytest.mark.parametrize("changes, files, message", [
+    ({}, ("tokenizer_config.json",), "a Phi-3 checkpoint needs its tokenizer.model"),
+    ({"head_dim": 16}, (), "head_dim 16 is not hidden_size / num_attention_heads"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                          "long_factor": [1.0] * 12, "short_factor": [1.0] * 12}}, (),
+     "Phi-3 RoPE scaling 'yarn' with long_factor is not converted"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                          "long_factor": [1.0] * 11, "short_factor": [1.0] * 11}}, (),
+     "rope long_factor and short_factor must have 12 values each, have 11 and 11"),
+])
+def test_convert_refuses_a_phi3_checkpoint_it_cannot_express_naming_why(tmp_path, changes, files, message):
+    from localllm.convert.converter import convert
+    from localllm.errors import LocalLLMError
+
+    src = _phi3_copy(tmp_path, **changes)
+    for name in files:
+        (src / name).unlink()
+    with pytest.raises(LocalLLMError, match=message):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_rope_attn_factor_scales_cos_and_sin_as_llama_cpp_does_for_any_architecture(tmp_path):
+    """rope.scaling.attn_factor (LongRoPE's, written by the phi3 converter) multiplies RoPE's cos and sin, as
+    llama.cpp's rope_attn_factor does in ggml_rope_ext, whatever the architecture: read, never ignored."""
+    from localllm.architectures.transformer import RopeTable
+
+    path = write_tiny_model(tmp_path / "a.gguf", meta={"llama.rope.scaling.attn_factor": (2.0, F32_)})
+    engine = Engine(path, ctx=64, quiet=True)
+    assert engine.config.rope_attn_factor == 2.0
+    cos, sin = engine.model.layer_rope[0].get(np.arange(40))
+    plain_cos, plain_sin = RopeTable(engine.config.rope_dim, engine.config.rope_base, 1.0).get(np.arange(40))
+    np.testing.assert_allclose(cos, 2 * plain_cos, rtol=1e-6)
+    np.testing.assert_allclose(sin, 2 * plain_sin, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(logits_of(path), logits_of(write_tiny_model(tmp_path / "p.gguf")), rtol=1e-3)

@@ -848,3 +848,55 @@ def test_devices_command_without_an_opencl_runtime_says_so_in_one_line():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("cpu ") and len(lines) == 2
     assert lines[1].startswith("opencl  none: pyopencl is not importable") and "pip install pyopencl" in lines[1]
+
+
+# ---- Backend.matrix's row ranges (phi3's fused attn_qkv / ffn_up; one expert of a stacked tensor) -----------
+
+class _OneTensorFile:
+    """The two methods Backend.matrix reads of a GGUF file, for one tensor of raw rows."""
+
+    def __init__(self, raw: np.ndarray, qtype: T):
+        self._raw, self.qtype = raw, qtype
+        self.shape = (raw.shape[0], raw.shape[1] // FORMATS[qtype].type_size * FORMATS[qtype].block_size)
+
+    def tensor_info(self, name):
+        return self
+
+    def raw(self, name):
+        return self._raw
+
+
+def _backend(where: str):
+    from localllm import backends
+
+    return backends.get("cpu" if where == "cpu" else f"opencl:{DEVICES[0][1] or ''}")
+
+
+@pytest.mark.parametrize("where", ["cpu", "opencl"])
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0, T.Q4_K], ids=lambda q: q.name)
+def test_a_row_range_of_a_matrix_multiplies_as_those_rows_of_the_whole_bitwise(where, qtype):
+    """Q, K and V as rows 0-64, 64-96 and 96-128 of one fused tensor give the bits of the whole tensor's product
+    in those rows, for a decode row and a 9-row step, on the CPU and on OpenCL (PoCL)."""
+    b = _backend(where)
+    cols = 256 if qtype != T.F32 else 96
+    f = _OneTensorFile(random_blocks(qtype, 128, cols, seed=7, moderate_scales=True), qtype)
+    whole = b.matrix(f, "blk.0.attn_qkv.weight")
+    parts = [b.matrix(f, "blk.0.attn_qkv.weight", rows=r) for r in ((0, 64), (64, 96), (96, 128))]
+    assert [(p.rows, p.cols) for p in parts] == [(64, cols), (32, cols), (32, cols)]
+    rng = np.random.default_rng(8)
+    for n in (1, 9):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        xd = x if where == "cpu" else b.ops.to_device(x)
+        want = b.to_host(b.matmul(whole, xd))
+        got = [b.to_host(y) for y in b.group_matmul(b.group(parts), xd)]
+        for (lo, hi), part in zip(((0, 64), (64, 96), (96, 128)), got):
+            assert np.array_equal(_bits(part), _bits(want[:, lo:hi]))
+
+
+@pytest.mark.parametrize("where", ["cpu", "opencl"])
+@pytest.mark.parametrize("rows", [(0, 129), (-1, 4), (8, 8), (100, 64)])
+def test_a_row_range_outside_the_tensor_is_refused_naming_it(where, rows):
+    f = _OneTensorFile(random_blocks(T.Q8_0, 128, 64, seed=9, moderate_scales=True), T.Q8_0)
+    with pytest.raises(ValueError, match=rf"blk.0.ffn_up.weight: rows {rows[0]} to {rows[1]} are not within its "
+                                         r"128 rows"):
+        _backend(where).matrix(f, "blk.0.ffn_up.weight", rows=rows)

@@ -119,7 +119,10 @@ def test_tiny_f32_model_loads_and_generates(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    with pytest.raises(ModelFileError, match="unsupported architecture 'mamba'; localllm runs gemma3, llama, qwen2, qwen3"):
+    from localllm.architectures import ARCHITECTURES
+
+    runs = ", ".join(sorted(ARCHITECTURES))  # every registered architecture, named (gemma3, llama, phi3, ...)
+    with pytest.raises(ModelFileError, match=f"unsupported architecture 'mamba'; localllm runs {runs}$"):
         Engine(write_tiny_model(tmp_path / "m.gguf", arch="mamba"), quiet=True)
 
 

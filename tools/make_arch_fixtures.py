@@ -84,6 +84,27 @@ CASES = {
                                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 5),
 }
 
+# Phi-3 (Phi3ForCausalLM: Phi-3, Phi-3.5, Phi-4-mini): Q/K/V fused in qkv_proj and gate/up in gate_up_proj (always);
+# partial rotary (0.75: 24 of each head's 32 dimensions, as Phi-4-mini's 96 of 128); LongRoPE factors that differ
+# from 1 (short 1..3, long 1..24 over the 12 frequencies) with cos/sin scaled by sqrt(1 + ln 8 / ln 512) = 1.155
+# (max_position_embeddings 4096 over an original context of 512). The original context is above the 320 + 64
+# tokens of the prompts and the tests' context of 512, so transformers (by sequence length) and llama.cpp and
+# localllm (by context) all use the short factors; LONG_CONTEXT records a prompt longer than the original context,
+# where all use the long ones.
+PHI3_FACTORS = 12
+CASES["phi3"] = ("Phi3ForCausalLM", dict(
+    LLAMA_HEADS, head_dim=None, tie_word_embeddings=False, max_position_embeddings=4096,
+    original_max_position_embeddings=512, sliding_window=None, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": np.geomspace(1.0, 3.0, PHI3_FACTORS).round(4).tolist(),
+        "long_factor": np.geomspace(1.0, 24.0, PHI3_FACTORS).round(4).tolist()}), 7)
+# case -> length of a prompt past the original context (its logits recorded at LONG_POSITIONS).
+LONG_CONTEXT = {"phi3": 600}
+LONG_POSITIONS = [0, 100, 320, 511, 512, 513, 560, 599]
+# tokenizer_config.json's tokenizer_class where the converter reads it (Phi3MiniModel.set_vocab: byte-level BPE
+# for GPT2Tokenizer, as Phi-4-mini's).
+TOKENIZER_CLASS = {"phi3": "GPT2Tokenizer"}
+
 
 def byte_vocab() -> list[str]:
     """GPT-2's byte-to-unicode table: the 256 single-byte tokens of a byte-level BPE vocabulary."""
@@ -126,6 +147,7 @@ def make_case(name: str) -> None:
 
     cls_name, changes, seed = CASES[name]
     cls = getattr(transformers, cls_name)
+    changes = {k: v for k, v in changes.items() if v is not None or k != "head_dim"}  # head_dim None: hidden/heads
     config = cls.config_class(**{**COMMON, **changes})
     config.architectures = [cls_name]
     torch.manual_seed(seed)
@@ -138,6 +160,9 @@ def make_case(name: str) -> None:
             if not hasattr(model.model.layers[0].self_attn, "q_norm") and pname.endswith(("q_proj.weight",
                                                                                           "k_proj.weight")):
                 p.mul_(QK_SCALE)
+            if pname.endswith("qkv_proj.weight"):  # fused (phi3): its Q and K rows
+                head_dim = config.hidden_size // config.num_attention_heads
+                p[: (config.num_attention_heads + config.num_key_value_heads) * head_dim].mul_(QK_SCALE)
         if not config.tie_word_embeddings:
             model.lm_head.weight.mul_(torch.exp(ROW_SPREAD * torch.randn(config.vocab_size, 1, generator=gen)))
     model.generation_config.eos_token_id = None
@@ -154,7 +179,10 @@ def make_case(name: str) -> None:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(), ensure_ascii=False), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+    tokenizer_config = dict(TOKENIZER_CONFIG)
+    if name in TOKENIZER_CLASS:
+        tokenizer_config["tokenizer_class"] = TOKENIZER_CLASS[name]
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
     rng = np.random.default_rng(100 + seed)
     prompts = rng.integers(0, N_BYTES, (PROMPTS, PROMPT_LEN)).astype(np.int64)
@@ -169,9 +197,16 @@ def make_case(name: str) -> None:
             margin.append(top2[:, 1] - top2[:, 0])
             g = model.generate(ids, do_sample=False, max_new_tokens=GREEDY, min_new_tokens=GREEDY)
             greedy.append(g[0, PROMPT_LEN:].numpy())
+    extra = {}
+    if name in LONG_CONTEXT:  # one prompt past the original context: the long factors' regime
+        long_prompt = rng.integers(0, N_BYTES, LONG_CONTEXT[name]).astype(np.int64)
+        with torch.no_grad():
+            full = model(torch.tensor(long_prompt[None])).logits[0].float().numpy()
+        extra = dict(long_prompt=long_prompt.astype(np.int32), long_positions=np.array(LONG_POSITIONS),
+                     long_logits=full[LONG_POSITIONS].astype(np.float32))
     np.savez_compressed(out / "reference.npz", prompts=prompts.astype(np.int32), positions=np.array(POSITIONS),
                         logits=np.array(logits, np.float32), argmax=np.array(argmax, np.int32),
-                        greedy=np.array(greedy, np.int32))
+                        greedy=np.array(greedy, np.int32), **extra)
     (out / "reference.json").write_text(json.dumps({
         "case": name, "class": cls_name, "seed": seed, "transformers": transformers.__version__,
         "torch": torch.__version__, "prompts": PROMPTS, "prompt_length": PROMPT_LEN, "greedy_tokens": GREEDY,

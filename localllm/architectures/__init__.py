@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from localllm.architectures import gemma3, llama, qwen2, qwen3, validate
+from localllm.architectures import gemma3, llama, phi3, qwen2, qwen3, validate
 from localllm.architectures.base import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "gemma3": gemma3,
+    "phi3": phi3,
 }
 
 
@@ -37,9 +38,56 @@ def load_config(meta: dict[str, Any]) -> ModelConfig:
     return config
 
 
+def _factor_tensor(g, name: str, config: ModelConfig) -> tuple[float, ...] | None:
+    """A RoPE factor tensor of the file (check_tensors found it rope_dim / 2 F32 values), or None if absent:
+    finite and positive, since they divide the angles."""
+    if name not in g.tensors:
+        return None
+    values = g.raw(name).view(np.float32).reshape(-1).astype(np.float64)
+    if values.shape != (config.rope_dim // 2,) or not np.all(np.isfinite(values) & (values > 0)):
+        raise ModelFileError(f"tensor {name!r} should hold {config.rope_dim // 2} finite positive RoPE factors, holds "
+                             f"{values.size} (min {values.min() if values.size else None})")
+    return tuple(float(v) for v in values)
+
+
+def with_longrope(g, config: ModelConfig) -> ModelConfig:
+    """The config with the file's LongRoPE factors (phi3: rope_factors_short/long.weight) in rope_longrope, and
+    the short set in use (a model built without a context; the engine picks by its context: for_context)."""
+    if not config.traits.longrope or config.rope_longrope is not None:
+        return config
+    short = _factor_tensor(g, "rope_factors_short.weight", config)
+    long = _factor_tensor(g, "rope_factors_long.weight", config)
+    if short is None and long is None:
+        if config.rope_scaling == "longrope":
+            raise ModelFileError(f"{config.architecture}.rope.scaling.type is 'longrope', but the file has neither "
+                                 "rope_factors_short.weight nor rope_factors_long.weight")
+        return config
+    original = int(g.metadata.get(f"{config.architecture}.rope.scaling.original_context_length",
+                                  config.context_length))
+    config = dataclasses.replace(config, rope_scaling="longrope", rope_longrope=(original, short, long))
+    return for_context(config, None)
+
+
+def for_context(config: ModelConfig, n_ctx: int | None) -> ModelConfig:
+    """The config for sequences of up to n_ctx tokens: with LongRoPE, the long factors when n_ctx exceeds the
+    original context (llama.cpp's llama_model::get_rope_factors, by the context of a sequence), else the short
+    ones (also when n_ctx is None: transformers' choice for a sequence not yet past the original context). A
+    missing set means no factors, as in llama.cpp. Other configs are returned as they are."""
+    if config.rope_longrope is None:
+        return config
+    original, short, long = config.rope_longrope
+    factors = long if n_ctx is not None and n_ctx > original else short
+    config = dataclasses.replace(config, rope_factors=factors)
+    validate.check_config(config, {})  # no overflowing angles
+    return config
+
+
 def with_rope_factors(g, config: ModelConfig) -> ModelConfig:
-    """The config with the file's RoPE frequency factors (rope_freqs.weight, Llama 3.1+), which check_tensors
-    found of the right shape and type; refused if a "llama3" scaling has neither the tensor nor its numbers."""
+    """The config with the file's RoPE frequency factors (rope_freqs.weight, Llama 3.1+; LongRoPE's short and
+    long sets, phi3), which check_tensors found of the right shape and type; refused if a "llama3" scaling has
+    neither the tensor nor its numbers."""
+    if config.traits.longrope:
+        return with_longrope(g, config)
     info = g.tensors.get("rope_freqs.weight")
     if info is None or not config.traits.rope_freq_factors:
         if config.rope_scaling == "llama3" and config.rope_factors is None:
@@ -91,9 +139,24 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
         rope += f", YaRN x{1 / c.rope_scale:g} from a context of {_number(c.rope_yarn[0])}"
     elif c.rope_scale != 1.0:
         rope += f", linear scaling x{1 / c.rope_scale:g}"
-    if c.rope_factors is not None:
+    if c.rope_longrope is not None:
+        original, short, long = c.rope_longrope
+
+        def span(f):
+            return "none" if f is None else f"{min(f):g}..{max(f):g}"
+
+        which = "long" if long is not None and c.rope_factors is long else "short"
+        rope += (f", LongRoPE factors short {span(short)} / long {span(long)} (long above a context of {original};"
+                 f" using {which})")
+    elif c.rope_factors is not None:
         rope += f", llama3 frequency factors {min(c.rope_factors):g}..{max(c.rope_factors):g}"
+    if c.rope_attn_factor != 1.0:
+        rope += f", cos/sin x{c.rope_attn_factor:.4g}"
     out.append(rope)
+    if "blk.0.attn_qkv.weight" in names:
+        out.append("fused QKV")
+    if tr.fused_gate_up:
+        out.append("fused gate/up")
     if "blk.0.attn_q.bias" in names:
         out.append("QKV bias")
     if tr.qk_norm:
@@ -109,8 +172,11 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
         if c.rope_base_swa is not None:
             swa += f" (RoPE base {_number(c.rope_base_swa)})"
         out.append(swa)
+    if c.sliding_window_ignored:
+        out.append(f"sliding window {c.sliding_window_ignored} in the file, not applied (as llama.cpp)")
     out.append("tied output" if "output.weight" not in names else "separate output")
     return out
 
 
-__all__ = ["ARCHITECTURES", "ArchTraits", "ModelConfig", "load_config", "load_model_config", "with_rope_factors", "features"]
+__all__ = ["ARCHITECTURES", "ArchTraits", "ModelConfig", "load_config", "load_model_config", "with_rope_factors",
+           "for_context", "features"]

@@ -42,6 +42,18 @@ class ArchTraits:
     # The file may carry `rope_freqs.weight`, per-frequency divisors of RoPE's angles (Llama 3.1+'s "llama3"
     # scaling; llama.cpp loads the tensor for llama only).
     rope_freq_factors: bool = True
+    # The file may hold Q, K and V as one `attn_qkv` tensor (q_dim + 2 kv_dim rows, in that order) instead of three
+    # (phi3; llama.cpp's create_tensor_qkv reads either). Loaded as three matrices (Backend.matrix's row ranges).
+    fused_qkv: bool = False
+    # The FFN's gate and up are one `ffn_up` tensor of 2 n_ff rows, gate first, and there is no ffn_gate (phi3;
+    # llama.cpp's LLM_FFN_SWIGLU on the fused product). Loaded as two matrices.
+    fused_gate_up: bool = False
+    # LongRoPE (Phi-3/3.5/4-mini): `rope_factors_short.weight` / `rope_factors_long.weight`, per-frequency divisors
+    # of the angles, the long set used when the context exceeds rope.scaling.original_context_length.
+    longrope: bool = False
+    # The file's attention.sliding_window is read but not applied, as llama.cpp does for phi3 (it disables Phi's
+    # sliding window: "Phi SWA is currently disabled", llama.cpp PR 13676).
+    sliding_window_ignored: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,14 +75,23 @@ class ModelConfig:
     attention_scale: float
     sliding_window: int  # 0 = no sliding-window layers
     traits: ArchTraits = field(default_factory=ArchTraits)
-    # How RoPE's angles are scaled: "none", "linear" (rope_scale), "llama3" (rope_factors). Informational: the
-    # numbers below are what the forward uses.
+    # How RoPE's angles are scaled: "none", "linear" (rope_scale), "llama3" (rope_factors), "yarn" (rope_yarn),
+    # "longrope" (rope_longrope). Informational: the numbers below are what the forward uses.
     rope_scaling: str = "none"
     # Per-frequency divisors of the angles (rope_dim // 2 of them: Llama 3's rope_freqs.weight), or None.
     rope_factors: tuple[float, ...] | None = None
     rope_base_swa: float | None = None  # the sliding-window layers' RoPE base, where it differs
     # YaRN (rope_scaling "yarn"): (original context, beta_fast, beta_slow, extrapolation mix, cos/sin scale).
     rope_yarn: tuple[float, float, float, float, float] | None = None
+    # cos/sin scale of RoPE without YaRN (rope.scaling.attn_factor; LongRoPE's sqrt(1 + ln(s) / ln(original))).
+    # YaRN folds it into rope_yarn[4].
+    rope_attn_factor: float = 1.0
+    # LongRoPE: (original context, short factors or None, long factors or None), from the file's tensors; which
+    # set is in rope_factors follows the context (architectures.for_context): llama.cpp's rule, long when the
+    # context of a sequence exceeds the original one.
+    rope_longrope: tuple[int, tuple[float, ...] | None, tuple[float, ...] | None] | None = None
+    # An attention.sliding_window the file sets and the architecture does not apply (phi3, as llama.cpp).
+    sliding_window_ignored: int = 0
 
     def layer_rope_yarn(self, layer: int):
         return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_yarn
@@ -111,9 +132,12 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     rope_dim = int(key("rope.dimension_count", head_dim))
     rope_base = float(key("rope.freq_base", 10000.0))
-    rope_scaling, rope_scale, rope_factors = _rope_scaling(arch, key, rope_dim, rope_base)
+    rope_scaling, rope_scale, rope_factors = _rope_scaling(arch, key, rope_dim, rope_base, traits)
     rope_yarn = _yarn(arch, key, rope_scale) if rope_scaling == "yarn" else None
     window = int(key("attention.sliding_window", 0) or 0)
+    ignored_window = 0
+    if traits.sliding_window_ignored:
+        window, ignored_window = 0, window
     if window and not (traits.swa_pattern or traits.swa_all_layers):
         raise ModelFileError(f"{arch}.attention.sliding_window is {window}, but localllm's {arch} has no sliding-window "
                              "attention; refused rather than attend beyond the window")
@@ -138,16 +162,19 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
         rope_scaling=rope_scaling,
         rope_factors=rope_factors,
         rope_yarn=rope_yarn,
+        rope_attn_factor=1.0 if rope_yarn is not None else float(key("rope.scaling.attn_factor", 1.0)),
+        sliding_window_ignored=ignored_window,
         rope_base_swa=(float(key("rope.freq_base_swa", traits.swa_rope_base)) if traits.swa_rope_base is not None
                        else None),
     )
 
 
 # RoPE scalings localllm computes (rope.scaling.type); llama.cpp's default, when the key is absent, is linear.
-ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope (phi3)")
 
 
-def _rope_scaling(arch: str, key, rope_dim: int, base: float) -> tuple[str, float, tuple[float, ...] | None]:
+def _rope_scaling(arch: str, key, rope_dim: int, base: float,
+                  traits: ArchTraits | None = None) -> tuple[str, float, tuple[float, ...] | None]:
     """(scaling type, linear scale, frequency factors or None) from the metadata, as llama.cpp reads them: a
     rope.scaling.factor (or the older rope.scale_linear) without a type is linear; "none" never scales. Any
     other type changes the positions in a way localllm does not compute: refused by name, never run as if it
@@ -176,6 +203,9 @@ def _rope_scaling(arch: str, key, rope_dim: int, base: float) -> tuple[str, floa
         if factor is None or float(factor) <= 1.0:
             raise ModelFileError(f"{arch}.rope.scaling.type is 'yarn' without a rope.scaling.factor above 1")
         return "yarn", 1.0 / float(factor), None
+    if kind == "longrope" and traits is not None and traits.longrope:
+        # its factors are the rope_factors_short/long tensors (architectures.with_rope_factors, checked at load)
+        return "longrope", 1.0, None
     if kind == "longrope":
         raise ModelFileError(f"{arch}.rope.scaling.type is {kind!r}: localllm does not compute {kind} RoPE scaling, "
                              "and running the model without it would give wrong answers")

@@ -27,16 +27,17 @@ class RopeTable:
     the fused forward rotate by these tables, so a RoPE variant is a change here only."""
 
     def __init__(self, rope_dim: int, base: float, scale: float, factors: tuple[float, ...] | None = None,
-                 yarn: tuple | None = None):
-        # ggml_rope_ext: theta_i = pos * scale * base^(-2i/d) / freq_factors[i] (factors: Llama 3's rope_freqs);
-        # YaRN mixes the scaled and unscaled angle per pair and scales cos/sin (yarn[4]).
+                 yarn: tuple | None = None, attn_factor: float = 1.0):
+        # ggml_rope_ext: theta_i = pos * scale * base^(-2i/d) / freq_factors[i] (factors: Llama 3's rope_freqs,
+        # LongRoPE's short or long set); YaRN mixes the scaled and unscaled angle per pair and scales cos/sin
+        # (yarn[4]); otherwise cos/sin are scaled by attn_factor (rope.scaling.attn_factor: LongRoPE's).
         if yarn is not None:
             self.inv_freq = yarn_inv_freq(rope_dim, base, scale, yarn)
         else:
             self.inv_freq = scale * base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
         if factors is not None:
             self.inv_freq = self.inv_freq / np.asarray(factors, np.float64)
-        self.mscale = 1.0 if yarn is None else yarn[4]
+        self.mscale = attn_factor if yarn is None else yarn[4]
         self.cos = np.empty((0, rope_dim // 2), np.float32)
         self.sin = self.cos
 
@@ -54,6 +55,20 @@ class RopeTable:
 
 # Each layer's weight matrices (GGUF names blk.N.<name>.weight), in the order the forward multiplies by them.
 MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def fused_name(matmul: str, qkv: bool, gate_up: bool) -> str:
+    """The tensor that holds one of MATMULS in a file with fused tensors (phi3's attn_qkv and ffn_up)."""
+    if qkv and matmul in ("attn_q", "attn_k", "attn_v"):
+        return "attn_qkv"
+    if gate_up and matmul == "ffn_gate":
+        return "ffn_up"
+    return matmul
+
+
+def _distinct(names: tuple) -> tuple:
+    """Names in order, each once: Q, K and V of one fused tensor are one product for an importance matrix."""
+    return tuple(dict.fromkeys(names))
 
 
 @dataclass
@@ -125,8 +140,26 @@ class Transformer:
             else self.token_embd
         self.output_norm = _vector_of("output_norm.weight", c.n_embd)
         self.output_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        # The GGUF name of each layer's matrices, in the order forward_batch multiplies by them.
-        self.matmul_names = [tuple(f"blk.{i}.{m}.weight" for m in MATMULS) for i in range(c.n_layers)]
+        # The GGUF name of each layer's matrices, in the order forward_batch multiplies by them (a fused tensor's
+        # name stands for each of its parts).
+        fused_qkv = [tr.fused_qkv and f"blk.{i}.attn_qkv.weight" in g.tensors for i in range(c.n_layers)]
+        self.matmul_names = [tuple(f"blk.{i}.{fused_name(m, fused_qkv[i], tr.fused_gate_up)}.weight"
+                                   for m in MATMULS) for i in range(c.n_layers)]
+
+        def parts(name: str, sizes: list[int]) -> list:
+            """A fused tensor of (sum(sizes), n_embd) as matrices of its row ranges (Backend.matrix's rows): each
+            part reads its rows of the file in place, nothing is copied or uploaded twice."""
+            shape = g.tensor_info(name).shape
+            if shape != (sum(sizes), c.n_embd):
+                raise ModelFileError(f"{g.path}: tensor {name!r} has shape {shape}, expected {(sum(sizes), c.n_embd)}")
+            out, lo = [], 0
+            for size in sizes:
+                try:
+                    out.append(b.matrix(g, name, rows=(lo, lo + size)))
+                except (ModelFileError, ValueError) as e:
+                    raise ModelFileError(f"{g.path}: tensor {name!r}: {e}") from None
+                lo += size
+            return out
 
         def optional_vector(name: str, length: int):
             return _vector_of(name, length) if name in g.tensors else None
@@ -134,15 +167,28 @@ class Transformer:
         self.layers = []
         for i in range(c.n_layers):
             p = f"blk.{i}."
+            # phi3: Q, K and V as rows of one attn_qkv, gate and up as the halves of ffn_up (check_tensors found
+            # their shapes); the forward and the fused forward then see ordinary matrices.
+            if fused_qkv[i]:
+                wq, wk, wv = parts(p + "attn_qkv.weight", [q_dim, kv_dim, v_dim])
+            else:
+                wq, wk, wv = (_matrix_of(p + "attn_q.weight", q_dim, c.n_embd),
+                              _matrix_of(p + "attn_k.weight", kv_dim, c.n_embd),
+                              _matrix_of(p + "attn_v.weight", v_dim, c.n_embd))
+            if tr.fused_gate_up:
+                ffn_gate, ffn_up = parts(p + "ffn_up.weight", [c.n_ff, c.n_ff])
+            else:
+                ffn_gate = _matrix_of(p + "ffn_gate.weight", c.n_ff, c.n_embd)
+                ffn_up = _matrix_of(p + "ffn_up.weight", c.n_ff, c.n_embd)
             layer = LayerWeights(
                 attn_norm=_vector_of(p + "attn_norm.weight", c.n_embd),
-                wq=_matrix_of(p + "attn_q.weight", q_dim, c.n_embd),
-                wk=_matrix_of(p + "attn_k.weight", kv_dim, c.n_embd),
-                wv=_matrix_of(p + "attn_v.weight", v_dim, c.n_embd),
+                wq=wq,
+                wk=wk,
+                wv=wv,
                 wo=_matrix_of(p + "attn_output.weight", c.n_embd, c.n_head * c.value_dim),
                 ffn_norm=_vector_of(p + "ffn_norm.weight", c.n_embd),
-                ffn_gate=_matrix_of(p + "ffn_gate.weight", c.n_ff, c.n_embd),
-                ffn_up=_matrix_of(p + "ffn_up.weight", c.n_ff, c.n_embd),
+                ffn_gate=ffn_gate,
+                ffn_up=ffn_up,
                 ffn_down=_matrix_of(p + "ffn_down.weight", c.n_embd, c.n_ff),
                 bq=optional_vector(p + "attn_q.bias", q_dim),
                 bk=optional_vector(p + "attn_k.bias", kv_dim),
@@ -161,7 +207,8 @@ class Transformer:
         self._rope = {}
         self.layer_rope = []
         for i in range(c.n_layers):
-            key = (c.layer_rope_base(i), c.layer_rope_scale(i), c.layer_rope_factors(i), c.layer_rope_yarn(i))
+            key = (c.layer_rope_base(i), c.layer_rope_scale(i), c.layer_rope_factors(i), c.layer_rope_yarn(i),
+                   c.rope_attn_factor)
             if key not in self._rope:
                 self._rope[key] = RopeTable(c.rope_dim, *key)
             self.layer_rope.append(self._rope[key])
@@ -284,7 +331,7 @@ class Transformer:
         for i, L in enumerate(self.layers):
             h = b.rms_norm(x, L.attn_norm, c.rms_eps)
             if observe is not None:
-                observe(self.matmul_names[i][:3], b.to_host(h))
+                observe(_distinct(self.matmul_names[i][:3]), b.to_host(h))
             q, k, v = b.group_matmul(L.qkv, h, precise=precise)
             for t, bias in ((q, L.bq), (k, L.bk), (v, L.bv)):
                 if bias is not None:
@@ -318,7 +365,7 @@ class Transformer:
 
             h = b.rms_norm(x, L.ffn_norm, c.rms_eps)
             if observe is not None:
-                observe(self.matmul_names[i][4:6], b.to_host(h))
+                observe(_distinct(self.matmul_names[i][4:6]), b.to_host(h))
             gate, up = b.group_matmul(L.gate_up, h, precise=precise)
             act = b.gated_activation(gate, up, tr.activation)
             if observe is not None:

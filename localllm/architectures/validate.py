@@ -54,6 +54,8 @@ HYPERPARAMETERS: dict[str, tuple[str, bool, float | None]] = {
     "rope.scaling.yarn_attn_factor": ("float", False, 0.0),
     "rope.scaling.yarn_beta_fast": ("float", False, 0.0),
     "rope.scaling.yarn_beta_slow": ("float", False, 0.0),
+    # cos/sin scale of RoPE (llama.cpp's rope_attn_factor, any scaling): LongRoPE's, or a factor on YaRN's
+    "rope.scaling.attn_factor": ("float", False, 0.0),
 }
 
 # Keys under "{arch}." that change nothing localllm computes: informational, or read by llama.cpp only for
@@ -68,7 +70,7 @@ NEUTRAL: dict[str, Any] = {
     "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "router_logit_softcapping": 0.0,
     "logit_scale": 1.0, "embedding_scale": 1.0, "residual_scale": 1.0, "attention.causal": True,
     "use_parallel_residual": False, "attention.clamp_kqv": 0.0, "attention.max_alibi_bias": 0.0,
-    "rope.scaling.attn_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0,
+    "rope.scaling.yarn_log_multiplier": 0.0,
 }
 
 # Tokenizer keys and the Python types the GGUF reader gives them.
@@ -200,10 +202,11 @@ def check_config(config: ModelConfig, meta: dict[str, Any]) -> None:
         raise ModelFileError(f"{key('attention.sliding_window')} is {c.sliding_window}; it must be >= 0")
 
 
-def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
+def expected_tensors(c: ModelConfig, names=frozenset()) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
     """(name, numpy shape, kind, required) of every tensor the forward pass reads, layer by layer (a generator:
     a corrupt block_count of 2^31 then fails at the first missing layer instead of listing them all). kind
-    "matrix": any supported format; "vector": float32."""
+    "matrix": any supported format; "vector": float32. `names`: the file's tensor names, where the architecture
+    reads either of two layouts (phi3: Q, K and V fused as attn_qkv or separate)."""
     q_dim, kv_dim, v_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.value_dim
     yield "token_embd.weight", (c.vocab_size, c.n_embd), "matrix", True
     yield "output.weight", (c.vocab_size, c.n_embd), "matrix", False  # absent: tied to the embeddings
@@ -211,17 +214,28 @@ def expected_tensors(c: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str
     tr = c.traits
     if tr.rope_freq_factors:
         yield "rope_freqs.weight", (c.rope_dim // 2,), "vector", False  # Llama 3.1+: RoPE frequency factors
+    if tr.longrope:  # Phi-3's LongRoPE: either set may be absent (llama.cpp: no factors then)
+        yield "rope_factors_long.weight", (c.rope_dim // 2,), "vector", False
+        yield "rope_factors_short.weight", (c.rope_dim // 2,), "vector", False
     for i in range(c.n_layers):
         p = f"blk.{i}."
+        if tr.fused_qkv and p + "attn_qkv.weight" in names:
+            qkv = ((p + "attn_qkv.weight", (q_dim + kv_dim + v_dim, c.n_embd), "matrix", True),)
+        else:
+            qkv = ((p + "attn_q.weight", (q_dim, c.n_embd), "matrix", True),
+                   (p + "attn_k.weight", (kv_dim, c.n_embd), "matrix", True),
+                   (p + "attn_v.weight", (v_dim, c.n_embd), "matrix", True))
+        if tr.fused_gate_up:
+            gate_up = ((p + "ffn_up.weight", (2 * c.n_ff, c.n_embd), "matrix", True),)
+        else:
+            gate_up = ((p + "ffn_gate.weight", (c.n_ff, c.n_embd), "matrix", True),
+                       (p + "ffn_up.weight", (c.n_ff, c.n_embd), "matrix", True))
         yield from (
             (p + "attn_norm.weight", (c.n_embd,), "vector", True),
-            (p + "attn_q.weight", (q_dim, c.n_embd), "matrix", True),
-            (p + "attn_k.weight", (kv_dim, c.n_embd), "matrix", True),
-            (p + "attn_v.weight", (v_dim, c.n_embd), "matrix", True),
+            *qkv,
             (p + "attn_output.weight", (c.n_embd, c.n_head * c.value_dim), "matrix", True),
             (p + "ffn_norm.weight", (c.n_embd,), "vector", True),
-            (p + "ffn_gate.weight", (c.n_ff, c.n_embd), "matrix", True),
-            (p + "ffn_up.weight", (c.n_ff, c.n_embd), "matrix", True),
+            *gate_up,
             (p + "ffn_down.weight", (c.n_embd, c.n_ff), "matrix", True),
             (p + "attn_q.bias", (q_dim,), "vector", False),
             (p + "attn_k.bias", (kv_dim,), "vector", False),
@@ -251,7 +265,7 @@ def check_tensors(g, c: ModelConfig) -> None:
         if m and int(m.group(1)) >= c.n_layers:
             raise ModelFileError(f"{c.architecture}.block_count is {c.n_layers}, but the file has tensor {name!r}")
     known = set()
-    for name, shape, kind, required in expected_tensors(c):
+    for name, shape, kind, required in expected_tensors(c, tensors):
         known.add(name)
         info = tensors.get(name)
         if info is None:

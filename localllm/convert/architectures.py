@@ -32,7 +32,10 @@ class ArchSpec:
     norm_shift: float = 0.0  # gemma3: RMSNorm weights stored as w - 1
     trim_vocab: bool = False  # gemma3: token_embd rows beyond the tokenizer dropped
     extra_hparams: Callable[[gguf.GGUFWriter, dict], None] | None = None
-    vocab_kind: Callable[[Path, dict], str] = field(default=lambda d, hp: "gpt2")  # "spm" or "gpt2"
+    vocab_kind: Callable[[Path, dict], str] = field(default=lambda d, hp: "gpt2")  # "spm", "gpt2" or "phi3-spm"
+    # An architecture whose set_gguf_parameters replaces TextModel's (phi3): writes every hyperparameter itself,
+    # (writer, hparams, file_type), instead of write_hparams' shared keys and extra_hparams.
+    own_hparams: Callable[[gguf.GGUFWriter, dict, int], None] | None = None
 
 
 def _llama_vocab_kind(directory: Path, hp: dict) -> str:
@@ -99,6 +102,93 @@ def _gemma3_extra(w: gguf.GGUFWriter, hp: dict) -> None:
     w.add_head_count_kv(hp.get("num_key_value_heads", 4))
 
 
+def _phi3_vocab_kind(directory: Path, hp: dict) -> str:
+    """Phi3MiniModel.set_vocab: byte-level BPE where tokenizer_config.json names GPT2Tokenizer (Phi-4-mini), else
+    SentencePiece (tokenizer.model) with Phi-3's own handling of added tokens."""
+    import json
+
+    try:
+        cfg = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    if cfg.get("tokenizer_class") == "GPT2Tokenizer":
+        return "gpt2"
+    if not (directory / "tokenizer.model").is_file():
+        raise CheckpointError(f"{directory}: a Phi-3 checkpoint needs its tokenizer.model (or a tokenizer_config.json "
+                              "naming GPT2Tokenizer, as Phi-4-mini's does)")
+    return "phi3-spm"
+
+
+def phi3_rope(hp: dict) -> dict:
+    """Phi-3's RoPE numbers as Phi3MiniModel reads them: rope_dims from partial_rotary_factor, the original
+    context, and (LongRoPE) the factor sets and the cos/sin scale."""
+    rope = hp.get("rope_parameters") or {}
+    n_embd, n_head = hp["hidden_size"], hp["num_attention_heads"]
+    if hp.get("head_dim") not in (None, n_embd // n_head):
+        raise CheckpointError(f"head_dim {hp['head_dim']} is not hidden_size / num_attention_heads: llama.cpp's phi3 "
+                              "has no such head size")
+    if n_embd % n_head:
+        raise CheckpointError(f"hidden_size {n_embd} is not a multiple of num_attention_heads {n_head}")
+    partial = rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 1.0))
+    original = rope.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    top = hp.get("original_max_position_embeddings")
+    if top is not None and original != top:
+        raise CheckpointError(f"config.json gives two original contexts, {top} and {original} in rope_parameters")
+    if original is None:
+        raise CheckpointError("config.json has no original_max_position_embeddings")
+    out = {"rope_dims": int(partial * n_embd) // n_head, "original": int(original),
+           "theta": rope.get("rope_theta", 10000.0), "long": None, "short": None, "attn_factor": None}
+    long, short = rope.get("long_factor"), rope.get("short_factor")
+    if not long:
+        return out
+    kind = str(rope.get("rope_type", rope.get("type", ""))).lower()
+    if kind not in ("su", "longrope"):
+        raise CheckpointError(f"Phi-3 RoPE scaling {kind!r} with long_factor is not converted (longrope is)")
+    if short is None or len(long) != len(short) or len(long) != out["rope_dims"] // 2:
+        raise CheckpointError(f"rope long_factor and short_factor must have {out['rope_dims'] // 2} values each, have "
+                              f"{len(long)} and {len(short or [])}")
+    # generate_extra_tensors: sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original. transformers
+    # takes rope_parameters' factor and attention_factor instead where config.json gives them (no Phi model does);
+    # so does this converter, so that the file computes what transformers does.
+    scale = rope.get("factor") or hp["max_position_embeddings"] / original
+    attn = rope.get("attention_factor")
+    if attn is None:
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    out.update(long=np.array(long, np.float32), short=np.array(short, np.float32), attn_factor=float(attn))
+    return out
+
+
+def _phi3_hparams(w: gguf.GGUFWriter, hp: dict, file_type: int) -> None:
+    """Phi3MiniModel.set_gguf_parameters (it replaces TextModel's: no rope.scaling.type, the factor tensors say
+    it), and generate_extra_tensors' rope.scaling.attn_factor."""
+    rope = phi3_rope(hp)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(rope["original"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_rope_dimension_count(rope["rope_dims"])
+    w.add_rope_freq_base(rope["theta"])
+    w.add_file_type(file_type)
+    # 0 when config.json has none (Phi-4); llama.cpp reads it and does not apply it (neither does localllm)
+    w.add_sliding_window(hp.get("sliding_window") or 0)
+    if rope["attn_factor"] is not None:
+        w.add_rope_scaling_attn_factors(rope["attn_factor"])
+
+
+def generated_tensors(spec: ArchSpec, hp: dict) -> dict[str, np.ndarray]:
+    """Tensors the conversion makes from config.json (generate_extra_tensors, written first): Llama 3.1's
+    rope_freqs, Phi-3's LongRoPE rope_factors_long / rope_factors_short."""
+    if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and (factors := llama3_rope_factors(hp)) is not None:
+        return {"rope_freqs.weight": factors}
+    if spec.gguf_arch == gguf.MODEL_ARCH.PHI3 and (rope := phi3_rope(hp))["long"] is not None:
+        return {"rope_factors_long.weight": rope["long"], "rope_factors_short.weight": rope["short"]}
+    return {}
+
+
 _LLAMA_DEFAULTS = {"vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                    "tie_word_embeddings": False}
 _QWEN2_DEFAULTS = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
@@ -109,6 +199,8 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "max_position_embeddings": 131072, "rm
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
                     "final_logit_softcapping": None, "attn_logit_softcapping": None}
+_PHI3_DEFAULTS = {"vocab_size": 32064, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+                  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None}
 
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(gguf.MODEL_ARCH.LLAMA, ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
@@ -119,6 +211,8 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
              vocab_kind=_spm_if_present),
     ArchSpec(gguf.MODEL_ARCH.GEMMA3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _GEMMA3_DEFAULTS,
              norm_shift=1.0, trim_vocab=True, extra_hparams=_gemma3_extra, vocab_kind=_spm_if_present),
+    ArchSpec(gguf.MODEL_ARCH.PHI3, ("Phi3ForCausalLM",), _PHI3_DEFAULTS, own_hparams=_phi3_hparams,
+             vocab_kind=_phi3_vocab_kind),
 )
 
 
@@ -170,6 +264,9 @@ def _find(hp: dict, keys):
 
 def write_hparams(w: gguf.GGUFWriter, spec: ArchSpec, hp: dict, file_type: int) -> None:
     """convert_hf_to_gguf.py's TextModel.set_gguf_parameters, then the architecture's own keys."""
+    if spec.own_hparams is not None:
+        spec.own_hparams(w, hp, file_type)
+        return
     w.add_block_count(hp["num_hidden_layers"])
     if (n := _find(hp, ["max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
                         "model_max_length"])) is not None:

@@ -22,7 +22,7 @@ from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.resume import PartialWriter, file_identity, keep_partial, partial_paths
 
-from .architectures import ArchSpec, find_arch, llama3_rope_factors, normalise_config, permute_qk, write_hparams
+from .architectures import ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, write_hparams
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
 from .safetensors import CheckpointError, TensorEntry
 from .vocab import sentencepiece_vocab, write_vocab
@@ -125,10 +125,10 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
                 tj = load_tokenizer_json(ckpt.dir)
                 n_vocab_real = len(tj["model"]["vocab"]) + len(tj.get("added_tokens") or [])
         planned: list[PlannedTensor] = []
-        if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and (factors := llama3_rope_factors(hp)) is not None:
+        for gen_name, values in generated_tensors(spec, hp).items():
             # generate_extra_tensors comes first in convert_hf_to_gguf.py's tensor order
-            planned.append(PlannedTensor(None, "rope_freqs", "rope_freqs.weight", factors.shape, Q.F32,
-                                         factors.nbytes, None))
+            planned.append(PlannedTensor(None, gen_name.removesuffix(".weight"), gen_name, values.shape, Q.F32,
+                                         values.nbytes, None))
         for src_name, entry in ckpt.tensors.items():
             name = _hf_name(src_name)
             if name is None or name.endswith(_SKIP_SUFFIXES):
@@ -176,7 +176,7 @@ def tensor_data(plan: Plan, t: PlannedTensor) -> np.ndarray:
 def tensor_values(plan: Plan, t: PlannedTensor) -> np.ndarray:
     """The tensor as convert_hf_to_gguf.py hands it to the quantizer: f16 stays f16, anything else is float32."""
     if t.source is None:
-        return llama3_rope_factors(plan.hparams)
+        return generated_tensors(plan.spec, plan.hparams)[t.name]
     src = plan.ckpt.file_of(t.source)
     data = src.read(t.source)
     if data.dtype != np.float16:

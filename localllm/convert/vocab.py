@@ -155,6 +155,43 @@ def sentencepiece_vocab(directory: Path, hparams: dict) -> tuple[list[bytes], li
     return tokens, scores, toktypes
 
 
+def phi3_sentencepiece_vocab(directory: Path, hparams: dict) -> tuple[list[bytes], list[float], list[int]]:
+    """Phi3MiniModel.set_vocab's SentencePiece vocabulary: the pieces padded to vocab_size, then added_tokens.json,
+    tokenizer_config.json's added_tokens_decoder and tokenizer.json's added_tokens, each as written (score -1000,
+    user-defined, control where marked special). Ids past vocab_size are skipped (llama.cpp would fail on them)."""
+    pieces = read_sentencepiece_model(directory / "tokenizer.model")
+    vocab_size = hparams.get("vocab_size") or len(pieces)
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    toktypes = [UNUSED] * vocab_size
+    sp_to_gguf = {2: UNKNOWN, 3: CONTROL, 5: UNUSED, 6: BYTE}
+    for token_id, (piece, score, typ) in enumerate(pieces[:vocab_size]):
+        tokens[token_id] = piece.encode("utf-8")
+        scores[token_id] = score
+        toktypes[token_id] = sp_to_gguf.get(typ, NORMAL)
+
+    def add(token_id: int, content: str, special: bool) -> None:
+        if 0 <= token_id < vocab_size:
+            tokens[token_id] = content.encode("utf-8")
+            scores[token_id] = -1000.0
+            toktypes[token_id] = CONTROL if special else USER_DEFINED
+
+    added = directory / "added_tokens.json"
+    if added.is_file():
+        for key, token_id in json.loads(added.read_text(encoding="utf-8")).items():
+            add(int(token_id), key, False)
+    cfg_path = directory / "tokenizer_config.json"
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        for token_id, data in (cfg.get("added_tokens_decoder") or {}).items():
+            add(int(token_id), data["content"], bool(data.get("special")))
+    tj_path = directory / "tokenizer.json"
+    if tj_path.is_file():
+        for data in load_tokenizer_json(directory).get("added_tokens") or []:
+            add(int(data["id"]), data["content"], bool(data.get("special")))
+    return tokens, scores, toktypes
+
+
 # -- byte-level BPE (tokenizer.json) -----------------------------------------------------------------------
 
 def load_tokenizer_json(directory: Path) -> dict:
@@ -311,9 +348,11 @@ def _merges(tok_json: dict) -> list[str]:
 
 
 def write_vocab(writer: gguf.GGUFWriter, directory: Path, hparams: dict, kind: str) -> dict:
-    """Add the tokenizer keys; `kind` is "spm" or "gpt2" (the architecture's choice). Returns a summary."""
-    if kind == "spm":
-        tokens, scores, toktypes = sentencepiece_vocab(directory, hparams)
+    """Add the tokenizer keys; `kind` is "spm", "phi3-spm" or "gpt2" (the architecture's choice). Returns a
+    summary."""
+    if kind in ("spm", "phi3-spm"):
+        read = phi3_sentencepiece_vocab if kind == "phi3-spm" else sentencepiece_vocab
+        tokens, scores, toktypes = read(directory, hparams)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
