@@ -55,7 +55,7 @@ def is_loopback(host: str) -> bool:
 def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           parallel: int = 4, ctx: int | None = None, max_tokens: int = 2048, cors_origins: list[str] | None = None,
           max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
-          allowed_hosts: list[str] | None = None, device: str = "cpu") -> None:
+          allowed_hosts: list[str] | None = None, device: str = "cpu", offline: bool = False) -> None:
     """Serve `model` until Ctrl-C. `speculation` (a SpeculationParams): decode every request speculatively.
     `allowed_hosts`: names clients may call the server by beyond localhost, IP addresses and this machine's
     host name (see asgi.LocalNames; '*': any)."""
@@ -67,6 +67,10 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
     from localllm.server.asgi import LocalNames, create_app
     from localllm.server.scheduler import Scheduler
 
+    if offline:
+        import os
+
+        os.environ["LOCALLLM_OFFLINE"] = "1"  # /api/pull too: nothing is downloaded
     if parallel < 1:
         raise LocalLLMError("--parallel must be at least 1")
     if max_tokens < 1:
@@ -74,14 +78,14 @@ def serve(model: str, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_ke
     LocalNames(host, allowed_hosts)  # a malformed --allowed-host fails now, not after loading the model
     sock = bind(host, port)  # before loading: a taken port fails fast
     try:
-        path = store.resolve(model)
+        path = store.ensure(model, offline=offline)  # a missing catalog model or hub reference is pulled now
         engine = Engine.load(model, ctx=ctx, device=device)
         if speculation is not None:
             speculation.validated()
             if speculation.mode == "draft":
                 engine.draft_engine(speculation.draft_model)  # load and check it now, not on the first request
         scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, speculation=speculation)
-        name = model if path.name == f"{model}.gguf" else path.stem
+        name = store.display_name(model, path)
         state = ServerState(engine=engine, scheduler=scheduler, model_name=name, model_path=str(path),
                             max_tokens=min(max_tokens, engine.ctx), parallel=parallel, api_key=api_key,
                             max_body=max_body or MAX_BODY)
