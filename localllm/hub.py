@@ -452,7 +452,12 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers, disable_progress_bars
 
+    from huggingface_hub import constants
+
     disable_progress_bars()
+    # http_get reads its stream in chunks of this size (10 MiB by default); a dropped connection loses the chunk
+    # in flight, and progress moves by whole chunks: 1 MiB keeps both small.
+    constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, 1 << 20)
     url = hf_hub_url(ref.repo, f.name, revision=revision, endpoint=base)
     try:
         meta = get_hf_file_metadata(url, timeout=_timeout(), endpoint=base)
@@ -495,7 +500,7 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
                     http_get(meta.location, _CountingFile(out, have, report), resume_size=have, headers=headers,
                              expected_size=size, displayed_filename=f.name)
             except HfHubHTTPError as e:
-                raise DownloadError(f"{f.name}: {str(e).splitlines()[0]}") from None
+                raise DownloadError(f"{f.name}: {str(e).splitlines()[0]} (pull again to resume)") from None
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise
@@ -563,10 +568,16 @@ def pull(text: str, quiet: bool = False, progress: Progress | None = None) -> tu
             raise DownloadError(f"not enough disk space in {dest.parent} for {name} ({total / 1e9:.2f} GB, "
                                 f"{'twice over to join its parts' if len(chosen) > 1 else 'once'})")
         try:
-            for f in chosen:
-                part = staging / (_encode(f.name) + ".partial")
-                sha = _download(ref, base, revision, f, part, quiet, progress)
-                parts.append((f, part, sha))
+            try:
+                for f in chosen:
+                    part = staging / (_encode(f.name) + ".partial")
+                    sha = _download(ref, base, revision, f, part, quiet, progress)
+                    parts.append((f, part, sha))
+            except BaseException:
+                # Keep the staging folder only when it holds bytes a next pull can resume from.
+                if not any(p.stat().st_size for p in staging.glob("*.partial")):
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise
             tmp = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
             meta_tmp = _meta_path(dest).with_name(f".{dest.stem}.json.partial")
             try:
