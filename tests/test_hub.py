@@ -394,12 +394,16 @@ def test_an_unreachable_or_silent_hub_fails_within_seconds(fake_hub, monkeypatch
 # ---- pull on demand: run, serve, and Ollama's /api/pull ----------------------------------------------------
 
 
-@pytest.fixture
-def smol_hub(fake_hub):
+@pytest.fixture(scope="module")
+def smol_file():
     from conftest import model_file
 
-    entry = catalog.find(SMOL)
-    fake_hub.add("test/smol", "SmolLM2-135M-Instruct-Q4_K_M.gguf", model_file(SMOL), entry.sha256)
+    return model_file(SMOL)  # (module scope: looked up in the real store, before fake_hub points elsewhere)
+
+
+@pytest.fixture
+def smol_hub(smol_file, fake_hub):
+    fake_hub.add("test/smol", "SmolLM2-135M-Instruct-Q4_K_M.gguf", smol_file, catalog.find(SMOL).sha256)
     return fake_hub
 
 
