@@ -448,3 +448,41 @@ def test_the_ollama_client_pulls_through_serve_which_pulled_its_own_model_on_dem
     finally:
         err = stop_server(proc)
     assert "Traceback" not in err, err
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_tui_model_picker_pulls_a_typed_reference_and_loads_it(smol_hub):
+    from localllm.tui.app import ChatApp
+    from localllm.tui.chat_session import load_engine
+    from localllm.tui.screens import ModelPicker
+
+    async def until(pilot, condition, timeout, what):
+        start = time.monotonic()
+        while not condition():
+            assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+            await pilot.pause(0.05)
+
+    app = ChatApp(None, loader=load_engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        await pilot.press("escape")  # the first-run offer to pull the default model: declined
+        await pilot.press("f3")
+        picker = app.screen
+        assert isinstance(picker, ModelPicker)
+        await pilot.press("slash")
+        box = picker.query_one("#reference")
+        assert box.display and box.has_focus
+        box.value = "hf.co/../../etc/passwd"
+        await pilot.press("enter")
+        assert "not a model reference" in str(picker.query_one("#pull_label").render())
+        assert smol_hub.requests == [] and picker.pull_proc is None
+        box.value = "hf.co/test/smol"
+        await pilot.press("enter")
+        await until(pilot, lambda: app.session is not None, 600, "the pulled model to load")
+        assert app.session.engine.name == "hf.co/test/smol:Q4_K_M"
+        assert [m.name for m in hub.hub_models()] == ["hf.co/test/smol:Q4_K_M"]
