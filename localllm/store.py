@@ -468,8 +468,9 @@ def pull_by_name(name: str, quiet: bool = False) -> PullResult:
             # a reference, or something unsafe that hub.parse refuses with its reason before any network use
             listed, path, downloaded = hub.pull(name, quiet=quiet)
             prov = hub.provenance(path) or {}
-            return PullResult(path, f"Hugging Face hub {prov.get('repo', listed)} ({listed})" if downloaded
-                              else "present", downloaded)
+            files = ", ".join(f["file"] for f in prov.get("files", []))
+            return PullResult(path, f"Hugging Face hub {prov.get('repo')} ({files}; revision "
+                              f"{str(prov.get('revision'))[:12]})" if downloaded else "present", downloaded)
         return pull(catalog.find(name), quiet=quiet)
     except KeyboardInterrupt:
         if name not in catalog.entries():

@@ -39,6 +39,7 @@ class FakeHub:
         self.drop_once: dict[str, int] = {}  # file -> bytes sent before the connection is dropped, once
         self.fail_after_drop: set[str] = set()  # files whose next request after the drop gets a 503
         self.corrupt: dict[str, int] = {}  # file -> offset of a flipped byte
+        self.authorization: list[str | None] = []  # each request's Authorization header
         hub_self = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,6 +81,7 @@ class FakeHub:
     def handle(self, h, body: bool):
         path = h.path.split("?", 1)[0]
         self.requests.append((h.command, h.path, h.headers.get("Range")))
+        self.authorization.append(h.headers.get("Authorization"))
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if m:
             repo = m.group(1)
@@ -292,6 +294,22 @@ def test_pull_picks_the_tagged_file_case_insensitively_and_q4_k_m_by_default(fak
     r = store.pull_by_name("hf://test/repo/Model-Q2_K.gguf", quiet=True)
     assert name_in(r.path) == "Q2_K" and store.display_name("x", r.path) == "hf://test/repo/Model-Q2_K.gguf"
     assert leftovers() == []
+
+
+def test_hf_token_is_sent_on_every_hub_request(fake_hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_testtoken123")
+    store.pull_by_name("hf.co/test/repo:Q2_K", quiet=True)
+    ours = [auth for (_, path, _), auth in zip(fake_hub.requests, fake_hub.authorization)
+            if path.startswith("/api/models/") or "/resolve/" in path]  # (not huggingface_hub's own calls)
+    assert len(ours) == 3  # model info, HEAD, GET
+    assert set(ours) == {"Bearer hf_testtoken123"}
+
+
+def test_serve_offline_refuses_a_missing_reference_without_a_request(fake_hub):
+    out = subprocess.run([sys.executable, "-m", "localllm", "serve", "hf.co/test/repo", "--offline", "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "not in the store" in out.stderr and "Traceback" not in out.stderr
+    assert fake_hub.requests == []
 
 
 def test_list_show_and_resolve_work_offline_and_rm_deletes_only_in_the_store(fake_hub, tmp_path):
