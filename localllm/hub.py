@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlparse
 
 from localllm import paths
-from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
+from localllm.errors import DownloadError, UnknownModelError
 from localllm.gguf_split import join, split_index
 from localllm.progress import note, progress_bar
 
@@ -524,8 +524,11 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
     return got
 
 
-def pull(text: str, quiet: bool = False, progress: Progress | None = None) -> tuple[str, Path, bool]:
-    """Pull a reference into the store: (its listed name, its file, whether anything was downloaded)."""
+def pull(text: str, quiet: bool = False, progress: Progress | None = None, *, lock, remember_verified
+         ) -> tuple[str, Path, bool]:
+    """Pull a reference into the store: (its listed name, its file, whether anything was downloaded). `lock` and
+    `remember_verified` are the store's (store.pull_reference passes them: one lock per model file for catalog
+    and hub pulls alike, without an import cycle)."""
     ref = parse(text)  # before any network or file access
     if progress is not None:
         progress({"status": "pulling manifest"})
@@ -542,9 +545,7 @@ def pull(text: str, quiet: bool = False, progress: Progress | None = None) -> tu
     name = canonical_name(ref, tag, chosen[0].name)
     dest = store_path(name)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    from localllm.store import _model_lock, _remember_verified
-
-    with _model_lock(dest, quiet):
+    with lock(dest, quiet):
         prov = provenance(dest)
         want = [{"file": f.name, "size": f.size, "sha256": f.sha256} for f in chosen]
         if dest.exists() and prov and prov.get("revision") == revision and prov.get("files") == want:
@@ -600,7 +601,7 @@ def pull(text: str, quiet: bool = False, progress: Progress | None = None) -> tu
                 meta_tmp.write_text(json.dumps(record, indent=1))
                 os.replace(tmp, dest)
                 os.replace(meta_tmp, _meta_path(dest))
-                _remember_verified(dest, record["sha256"])
+                remember_verified(dest, record["sha256"])
             finally:
                 tmp.unlink(missing_ok=True)
                 meta_tmp.unlink(missing_ok=True)
@@ -624,20 +625,19 @@ def _add_alias(dest: Path, prov: dict, ref: HubRef) -> None:
     os.replace(tmp, _meta_path(dest))
 
 
-def ensure(text: str, quiet: bool = False, allow_pull: bool = True) -> Path:
-    """The store file of a reference, pulling it first when it is missing and pulls are allowed."""
+def ensure(text: str, quiet: bool = False, allow_pull: bool = True, pull_ref=None) -> Path:
+    """The store file of a reference, pulling it first (with `pull_ref`, store.pull_reference) when it is missing
+    and pulls are allowed."""
     ref = parse(text)
     found = find_local(ref)
     if found is not None:
         return found.path
-    if not allow_pull or offline():
-        raise UnknownModelError(f"{ref.requested} is not in the store and pulling is off (--offline); pull it "
-                                f"with `localllm pull {text}` while online")
-    try:
-        _, path, _ = pull(text, quiet=quiet)
-    except KeyboardInterrupt:
-        raise LocalLLMError(f"pull of {text} interrupted; run it again to resume") from None
-    return path
+    if offline():
+        raise UnknownModelError(f"{ref.requested} is not in the store and the network is off (--offline or "
+                                f"HF_HUB_OFFLINE); pull it with `localllm pull {text}` while online")
+    if not allow_pull or pull_ref is None:
+        raise UnknownModelError(f"{ref.requested} is not in the store yet: run `localllm pull {text}`")
+    return pull_ref(text, quiet=quiet)[1]
 
 
 def decode_name(stem: str) -> str:

@@ -132,7 +132,7 @@ def ensure(name_or_path: str | os.PathLike, quiet: bool = False, offline: bool =
     offline = offline or hub.offline()
     text = str(name_or_path)
     if _hub_reference(text):
-        return hub.ensure(text, quiet=quiet, allow_pull=not offline)
+        return hub.ensure(text, quiet=quiet, allow_pull=not offline, pull_ref=pull_reference)
     try:
         return resolve(text)
     except UnknownModelError:
@@ -459,6 +459,17 @@ def in_flight_bytes() -> int:
     return total
 
 
+def pull_reference(text: str, quiet: bool = False, progress=None) -> tuple[str, Path, bool]:
+    """Pull a hub reference (see hub.py) under the store's per-model lock: (the name `list` shows, its file,
+    whether anything was downloaded). `progress` receives Ollama-shaped events (/api/pull streams them)."""
+    from localllm import hub
+
+    try:
+        return hub.pull(text, quiet=quiet, progress=progress, lock=_model_lock, remember_verified=_remember_verified)
+    except KeyboardInterrupt:
+        raise LocalLLMError(f"pull of {text} interrupted; pull it again to resume") from None
+
+
 def pull_by_name(name: str, quiet: bool = False) -> PullResult:
     """Pull a catalog model by name, or a hub reference (hf.co/USER/REPO:QUANT, USER/REPO, hf://...)."""
     from localllm import hub
@@ -466,7 +477,7 @@ def pull_by_name(name: str, quiet: bool = False) -> PullResult:
     try:
         if name not in catalog.entries() and ("/" in name or "\\" in name or "\0" in name):
             # a reference, or something unsafe that hub.parse refuses with its reason before any network use
-            listed, path, downloaded = hub.pull(name, quiet=quiet)
+            listed, path, downloaded = pull_reference(name, quiet=quiet)
             prov = hub.provenance(path) or {}
             files = ", ".join(f["file"] for f in prov.get("files", []))
             return PullResult(path, f"Hugging Face hub {prov.get('repo')} ({files}; revision "

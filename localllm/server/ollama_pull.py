@@ -44,7 +44,7 @@ def _run_pull(name: str, progress) -> None:
         progress({"status": "verifying sha256 digest"})
         progress({"status": "writing manifest"})
         return
-    hub.pull(name, quiet=True, progress=progress)
+    store.pull_reference(name, quiet=True, progress=progress)
 
 
 def _status_of(e: LocalLLMError) -> int:
