@@ -471,6 +471,9 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
     expected = (f.sha256 or (meta.etag if meta.etag and re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None))
     if expected is None:
         raise DownloadError(f"{f.name}: the hub gives no sha256 for it, so it cannot be verified")
+    if f.sha256 and meta.etag and re.fullmatch(r"[0-9a-f]{64}", meta.etag) and meta.etag != f.sha256:
+        raise DownloadError(f"{f.name}: the hub's listing and its file disagree on the sha256 ({f.sha256} vs "
+                            f"{meta.etag}); try again later")
     if f.size is not None and size is not None and f.size != size:
         raise DownloadError(f"{f.name}: the hub's listing says {f.size} bytes, the file {size}")
     digest = "sha256:" + expected
