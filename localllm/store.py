@@ -174,7 +174,12 @@ def remove(name: str) -> Path:
     from localllm import hub
 
     if isinstance(name, str) and "/" in name and hub.looks_like_reference(name):
-        return hub.remove(name)  # found through the provenance records, never as a path
+        # found through the provenance records, never as a path; not while a pull of it runs
+        found = hub.find_local(hub.parse(name))
+        if found is None:
+            return hub.remove(name)  # says there is nothing to remove
+        with _model_lock(found.path, quiet=True, wait=False):
+            return hub.remove(name)
     if problem := name_problem(name):
         raise UnknownModelError(f"rm takes the name of a model in the store, as `localllm list` shows it; "
                                 f"{name!r} is not one ({problem}). Nothing was removed.")
