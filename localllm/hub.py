@@ -557,6 +557,8 @@ def pull(text: str, quiet: bool = False, progress: Progress | None = None, *, lo
                 for f in chosen:
                     progress({"status": f"pulling {(f.sha256 or '')[:12]}", "digest": f"sha256:{f.sha256}",
                               "total": f.size, "completed": f.size})
+                progress({"status": "verifying sha256 digest"})  # (the store's file was verified when pulled)
+                progress({"status": "writing manifest"})
             return name, dest, False
         staging = _staging(name)
         staging.mkdir(parents=True, exist_ok=True)

@@ -454,6 +454,9 @@ def test_the_ollama_client_pulls_through_serve_which_pulled_its_own_model_on_dem
         layer = [e for e in events if e.status == f"pulling {sha[:12]}"]
         assert layer and layer[-1].digest == f"sha256:{sha}" and layer[-1].completed == layer[-1].total > 0
         assert client.pull("test/repo", stream=False).status == "success"
+        again = [e.status for e in client.pull("hf.co/test/repo:q8_0", stream=True)]  # present: nothing fetched
+        assert again == ["pulling manifest", f"pulling {sha[:12]}", "verifying sha256 digest", "writing manifest",
+                         "success"]
         with pytest.raises(ollama.ResponseError) as err:
             client.pull("hf.co/../../etc/passwd", stream=False)
         assert err.value.status_code == 400
