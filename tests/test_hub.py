@@ -347,11 +347,23 @@ def test_a_split_gguf_is_downloaded_part_by_part_and_joined_into_one_valid_gguf(
         assert joined.tensors[name].shape == whole.tensors[name].shape
     assert {k: v for k, v in joined.metadata.items()} == {k: v for k, v in whole.metadata.items()}
     assert not any(k.startswith("split.") for k in joined.metadata)
+    assert r.path.read_bytes() == files["whole"].read_bytes()  # exactly the file written unsplit
     reader = GGUFReader(r.path)  # gguf-py's reader, independently of ours
     assert len(reader.tensors) == 5
     assert [f["file"] for f in hub.provenance(r.path)["files"]] == \
         [f"Q8_0/Split-Q8_0-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
     assert leftovers() == []
+
+
+def test_parts_out_of_order_are_refused_and_write_nothing(files, tmp_path):
+    from localllm.errors import ModelFileError
+    from localllm.gguf_split import join
+
+    with pytest.raises(ModelFileError, match="expected part 0 of 3"):
+        join(list(reversed(files["parts"])), tmp_path / "joined.gguf")
+    with pytest.raises(ModelFileError, match="part 0 of 3, expected part 0 of 2"):  # a part missing
+        join(files["parts"][:1] + files["parts"][2:], tmp_path / "joined.gguf")
+    assert not (tmp_path / "joined.gguf").exists()
 
 
 def test_a_dropped_connection_resumes_with_a_range_request(fake_hub, files):
