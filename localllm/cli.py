@@ -16,7 +16,7 @@ from localllm.errors import LocalLLMError
 from localllm.files import read_text_file
 from localllm.model_info import model_info
 
-DEFAULT_MODEL_HELP = "catalog name or path to a .gguf file"
+DEFAULT_MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT, USER/REPO) or path to a .gguf file"
 
 
 def _print_json(obj) -> None:
@@ -41,11 +41,12 @@ def cmd_pull(args) -> int:
     results = []
     for name in names:
         result = store.pull_by_name(name, quiet=args.quiet or args.json)
-        results.append({"name": name, "path": str(result.path), "source": result.source,
+        listed = store.display_name(name, result.path)  # a hub reference: the name `list` shows
+        results.append({"name": listed, "path": str(result.path), "source": result.source,
                         "downloaded": result.downloaded})
         if not args.json and not args.quiet:
             what = f"pulled from {result.source}" if result.downloaded else "already present and verified"
-            print(f"{name}: {what} ({result.path})")
+            print(f"{listed}: {what} ({result.path})")
     if args.json:
         _print_json(results)
     return 0
@@ -71,6 +72,7 @@ def cmd_list(args) -> int:
                      "architecture": m.entry.architecture if m.entry else "",
                      "description": m.entry.description if m.entry else "(not in the catalog)",
                      "default": bool(m.entry and m.entry.default), "path": str(m.path)})
+    rows += _hub_rows()
     if args.json:
         _print_json(rows)
         return 0
@@ -86,6 +88,17 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _hub_rows() -> list[dict]:
+    """Pulled hub models, from their provenance records (no network)."""
+    from localllm import hub
+
+    return [{"name": m.name, "downloaded": True, "size": m.size, "quantization": m.provenance.get("quant") or "",
+             "architecture": "", "description": f"Hugging Face hub {m.provenance.get('repo')} "
+             f"({', '.join(f['file'] for f in m.provenance.get('files', []))})", "default": False,
+             "path": str(m.path), "hub": {k: m.provenance.get(k) for k in ("repo", "revision", "files", "sha256")}}
+            for m in hub.hub_models()]
+
+
 def cmd_rm(args) -> int:
     from localllm import store
 
@@ -99,7 +112,14 @@ def cmd_rm(args) -> int:
 def cmd_show(args) -> int:
     from localllm import store
 
-    info = model_info(store.resolve(args.model))
+    from localllm import hub
+
+    path = store.resolve(args.model)
+    info = model_info(path)
+    prov = hub.provenance(path)
+    if prov:
+        info["hub"] = {k: prov.get(k) for k in ("name", "repo", "revision", "quant", "files", "sha256", "endpoint",
+                                                "pulled_at", "available")}
     if args.json:
         _print_json(info)
         return 0
@@ -120,6 +140,12 @@ def cmd_show(args) -> int:
     print(f"tensor types    {types}")
     print(f"tokenizer       {tok['model']} (pre-tokenizer {tok['pre']}), {tok['vocab_size']} tokens")
     print(f"chat template   {'yes' if info['chat_template'] else 'no (ChatML is used)'}")
+    if prov:
+        print(f"hub             {prov.get('name')}: {prov.get('repo')} at revision {prov.get('revision')}")
+        for f in prov.get("files", []):
+            print(f"                {f['file']} ({_human_size(f['size'] or 0)}, sha256 {f['sha256']})")
+        if prov.get("available"):
+            print(f"quantizations   {', '.join(prov['available'])} (in the repo when pulled)")
     return 0
 
 
@@ -178,7 +204,7 @@ def cmd_serve(args) -> int:
     from localllm.cli_generate import speculation_params
     from localllm.server import serve
 
-    serve(args.model, host=args.host, port=args.port,
+    serve(args.model, host=args.host, port=args.port, offline=args.offline,
           api_key=args.api_key or os.environ.get("LOCALLLM_API_KEY") or None, parallel=args.parallel,
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
           max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args),
@@ -237,10 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"localllm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("pull", help="download models from the catalog (hub first, then mirrors)",
-                       description="Download catalog models into the model store, verifying their sha256. "
-                                   "A model that is present and intact is not downloaded again.")
-    p.add_argument("models", nargs="*", metavar="MODEL", help="catalog names (default: the default model)")
+    p = sub.add_parser("pull", help="download models: catalog names (hub first, then mirrors) or hub references",
+                       description="Download catalog models, or any GGUF on the Hugging Face hub by reference "
+                                   "(hf.co/USER/REPO[:QUANT], huggingface.co/USER/REPO[:QUANT], USER/REPO[:QUANT], "
+                                   "hf://USER/REPO/FILE.gguf; the quant tag is matched case-insensitively, default "
+                                   "Q4_K_M then the closest), into the model store, verifying their sha256. A model "
+                                   "that is present and intact is not downloaded again; an interrupted hub download "
+                                   "resumes. HF_TOKEN and HF_ENDPOINT are honoured.")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help="catalog names or hub references (default: the default model)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_pull)
@@ -254,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", help="delete downloaded models",
                        description="Delete downloaded models from the store, by the names `localllm list` shows. "
                                    "A name is never a path: nothing outside the store is deleted.")
-    p.add_argument("models", nargs="+", metavar="MODEL", help="a model name from `localllm list`")
+    p.add_argument("models", nargs="+", metavar="MODEL",
+                   help="a model name from `localllm list` (a catalog name or hub reference)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_rm)
 
@@ -353,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     cli_generate.add_device_option(p)
     cli_generate.add_speculation_options(p)
+    cli_generate.add_offline_option(p)
     from localllm import cli_server
 
     cli_server.add_serve_options(p)

@@ -14,7 +14,7 @@ from localllm.chat_history import fit_messages
 from localllm.files import read_text_file
 from localllm.errors import LocalLLMError
 
-MODEL_HELP = "catalog name or path to a .gguf file"
+MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT) or path to a .gguf file"
 MIN_PERPLEXITY_CHUNK = 3  # a chunk scores tokens first+1 .. c-1 with first = c // 2: none below 3
 
 
@@ -122,12 +122,25 @@ def add_overflow_options(p, default: str, why: str) -> None:
                         "prompt (default 0; the BOS is always kept)")
 
 
+def add_offline_option(p) -> None:
+    p.add_argument("--offline", action="store_true",
+                   help="never download: a model that is not in the store is an error (default: a catalog model "
+                        "or hub reference that is missing is pulled first, with a progress bar)")
+
+
+def ensure_model(args) -> str:
+    """The model's file, pulled first when it is a missing catalog model or hub reference (unless --offline)."""
+    from localllm import store
+
+    return str(store.ensure(args.model, offline=getattr(args, "offline", False)))
+
+
 def load_engine(args):
     from localllm.engine import Engine
 
     # run and chat generate for one sequence at a time: the whole-forward path only (perplexity scores op by op).
     warm = "all" if args.command == "perplexity" else "first-token"
-    return Engine.load(args.model, ctx=args.ctx, kv_type=args.kv_type, device=args.device, warm=warm)
+    return Engine.load(ensure_model(args), ctx=args.ctx, kv_type=args.kv_type, device=args.device, warm=warm)
 
 
 # ---- run -------------------------------------------------------------------------------------------------
@@ -250,6 +263,8 @@ def cmd_chat(args) -> int:
     from localllm.tui.settings import load_reporting
 
     saved, notices = load_reporting()
+    if args.model is not None:
+        ensure_model(args)  # pull a missing model here, with a progress bar, before the app takes the screen
     return run(args.model, chat_settings_overrides(args, saved), notices)
 
 
@@ -487,6 +502,7 @@ def add_commands(sub) -> None:
     add_sampling_options(p)
     add_overflow_options(p, "stop", "a completion never silently loses the start of its prompt")
     add_speculation_options(p)
+    add_offline_option(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="chat with a model in the terminal",
@@ -505,6 +521,7 @@ def add_commands(sub) -> None:
                          "oldest tokens, instead of being cut off mid-sentence; models with sliding-window layers "
                          "stop instead")
     add_speculation_options(p)
+    add_offline_option(p)
     # --device and --kv-type not given: the saved settings (F2; cpu and f32 unless changed there)
     p.set_defaults(func=cmd_chat, max_tokens=1024, device=None, kv_type=None, parser_default=p.get_default)
 

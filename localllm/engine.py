@@ -192,7 +192,9 @@ class Engine:
         kv_per_token = KVPool.for_model(self.config, kv_type=kv_type, storage=device.kv_storage()).bytes_per_token
         device.check_fits(sum(device.weight_bytes(t) for t in self.gguf.tensors.values()), self.ctx * kv_per_token)
         self.model = Transformer(self.gguf, self.config, device)
-        self.name = self.path.stem
+        from localllm import hub
+
+        self.name = (hub.provenance(self.path) or {}).get("name") or self.path.stem  # a hub model: its reference
         # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.
         if kv_type not in KV_TYPES:
             raise LocalLLMError(f"KV cache type {kv_type!r}: use one of {', '.join(KV_TYPES)}")

@@ -88,9 +88,27 @@ def has_model(name: str) -> bool:
     return name_problem(name) is None and model_path(name).exists()
 
 
+def _hub_reference(text: str) -> bool:
+    """Whether `text` names a hub model rather than a file: an hf.co/, huggingface.co/ or hf:// reference always;
+    USER/REPO[:QUANT] unless a file of that name exists here (a relative path given on purpose)."""
+    from localllm import hub
+
+    if not hub.looks_like_reference(text):
+        return False
+    if text.lower().startswith(("hf.co/", "huggingface.co/", "hf://")):
+        return True
+    return not Path(text).expanduser().is_file()
+
+
 def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A GGUF path as given, or the file of a pulled model. Errors say what to do next."""
+    """A GGUF path as given, the file of a pulled model, or of a pulled hub reference (hf.co/USER/REPO:QUANT,
+    USER/REPO, hf://USER/REPO/FILE.gguf; see hub.py). Never downloads (`ensure` does); errors say what to do
+    next. A reference is parsed, and refused if unsafe, before anything else is looked at."""
     text = str(name_or_path)
+    if _hub_reference(text):
+        from localllm import hub
+
+        return hub.ensure(text, allow_pull=False)
     candidate = Path(text).expanduser()
     if "/" in text or os.sep in text or text.endswith(".gguf") or name_problem(text):
         if not candidate.exists():
@@ -103,6 +121,37 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         return candidate
     entry = catalog.find(text)  # raises UnknownModelError with suggestions
     raise UnknownModelError(f"model {entry.name} is not downloaded yet: run `localllm pull {entry.name}`")
+
+
+def ensure(name_or_path: str | os.PathLike, quiet: bool = False, offline: bool = False) -> Path:
+    """As `resolve`, but a catalog model or hub reference that is not in the store yet is pulled first (with a
+    progress bar unless `quiet`), as `ollama run` does; with `offline` (or LOCALLLM_OFFLINE / HF_HUB_OFFLINE
+    set) nothing is downloaded and a missing model is an error."""
+    from localllm import hub
+
+    offline = offline or hub.offline()
+    text = str(name_or_path)
+    if _hub_reference(text):
+        return hub.ensure(text, quiet=quiet, allow_pull=not offline, pull_ref=pull_reference)
+    try:
+        return resolve(text)
+    except UnknownModelError:
+        if offline or name_problem(text) or text not in catalog.entries():
+            raise
+    note(f"{text} is not downloaded yet: pulling it", quiet)
+    return pull_by_name(text, quiet=quiet).path
+
+
+def display_name(name_or_path: str | os.PathLike, path: Path) -> str:
+    """The name a model goes by in the APIs and `list`: a store name, a hub model's reference, else the file's
+    stem."""
+    from localllm import hub
+
+    prov = hub.provenance(path)
+    if prov and isinstance(prov.get("name"), str):
+        return prov["name"]
+    text = str(name_or_path)
+    return text if path.name == f"{text}.gguf" else path.stem
 
 
 def local_models() -> list[LocalModel]:
@@ -120,7 +169,17 @@ def local_models() -> list[LocalModel]:
 
 
 def remove(name: str) -> Path:
-    """Delete a pulled model by name. Only ever files in the store: a name that is a path is refused."""
+    """Delete a pulled model by name or hub reference. Only ever files in the store: a name that is a path is
+    refused."""
+    from localllm import hub
+
+    if isinstance(name, str) and "/" in name and hub.looks_like_reference(name):
+        # found through the provenance records, never as a path; not while a pull of it runs
+        found = hub.find_local(hub.parse(name))
+        if found is None:
+            return hub.remove(name)  # says there is nothing to remove
+        with _model_lock(found.path, quiet=True, wait=False):
+            return hub.remove(name)
     if problem := name_problem(name):
         raise UnknownModelError(f"rm takes the name of a model in the store, as `localllm list` shows it; "
                                 f"{name!r} is not one ({problem}). Nothing was removed.")
@@ -405,8 +464,31 @@ def in_flight_bytes() -> int:
     return total
 
 
-def pull_by_name(name: str, quiet: bool = False) -> PullResult:
+def pull_reference(text: str, quiet: bool = False, progress=None) -> tuple[str, Path, bool]:
+    """Pull a hub reference (see hub.py) under the store's per-model lock: (the name `list` shows, its file,
+    whether anything was downloaded). `progress` receives Ollama-shaped events (/api/pull streams them)."""
+    from localllm import hub
+
     try:
+        return hub.pull(text, quiet=quiet, progress=progress, lock=_model_lock, remember_verified=_remember_verified)
+    except KeyboardInterrupt:
+        raise LocalLLMError(f"pull of {text} interrupted; pull it again to resume") from None
+
+
+def pull_by_name(name: str, quiet: bool = False) -> PullResult:
+    """Pull a catalog model by name, or a hub reference (hf.co/USER/REPO:QUANT, USER/REPO, hf://...)."""
+    from localllm import hub
+
+    try:
+        if name not in catalog.entries() and ("/" in name or "\\" in name or "\0" in name):
+            # a reference, or something unsafe that hub.parse refuses with its reason before any network use
+            listed, path, downloaded = pull_reference(name, quiet=quiet)
+            prov = hub.provenance(path) or {}
+            files = ", ".join(f["file"] for f in prov.get("files", []))
+            return PullResult(path, f"Hugging Face hub {prov.get('repo')} ({files}; revision "
+                              f"{str(prov.get('revision'))[:12]})" if downloaded else "present", downloaded)
         return pull(catalog.find(name), quiet=quiet)
     except KeyboardInterrupt:
+        if name not in catalog.entries():
+            raise LocalLLMError(f"pull of {name} interrupted; pull it again to resume") from None
         raise LocalLLMError(f"pull of {name} interrupted; nothing was left behind") from None

@@ -17,7 +17,7 @@ from textual.markup import escape
 from textual.message import Message
 from textual.widgets import Footer, Label, Markdown, ProgressBar, Static, TextArea
 
-from localllm import catalog, store
+from localllm import catalog, hub, store
 from localllm.errors import LocalLLMError
 from localllm.tui import conversations, settings as settings_store
 from localllm.tui.chat_session import ChatSession, TurnStats, load_engine
@@ -181,7 +181,7 @@ class ChatApp(App):
     def start(self) -> None:
         """Load the model asked for, or the default, or offer to pull the default when nothing is here."""
         if self.model_name is None:
-            local = [m.name for m in store.local_models()]
+            local = [m.name for m in store.local_models()] + [m.name for m in hub.hub_models()]
             default = catalog.default_entry().name
             if not local:
                 self.offer_pull(default, "No model is downloaded yet.")

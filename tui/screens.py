@@ -16,7 +16,8 @@ from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressBar, Select, Static, TextArea
 
-from localllm import catalog, store
+from localllm import catalog, hub, store
+from localllm.errors import LocalLLMError
 from localllm.tui import conversations
 from localllm.tui.settings import ChatSettings
 
@@ -180,7 +181,8 @@ class ModelPicker(ModalScreen[str | None]):
     """Catalog and downloaded models. Enter switches to a downloaded one, or pulls one that is not (in a child
     `localllm pull`, whose Ctrl-C cleanup leaves nothing behind when Esc cancels it)."""
 
-    BINDINGS = [Binding("escape", "close", "Close / cancel pull")]
+    BINDINGS = [Binding("escape", "close", "Close / cancel pull"),
+                Binding("slash", "reference", "Type a hub reference", show=False)]
 
     def __init__(self, current: str | None, pull_now: str | None = None):
         super().__init__()
@@ -193,6 +195,9 @@ class ModelPicker(ModalScreen[str | None]):
         with Vertical(id="dialog", classes="models"):
             yield Label("Models — Enter: use (or pull), Esc: close", classes="title")
             yield DataTable(cursor_type="row", zebra_stripes=True)
+            # '/' opens it: any GGUF on the hub by reference, pulled like a catalog model
+            yield Input(placeholder="hf.co/USER/REPO:QUANT, USER/REPO or hf://USER/REPO/FILE.gguf, then Enter",
+                        id="reference")
             yield Label("", id="pull_label")
             yield ProgressBar(id="pull_bar", show_eta=False)
 
@@ -200,6 +205,7 @@ class ModelPicker(ModalScreen[str | None]):
         table = self.query_one(DataTable)
         table.add_columns("Model", "Size", "Status", "About")
         self.query_one("#pull_bar").display = False
+        self.query_one("#reference").display = False
         self.refresh_rows()
         if self.pull_now:
             self.start_pull(self.pull_now)
@@ -209,6 +215,10 @@ class ModelPicker(ModalScreen[str | None]):
         table.clear()
         local = {m.name: m for m in store.local_models()}
         names = list(catalog.entries()) + sorted(set(local) - set(catalog.entries()))
+        for m in hub.hub_models():  # pulled by reference: listed under the reference
+            status = "in use" if m.name == self.current else "downloaded"
+            table.add_row(as_text(m.name), human_size(m.size), status,
+                          as_text(f"Hugging Face hub {m.provenance.get('repo', '')}"), key=m.name)
         for name in names:
             entry = catalog.entries().get(name)
             size = local[name].size if name in local else entry.size
@@ -224,17 +234,41 @@ class ModelPicker(ModalScreen[str | None]):
         name = event.row_key.value
         if self.pull_proc is not None:
             self.notify("A pull is running: Esc cancels it", severity="warning")
-        elif store.has_model(name):
+        elif store.has_model(name) or name in {m.name for m in hub.hub_models()}:
             self.dismiss(name)
         else:
             self.start_pull(name)
+
+    def action_reference(self) -> None:
+        box = self.query_one("#reference", Input)
+        box.display = True
+        box.focus()
+
+    @on(Input.Submitted, "#reference")
+    def reference_given(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if self.pull_proc is not None:
+            self.notify("A pull is running: Esc cancels it", severity="warning")
+            return
+        try:
+            ref = hub.parse(text)  # an unsafe or malformed reference is refused here, before anything runs
+        except LocalLLMError as e:
+            self.query_one("#pull_label", Label).update(f"[red]{escape(str(e))}[/]")
+            return
+        found = hub.find_local(ref)
+        if found is not None:
+            self.dismiss(found.name)
+        else:
+            self.pull_now = text  # go straight to it once pulled
+            self.start_pull(text)
 
     def start_pull(self, name: str) -> None:
         self.pull_cancelled = False
         self.query_one("#pull_label", Label).update(f"Pulling {name}… (Esc cancels)")
         bar = self.query_one("#pull_bar", ProgressBar)
         bar.display = True
-        bar.update(total=catalog.find(name).size, progress=0)
+        entry = catalog.entries().get(name)
+        bar.update(total=entry.size if entry else None, progress=0)  # a hub reference's size comes later
         self.pull_proc = subprocess.Popen([sys.executable, "-m", "localllm", "pull", "--quiet", name],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                           start_new_session=True)
@@ -255,7 +289,8 @@ class ModelPicker(ModalScreen[str | None]):
         self.query_one("#pull_bar").display = False
         label = self.query_one("#pull_label", Label)
         if self.pull_cancelled:
-            label.update(f"Pull of {name} cancelled; nothing was left behind.")
+            label.update(f"Pull of {name} cancelled; nothing was left behind." if name in catalog.entries() else
+                         f"Pull of {name} cancelled; pulling it again resumes.")
         elif returncode == 0 and name == self.pull_now:
             self.dismiss(name)  # pulled because it was asked for (first run): go straight to it
             return

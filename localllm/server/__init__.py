@@ -57,11 +57,13 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           parallel: int = 4, ctx: int | None = None, max_tokens: int = 2048, cors_origins: list[str] | None = None,
           max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
           allowed_hosts: list[str] | None = None, device: str = "cpu", models: list[str] | None = None,
-          max_loaded: int | None = None, pins: list[str] | None = None, keep_alive: float | None = None) -> None:
+          max_loaded: int | None = None, pins: list[str] | None = None, keep_alive: float | None = None,
+          offline: bool = False) -> None:
     """Serve until Ctrl-C: `model` alone (loaded now, pinned), or several (`models`; none: any model of the store)
     loaded by the requests' `model` field, up to `max_loaded` at once (None: as many as fit in the memory
     available now), each kept `keep_alive` seconds after its last request (None: 5 minutes; the one model: for
-    ever), `pins` always. `speculation` (a SpeculationParams): decode every request speculatively.
+    ever), `pins` always. `speculation` (a SpeculationParams): decode every request speculatively. A catalog model
+    or hub reference named here that is not in the store yet is pulled first, unless `offline`.
     `allowed_hosts`: names clients may call the server by beyond localhost, IP addresses and this machine's
     host name (see asgi.LocalNames; '*': any)."""
     import uvicorn
@@ -69,6 +71,10 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     from localllm.server.app import MAX_BODY
     from localllm.server.asgi import LocalNames, create_app
 
+    if offline:
+        import os
+
+        os.environ["LOCALLLM_OFFLINE"] = "1"  # /api/pull too: nothing is downloaded
     if parallel < 1:
         raise LocalLLMError("--parallel must be at least 1")
     if max_tokens < 1:
@@ -82,7 +88,7 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     try:
         registry, state, name = _registry(model, models or [], pins or [], max_loaded, keep_alive, ctx, device,
                                           parallel, max_queue, speculation, max_tokens, api_key,
-                                          max_body or MAX_BODY)
+                                          max_body or MAX_BODY, offline)
         engine = state.engine if model is not None else None
         app = create_app(state, cors_origins, allowed_hosts, host)
         if not is_loopback(host) and not api_key:
@@ -114,11 +120,13 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
 
 
 def _served_name(given: str, path) -> str:
-    return given if path.name == f"{given}.gguf" else path.stem
+    from localllm import store
+
+    return store.display_name(given, path)  # a store name, a hub model's reference, else the file's stem
 
 
 def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel, max_queue, speculation,
-              max_tokens, api_key, max_body):
+              max_tokens, api_key, max_body, offline=False):
     """(registry, the app's state, the one model's name or None) for serve()'s options; the one model and the
     pinned ones are loaded now, so that a bad file fails before the port opens."""
     from localllm import catalog, store
@@ -141,7 +149,7 @@ def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel
                        parallel=parallel, api_key=api_key, max_body=max_body)
     allowed, default = None, None
     if not several:
-        path = store.resolve(model)
+        path = store.ensure(model, offline=offline)  # a missing catalog model or hub reference is pulled now
         allowed = {_served_name(model, path): path}
         default = next(iter(allowed))
         pins = [default]
@@ -150,7 +158,7 @@ def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel
         for given in models:
             given = strip_latest(given.strip())
             if given:
-                path = store.resolve(given)
+                path = store.ensure(given, offline=offline)
                 allowed[_served_name(given, path)] = path
         if not allowed:
             raise LocalLLMError("--models names no model")

@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from localllm.errors import LocalLLMError
-from localllm.server import anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, openai_api
+from localllm.server import (anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, ollama_pull,
+                             openai_api)
 from localllm.server.app import BODY_KEY, ApiError, ServerState, error_response, flavor_of, read_json
 from localllm.server.metrics import Metrics
 
@@ -270,7 +271,7 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
     """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
     call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
     routes = []
-    for module in (anthropic_api, openai_api, llamacpp_api, ollama_api, embeddings_api, models_api):
+    for module in (anthropic_api, openai_api, llamacpp_api, ollama_api, embeddings_api, models_api, ollama_pull):
         for path, methods, fn in module.ROUTES:
             routes.append(Route(path, endpoint(state, fn, path), methods=methods))
 
