@@ -255,16 +255,10 @@ def test_opencl_embed_gives_the_cpu_backends_dequantized_rows_bit_for_bit(dev, o
 
 
 @pytest.mark.parametrize("shape", cl_formats.SHAPES)
-@pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
-def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype, shape, request):
+@pytest.mark.parametrize("qtype", [T.F16, T.Q8_0, T.Q4_1, T.Q5_0, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops, qtype, shape):
     # the tiled kernels (several x rows per work-item) for n > 1: every row's sum in matvec's order, so a token's
     # result does not depend on how many others share its forward or where its tile starts (batch invariance)
-    if "Intel" in dev.info.platform and qtype == T.Q5_0 and shape == "rows":
-        # A known defect, kept visible: on Intel's CPU runtime, matmul_rows_q5_0 and matvec_rows_q5_0 differ in
-        # the last bits for the last weight rows of a launch (4 of 37 here, 1-20 ulp), with fma() or without
-        # it; PoCL gives equal bits. Until it is understood, speculative decoding there is not bitwise lossless.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="Intel CPU runtime: Q5_0 rows-shape tile "
-                                                                  "differs from matvec in the last bits"))
     raw = random_blocks(qtype, 37, cols_for(qtype), seed=17, moderate_scales=True)
     w = cl_formats.DeviceWeight(dev, raw, qtype)
     x = np.random.default_rng(18).standard_normal((19, w.cols)).astype(np.float32)

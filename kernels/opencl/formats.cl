@@ -255,9 +255,15 @@ KERNELS(bf16, BF16)
 
 // Shape "rows" (CPU devices): one weight row per work-item, no barriers and no local memory, so PoCL runs a
 // work-group as a plain loop; the row's chunks are walked in order. Global (rows rounded up, ceil(n / T)).
+// The work-items past the last row compute it again rather than return early: with an early return, Intel's
+// CPU runtime (2026.2, AVX2) runs the partly filled vector of work-items (rows 32-36 of 37, 8 per vector)
+// through a masked copy of the loop whose float arithmetic is not the source's: matvec_rows of Q5_0, Q5_1
+// and Q3_K (the formats with one high bit) gave those rows 1-20 ulp away from the same kernel built with
+// -cl-opt-disable, from matmul_rows and from a launch of 40 rows, while MAC as an explicit fma() made every
+// variant agree (consistent with a multiply-add contracted in the masked copy despite FP_CONTRACT OFF; a
+// 10-line kernel with the same early return did not show it). The cost: at most ROWS_LS - 1 repeated rows.
 #define ROWS_BODY(L, H, S, MIN, OFF, T)                                                                                      \
-    uint r = get_global_id(0);                                                                                  \
-    if (r >= rows) return;                                                                                      \
+    uint r0 = get_global_id(0), r = min(r0, rows - 1); /* past rows: a repeat of the last, not stored */        \
     uint k0 = get_global_id(1) * T, nc = cols / 32;                                                            \
     float acc[T][8];                                                                                            \
     for (int t = 0; t < T; t++)                                                                                 \
@@ -271,7 +277,7 @@ KERNELS(bf16, BF16)
         for (int t = 0; t < T; t++) DOT_CHUNK(S, MIN, c, q, acc[t], (xt[t] + i * 32));                          \
     }                                                                                                           \
     for (int t = 0; t < T; t++)                                                                                 \
-        if (k0 + t < n) y_[(ulong)(k0 + t) * rows + r] = SUM8(acc[t]);
+        if (k0 + t < n && r0 < rows) y_[(ulong)(k0 + t) * rows + r] = SUM8(acc[t]);
 
 // Shape "lanes" (GPUs): LPR work-items per row, RPG rows per work-group; lane l takes chunks l, l + LPR, ...
 // (adjacent lanes read adjacent chunks: coalesced), then the lanes' sums meet in a tree in local memory.
