@@ -152,11 +152,13 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sum((got.astype(np.float64) - want) ** 2) / np.sum(want**2))
 
 
-def product_reference(dev, raw, qtype, x) -> np.ndarray:
-    """reference.matmul (float64) of what the device's product computes: W times x, or times x rounded to 8 bits
-    per 32 values (kernels.cpu's quantize_q8_0) where the device runs the integer-dot path of Q8_0 and Q4_0:
-    the format's float bound then holds either way."""
-    if qtype in cl_formats.INTEGER_DOT_FORMATS and cl_formats.integer_dot(cl_formats.build_options(dev)):
+def product_reference(dev, raw, qtype, x, shape: str | None = None) -> np.ndarray:
+    """reference.matmul (float64) of what the device's product computes (in `shape`, default the device's): W
+    times x, or times x rounded to 8 bits per 32 values (kernels.cpu's quantize_q8_0) where the device runs the
+    integer-dot path of Q8_0 and Q4_0 in that shape: the format's float bound then holds either way."""
+    shape = shape or cl_formats.shape_for(dev)
+    if (qtype in cl_formats.INTEGER_DOT_FORMATS and shape in cl_formats.INTEGER_DOT_SHAPES
+            and cl_formats.integer_dot(cl_formats.build_options(dev))):
         x = q8_rounded(x)
     return reference.matmul(raw, qtype, x)
 
@@ -218,7 +220,7 @@ def test_opencl_matvec_of_every_kernel_shape_matches_the_reference(dev, shape, q
     raw = random_blocks(qtype, 37, cols, seed=3, moderate_scales=True)
     w = cl_formats.DeviceWeight(dev, raw, qtype)
     x = np.random.default_rng(4).standard_normal((2, w.cols)).astype(np.float32)
-    got, want = cl_formats.matvec(w, x, shape=shape), product_reference(dev, raw, qtype, x)
+    got, want = cl_formats.matvec(w, x, shape=shape), product_reference(dev, raw, qtype, x, shape)
     assert nmse(got, want) <= MATVEC_NMSE[qtype], f"NMSE {nmse(got, want):.3g}"
 
 
@@ -289,7 +291,7 @@ def test_opencl_matmul_of_any_row_count_gives_each_row_the_matvec_bits(dev, ops,
         assert np.array_equal(_bits(got), _bits(one[5:16]))
     finally:
         ops.shape = cl_formats.shape_for(dev)
-    assert nmse(one, product_reference(dev, raw, qtype, x)) <= MATVEC_NMSE[qtype]
+    assert nmse(one, product_reference(dev, raw, qtype, x, shape)) <= MATVEC_NMSE[qtype]
 
 
 # ---- the optional paths (formats.cl: sub-group reductions, 8-bit x with integer dot products) ------------------
@@ -341,8 +343,10 @@ def _integer_dot_on(dev) -> bool:
 
 
 @pytest.fixture()
-def int_dev(dev):
-    """The device with the integer-dot kernels on: its own where it has them, else emulated."""
+def int_dev(dev, monkeypatch):
+    """The device with the integer-dot kernels on, in both shapes (the "rows" shape's are built but not chosen):
+    its own where it has them, else emulated."""
+    monkeypatch.setattr(cl_formats, "INTEGER_DOT_SHAPES", set(cl_formats.SHAPES))
     emulated = not _integer_dot_on(dev)
     dev.emulate_integer_dot = emulated
     try:

@@ -205,6 +205,7 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
             from localllm.kernels.cpu.quant_dot import quantize_q8_0
 
             dev.emulate_integer_dot = True  # Oclgrind has no integer dot built-ins: the same kernels otherwise
+            chosen, cl_formats.INTEGER_DOT_SHAPES = cl_formats.INTEGER_DOT_SHAPES, set(shapes)  # both shapes
             try:
                 x = np.random.default_rng(2).standard_normal((9, 96)).astype(np.float32)
                 q, d = quantize_q8_0(x)
@@ -221,6 +222,7 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
                         assert nmse(many, reference.matmul(raw, qtype, x8)) <= 1e-11, f"matmul {qtype.name} {shape}"
             finally:
                 dev.emulate_integer_dot = False
+                cl_formats.INTEGER_DOT_SHAPES = chosen
 
     @case("ops: embed (host and device ids), rms_norm, argmax")
     def _():
