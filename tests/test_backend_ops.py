@@ -326,12 +326,16 @@ def test_opencl_weight_kernels_are_built_with_the_optional_paths_the_device_offe
     if caps.integer_dot == "khr" and caps.opencl_c >= (2, 0):
         want.add("LOCALLLM_INTEGER_DOT")
     if caps.fp16:
-        want.add("LOCALLLM_FP16")  # defined, though no formats.cl path uses half arithmetic
+        want.add("LOCALLLM_FP16")  # defined, though no kernel has a half-arithmetic path yet
     assert _capability_macros(options) == want, options
     names = {k.function_name for k in dev.program(cl_formats.source(), options).all_kernels()}
     assert ("matvec_rows_q8_0_q8" in names) == ("LOCALLLM_INTEGER_DOT" in want)
+    from localllm.kernels.opencl import ops as cl_ops
+
+    assert _capability_macros(cl_ops.build_options(dev)) == want  # ops.cl (RMSNorm's sub-group sum) alike
     if dev.is_pocl:  # the project's baseline device: the floor is what it runs
         assert options == floor_options and not any(n.endswith("_q8") for n in names)
+        assert "-cl-std=CL1.2" in cl_ops.build_options(dev)
     if "Intel" in dev.info.platform:  # the runtime the optional paths are tested on must offer them
         assert {"LOCALLLM_SUBGROUPS_INTEL", "LOCALLLM_INTEGER_DOT"} <= want
 
