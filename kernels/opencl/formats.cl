@@ -414,7 +414,7 @@ QKERNELS(q6_k, 4, 2, 2, 0, 32)
 // pairs, exact in int32, scaled once by the two chunk scales: sum += (s_w * d_x) * isum, ggml's
 // vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0. Each x row is quantized alone and its chunks summed in the same
 // order whatever the tile, so matvec and matmul still give a row the same bits. The result differs from the
-// float path by the rounding of x to 8 bits (NMSE ~1e-5 against the float product, llama.cpp's test-backend-ops
+// float path by the rounding of x to 8 bits (NMSE 3e-5 against the float product, llama.cpp's test-backend-ops
 // allows 5e-4) and is exact up to float32 accumulation against the product with the quantized x.
 #if defined(LOCALLLM_INTEGER_DOT) || defined(LOCALLLM_INTEGER_DOT_EMULATED)
 #ifdef LOCALLLM_INTEGER_DOT
