@@ -2,11 +2,13 @@
 random weights of a few formats and the catalog's shapes, on one device.
 
     .venv/bin/python tools/opencl_kernels_bench.py [--device SPEC] [--formats Q8_0,Q4_0,Q6_K]
-        [--shapes 576x1536,49152x576] [--n 1,32] [--seconds 2]
+        [--shapes 576x1536,49152x576] [--n 1,32] [--seconds 2] [--kernel-shape rows|lanes] [--floor]
 
 A shape is ROWSxCOLS (576x1536: smollm2's FFN down projection; 49152x576: its output/embedding matrix). GB/s
 counts the weight's GGUF bytes (the same for every layout, so runs compare), GFLOP/s 2 * rows * cols * n per
-second. Also times the upload (with any re-layout) per MB.
+second. Also times the upload (with any re-layout) per MB. --floor builds the kernels without the device's
+optional paths (sub-group reductions, integer dot products): run it with and without to compare them on one
+device; --kernel-shape times the other shape than the device's own ("rows" on CPUs, "lanes" on GPUs).
 """
 
 from __future__ import annotations
@@ -41,10 +43,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="576x1536,49152x576")
     ap.add_argument("--n", default="1,32", help="x rows per product (1: decode)")
     ap.add_argument("--seconds", type=float, default=2.0, help="time per measurement, after one warm-up")
+    ap.add_argument("--kernel-shape", choices=cl_formats.SHAPES, help="the products' shape (default: the device's)")
+    ap.add_argument("--floor", action="store_true", help="without the device's optional paths")
     args = ap.parse_args()
     dev = Device(args.device)
+    dev.optional_paths = not args.floor
     ops = Ops(dev)
-    print(f"device: {dev.info.spec} ({dev.info.type})")
+    if args.kernel_shape:
+        ops.shape = args.kernel_shape
+    macros = [o[2:].split("=")[0] for o in cl_formats.build_options(dev) if o.startswith("-DLOCALLLM_")
+              and not o.startswith(("-DLOCALLLM_LOCAL_MEM", "-DLOCALLLM_MAX_WORK"))]
+    print(f"device: {dev.info.spec} ({dev.info.type}); shape {ops.shape}; optional paths: {', '.join(macros) or 'none'}")
     print(f"{'format':6} {'shape':>10} {'n':>3} {'ms':>9} {'GB/s':>7} {'GFLOP/s':>8}  upload MB/s")
     for name in args.formats.split(","):
         qtype = T[name]

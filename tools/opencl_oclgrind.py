@@ -174,6 +174,36 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
     shapes = [None]
     if "shape" in inspect.signature(cl_formats.matvec).parameters:
         shapes = list(getattr(cl_formats, "SHAPES", ("rows", "lanes")))
+
+    if hasattr(cl_formats, "INTEGER_DOT_FORMATS"):
+        # first: after other cases in the same process, Oclgrind 21.10 flags the stores of matmul_*_q8 as
+        # uninitialised values although every value read back is right (checked below against the reference)
+        # and these launches alone, or first, are clean; not understood yet
+        @case("formats Q8_0, Q4_0 integer dot (emulated byte products): quantize_q8_0, matvec, matmul")
+        def _():
+            from localllm.kernels.cpu.quant_dot import quantize_q8_0
+
+            dev.emulate_integer_dot = True  # Oclgrind has no integer dot built-ins: the same kernels otherwise
+            chosen, cl_formats.INTEGER_DOT_SHAPES = cl_formats.INTEGER_DOT_SHAPES, set(shapes)  # both shapes
+            try:
+                x = np.random.default_rng(2).standard_normal((9, 96)).astype(np.float32)
+                q, d = quantize_q8_0(x)
+                x8 = (q.reshape(9, -1, 32).astype(np.float32) * d[..., None]).reshape(9, -1)
+                for qtype in cl_formats.INTEGER_DOT_FORMATS:
+                    raw = blocks(qtype, 3, 96, seed=int(qtype) + 100)
+                    w = cl_formats.DeviceWeight(dev, raw, qtype)
+                    for shape in shapes:
+                        ops.shape = shape
+                        one = cl_formats.matvec(w, x[:2], shape=shape)
+                        assert nmse(one, reference.matmul(raw, qtype, x8[:2])) <= 1e-11, f"matvec {qtype.name} {shape}"
+                        many = ops.to_host(ops.matmul(w, ops.to_device(x)))
+                        assert np.array_equal(bits(many[:2]), bits(one)), f"matmul rows differ {qtype.name} {shape}"
+                        assert nmse(many, reference.matmul(raw, qtype, x8)) <= 1e-11, f"matmul {qtype.name} {shape}"
+            finally:
+                dev.emulate_integer_dot = False
+                cl_formats.INTEGER_DOT_SHAPES = chosen
+                ops.shape = cl_formats.shape_for(dev)
+
     for qtype in FORMATS:
         # floats: 80 columns, more than the matvec's 64 work-items (the strided loop); Q8_0: 65 blocks (the
         # same for 32-element chunks); the rest 256 columns, 8 chunks (most work-items idle in the loop)
@@ -289,9 +319,12 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
             print(f"FAIL  {time.perf_counter() - t0:6.1f} s  {name}: {err}", flush=True)
     # every kernel of both programs launched, every launch's work-group within the floor's 256
     if not only:
-        names = {k.function_name for src, opts in ((cl_formats.source(), cl_formats._OPTIONS),
-                                                   (cl_ops.source(), cl_ops._OPTIONS))
-                 for k in dev.program(src, (*opts, *extra)).all_kernels()}
+        builds = [(cl_formats.source(), cl_formats._OPTIONS), (cl_ops.source(), cl_ops._OPTIONS)]
+        if hasattr(cl_formats, "build_options"):  # formats.cl's optional kernels as the cases built them
+            dev.emulate_integer_dot = True
+            builds.append((cl_formats.source(), cl_formats.build_options(dev)))
+            dev.emulate_integer_dot = False
+        names = {k.function_name for src, opts in builds for k in dev.program(src, (*opts, *extra)).all_kernels()}
         missing = sorted(names - set(launched))
         if missing:
             failed += 1

@@ -299,6 +299,14 @@ class Device:
         self.queue = self.cl.CommandQueue(self.context, self.device)
         self._programs: dict[str, object] = {}
         self._kernels: dict[tuple[str, str], object] = {}
+        self._scratch: dict[str, object] = {}
+        # Kernels with optional paths (fp16, sub-groups, integer dot) are built with the capability macros of
+        # the device; False builds them as the floor, what a device without those features runs (the tests
+        # compare the two on one device, and tools/opencl_kernels_bench.py times them).
+        self.optional_paths = True
+        # Oclgrind only: build the integer-dot kernels with the byte products in plain code, so that they run on
+        # a simulator that has no integer dot built-ins (tools/opencl_oclgrind.py)
+        self.emulate_integer_dot = False
 
     @property
     def capabilities(self) -> Capabilities:
@@ -326,6 +334,18 @@ class Device:
         if k is None:
             k = self._kernels[key] = getattr(self.program(source, options), name)
         return k
+
+    def scratch(self, name: str, nbytes: int):
+        """A device buffer of at least nbytes, kept under `name` for the next call and grown when asked for
+        more: a temporary of one operation (the 8-bit x of an integer-dot product). Safe on the one in-order
+        queue: its next user is enqueued after every kernel that used it before."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < nbytes:
+            # a power of two from 64 KiB (a decode step's x of 8 bits is a few KiB): a longer prompt grows it
+            # a few times, not at every new length
+            size = max(1 << 16, 1 << (max(nbytes, 1) - 1).bit_length())
+            buf = self._scratch[name] = self.cl.Buffer(self.context, self.cl.mem_flags.READ_WRITE, size)
+        return buf
 
     def _build(self, source: str, options: list[str]):
         cl = self.cl

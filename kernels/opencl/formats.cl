@@ -29,6 +29,24 @@
 #define MAC(a, b, c) ((a) * (b) + (c))
 #endif
 
+// ---- optional paths (kernels/opencl/device.py Capabilities: each under its macro, the floor otherwise) -------
+//
+// LOCALLLM_SUBGROUPS_INTEL (formats.py passes it only where the device takes a required sub-group size of 16):
+// the work-group reductions of the products are sub_group_reduce_add over sub-groups of exactly 16 (kernels
+// carry intel_reqd_sub_group_size(16); sub-groups are runs of 16 consecutive local ids), not a tree in local
+// memory with a barrier per level. Every kernel that reduces a row's sum does it with the same sub-group size
+// and the same built-in, so matvec and matmul still give a row the same bits (batch invariance).
+// LOCALLLM_INTEGER_DOT (cl_khr_integer_dot_product): Q8_0 and Q4_0 products with x quantized to 8 bits per 32
+// values on the device (quantize_q8_0: kernels/cpu/quant_dot.py's quantize_q8_0, bit for bit) and integer dot
+// products of 4 byte pairs (dot_acc_sat_4x8packed_ss_int), one float multiply-add per chunk, as ggml's
+// vec_dot_q8_0_q8_0 / q4_0_q8_0. LOCALLLM_INTEGER_DOT_EMULATED builds the same kernels with the byte products
+// in plain integer code: for Oclgrind (which has no integer dot built-ins) and never chosen for a device.
+#ifdef LOCALLLM_SUBGROUPS_INTEL
+#define SG_ATTR __attribute__((intel_reqd_sub_group_size(16)))
+#else
+#define SG_ATTR
+#endif
+
 #ifndef WG
 #define WG 64  // matvec work-group size; a power of two <= 256
 #endif
@@ -83,6 +101,38 @@ void dq_bf16(global const uchar *b, uint c, float *y) { y[0] = as_float(((uint)b
 //   accumulated in matvec's order and reduced by the same tree, so a row's result is matvec's, bit for bit,
 //   whatever n is and wherever the row falls in a tile (batch invariance).
 
+// WG_REDUCE(part, v, COUNT, lid): part[t * WG] = the sum of v[t] over the work-group, t < COUNT (WG work-items;
+// part: COUNT * WG local floats), visible to every work-item after it. The floor: one tree in local memory for
+// all COUNT sums. With sub-groups: each sub-group of 16 sums its values (sub_group_reduce_add), then the WG / 16
+// sums are added in order by one work-item, with two barriers in all instead of log2(WG) + 1.
+#ifdef LOCALLLM_SUBGROUPS_INTEL
+#define WG_REDUCE(part, v, COUNT, lid)                                                                          \
+    {                                                                                                           \
+        for (uint t_ = 0; t_ < (COUNT); t_++) {                                                                 \
+            float sg_ = sub_group_reduce_add((v)[t_]);                                                          \
+            if (get_sub_group_local_id() == 0) (part)[t_ * WG + (lid) / 16] = sg_;                             \
+        }                                                                                                       \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        if ((lid) < (COUNT)) {                                                                                  \
+            float s_ = (part)[(lid) * WG];                                                                      \
+            for (uint g_ = 1; g_ < WG / 16; g_++) s_ += (part)[(lid) * WG + g_];                                \
+            (part)[(lid) * WG] = s_;                                                                            \
+        }                                                                                                       \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }
+#else
+#define WG_REDUCE(part, v, COUNT, lid)                                                                          \
+    {                                                                                                           \
+        for (uint t_ = 0; t_ < (COUNT); t_++) (part)[t_ * WG + (lid)] = (v)[t_];                                \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        for (uint s_ = WG / 2; s_ > 0; s_ >>= 1) {                                                              \
+            if ((lid) < s_)                                                                                     \
+                for (uint t_ = 0; t_ < (COUNT); t_++) (part)[t_ * WG + (lid)] += (part)[t_ * WG + (lid) + s_]; \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
+        }                                                                                                       \
+    }
+#endif
+
 #define KERNELS(fmt, FMT)                                                                                       \
 kernel void dequantize_rows_##fmt(global const uchar *w, global const long *row_ids, global float *out,       \
                                   uint row_bytes, uint cols) {                                                  \
@@ -94,7 +144,7 @@ kernel void dequantize_rows_##fmt(global const uchar *w, global const long *row_
     global float *dst = out + (ulong)k * cols + (ulong)i * FMT##_QC;                                           \
     for (int l = 0; l < FMT##_QC; l++) dst[l] = v[l];                                                         \
 }                                                                                                               \
-kernel void matvec_##fmt(global const uchar *w, global const float *x, global float *y,                      \
+kernel SG_ATTR void matvec_##fmt(global const uchar *w, global const float *x, global float *y,              \
                          uint row_bytes, uint cols, uint rows) {                                                \
     local float part[WG];                                                                                       \
     uint r = get_group_id(0), k = get_global_id(1), lid = get_local_id(0);                                    \
@@ -109,15 +159,10 @@ kernel void matvec_##fmt(global const uchar *w, global const float *x, global fl
         global const float *xx = xk + i * FMT##_QC;                                                            \
         for (int l = 0; l < FMT##_QC; l++) acc = MAC(v[l], xx[l], acc);                                        \
     }                                                                                                           \
-    part[lid] = acc;                                                                                            \
-    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
-    for (uint s = WG / 2; s > 0; s >>= 1) {                                                                    \
-        if (lid < s) part[lid] += part[lid + s];                                                               \
-        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
-    }                                                                                                           \
+    WG_REDUCE(part, (&acc), 1, lid);                                                                           \
     if (lid == 0) y[(ulong)k * rows + r] = part[0];                                                            \
 }                                                                                                               \
-kernel void matmul_##fmt(global const uchar *w, global const float *x, global float *y,                      \
+kernel SG_ATTR void matmul_##fmt(global const uchar *w, global const float *x, global float *y,              \
                          uint row_bytes, uint cols, uint rows, uint n) {                                        \
     local float part[WG * NT];                                                                                  \
     uint r = get_group_id(0), k0 = get_group_id(1) * NT, lid = get_local_id(0);                               \
@@ -137,13 +182,7 @@ kernel void matmul_##fmt(global const uchar *w, global const float *x, global fl
             acc[t] = a;                                                                                         \
         }                                                                                                       \
     }                                                                                                           \
-    for (uint t = 0; t < NT; t++) part[t * WG + lid] = acc[t];                                                 \
-    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
-    for (uint s = WG / 2; s > 0; s >>= 1) {                                                                    \
-        if (lid < s)                                                                                            \
-            for (uint t = 0; t < NT; t++) part[t * WG + lid] += part[t * WG + lid + s];                        \
-        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
-    }                                                                                                           \
+    WG_REDUCE(part, acc, NT, lid);                                                                             \
     if (lid < nt) y[(ulong)(k0 + lid) * rows + r] = part[lid * WG];                                            \
 }
 
@@ -255,9 +294,15 @@ KERNELS(bf16, BF16)
 
 // Shape "rows" (CPU devices): one weight row per work-item, no barriers and no local memory, so PoCL runs a
 // work-group as a plain loop; the row's chunks are walked in order. Global (rows rounded up, ceil(n / T)).
+// The work-items past the last row compute it again rather than return early: with an early return, Intel's
+// CPU runtime (2026.2, AVX2) runs the partly filled vector of work-items (rows 32-36 of 37, 8 per vector)
+// through a masked copy of the loop whose float arithmetic is not the source's: matvec_rows of Q5_0, Q5_1
+// and Q3_K (the formats with one high bit) gave those rows 1-20 ulp away from the same kernel built with
+// -cl-opt-disable, from matmul_rows and from a launch of 40 rows, while MAC as an explicit fma() made every
+// variant agree (consistent with a multiply-add contracted in the masked copy despite FP_CONTRACT OFF; a
+// 10-line kernel with the same early return did not show it). The cost: at most ROWS_LS - 1 repeated rows.
 #define ROWS_BODY(L, H, S, MIN, OFF, T)                                                                                      \
-    uint r = get_global_id(0);                                                                                  \
-    if (r >= rows) return;                                                                                      \
+    uint r0 = get_global_id(0), r = min(r0, rows - 1); /* past rows: a repeat of the last, not stored */        \
     uint k0 = get_global_id(1) * T, nc = cols / 32;                                                            \
     float acc[T][8];                                                                                            \
     for (int t = 0; t < T; t++)                                                                                 \
@@ -271,13 +316,41 @@ KERNELS(bf16, BF16)
         for (int t = 0; t < T; t++) DOT_CHUNK(S, MIN, c, q, acc[t], (xt[t] + i * 32));                          \
     }                                                                                                           \
     for (int t = 0; t < T; t++)                                                                                 \
-        if (k0 + t < n) y_[(ulong)(k0 + t) * rows + r] = SUM8(acc[t]);
+        if (k0 + t < n && r0 < rows) y_[(ulong)(k0 + t) * rows + r] = SUM8(acc[t]);
+
+// The lanes' sums of each row (VAL: lane's value of x row t) meet in y_: in the floor, a tree in local memory
+// (LANES_LOCAL declares it at kernel scope, as OpenCL C 1.2 requires); with sub-groups of 16 = LPR, a row's
+// lanes are one sub-group and sub_group_reduce_add sums them, with no local memory and no barrier.
+#ifdef LOCALLLM_SUBGROUPS_INTEL
+#if LPR != 16
+#error "the sub-group reduction of the lanes shape needs LPR == 16, the sub-group size it requires"
+#endif
+#define LANES_LOCAL(T)
+#define LANES_REDUCE(T, VAL)                                                                                    \
+    for (int t = 0; t < T; t++) {                                                                               \
+        float s_ = sub_group_reduce_add(VAL);                                                                   \
+        if (lane == 0 && r0 < rows && k0 + t < n) y_[(ulong)(k0 + t) * rows + r0] = s_;                         \
+    }
+#else
+#define LANES_LOCAL(T) local float part[T * RPG * LPR];
+#define LANES_REDUCE(T, VAL)                                                                                    \
+    for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] = VAL;                                        \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
+    for (uint s = LPR / 2; s > 0; s >>= 1) {                                                                   \
+        if (lane < s)                                                                                           \
+            for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] += part[(t * RPG + rl) * LPR + lane + s]; \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }                                                                                                           \
+    if (lane == 0 && r0 < rows)                                                                                 \
+        for (int t = 0; t < T; t++)                                                                             \
+            if (k0 + t < n) y_[(ulong)(k0 + t) * rows + r0] = part[(t * RPG + rl) * LPR];
+#endif
 
 // Shape "lanes" (GPUs): LPR work-items per row, RPG rows per work-group; lane l takes chunks l, l + LPR, ...
 // (adjacent lanes read adjacent chunks: coalesced), then the lanes' sums meet in a tree in local memory.
 // Global (ceil(rows / RPG) * RPG * LPR, ceil(n / T)), local (RPG * LPR, 1).
 #define LANES_BODY(L, H, S, MIN, OFF, T)                                                                                     \
-    local float part[T * RPG * LPR];                                                                            \
+    LANES_LOCAL(T)                                                                                              \
     uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR;                                              \
     uint r0 = get_group_id(0) * RPG + rl, r = min(r0, rows - 1);                                               \
     uint k0 = get_group_id(1) * T, nc = cols / 32;                                                             \
@@ -292,16 +365,7 @@ KERNELS(bf16, BF16)
         DECODE_CODES(L, H, OFF, c, q);                                                                          \
         for (int t = 0; t < T; t++) DOT_CHUNK(S, MIN, c, q, acc[t], (xt[t] + i * 32));                          \
     }                                                                                                           \
-    for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] = SUM8(acc[t]);                              \
-    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
-    for (uint s = LPR / 2; s > 0; s >>= 1) {                                                                   \
-        if (lane < s)                                                                                           \
-            for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] += part[(t * RPG + rl) * LPR + lane + s]; \
-        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
-    }                                                                                                           \
-    if (lane == 0 && r0 < rows)                                                                                 \
-        for (int t = 0; t < T; t++)                                                                             \
-            if (k0 + t < n) y_[(ulong)(k0 + t) * rows + r0] = part[(t * RPG + rl) * LPR];
+    LANES_REDUCE(T, SUM8(acc[t]))
 
 #define QARGS global const float *sc, global const float *mn, global const uint *lo, global const uint *hi
 
@@ -324,10 +388,10 @@ kernel void matvec_rows_##fmt(QARGS, global const float *x, global float *y_, ui
 kernel void matmul_rows_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) {  \
     ROWS_BODY(L, H, S, MIN, OFF, ROWS_NT)                                                                     \
 }                                                                                                               \
-kernel void matvec_lanes_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) { \
+kernel SG_ATTR void matvec_lanes_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) { \
     LANES_BODY(L, H, S, MIN, OFF, 1)                                                                          \
 }                                                                                                               \
-kernel void matmul_lanes_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) { \
+kernel SG_ATTR void matmul_lanes_##fmt(QARGS, global const float *x, global float *y_, uint cols, uint rows, uint n) { \
     LANES_BODY(L, H, S, MIN, OFF, NT)                                                                         \
 }
 
@@ -342,3 +406,152 @@ QKERNELS(q3_k, 2, 1, 2, 0, 4)
 QKERNELS(q4_k, 4, 0, 1, 1, 0)
 QKERNELS(q5_k, 4, 1, 1, 1, 0)
 QKERNELS(q6_k, 4, 2, 2, 0, 32)
+
+// ---- optional: Q8_0 and Q4_0 products on 8-bit activations and integer dot products -------------------------
+//
+// Under LOCALLLM_INTEGER_DOT (or _EMULATED, see the top): x is quantized per 32 values as the CPU backend
+// quantizes it (quantize_q8_0 below), and each chunk's 32 code x quant products are 8 dot products of 4 byte
+// pairs, exact in int32, scaled once by the two chunk scales: sum += (s_w * d_x) * isum, ggml's
+// vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0. Each x row is quantized alone and its chunks summed in the same
+// order whatever the tile, so matvec and matmul still give a row the same bits. The result differs from the
+// float path by the rounding of x to 8 bits (NMSE 3e-5 against the float product, llama.cpp's test-backend-ops
+// allows 5e-4) and is exact up to float32 accumulation against the product with the quantized x.
+#if defined(LOCALLLM_INTEGER_DOT) || defined(LOCALLLM_INTEGER_DOT_EMULATED)
+#ifdef LOCALLLM_INTEGER_DOT
+#define IDOT(a, b, acc) dot_acc_sat_4x8packed_ss_int(a, b, acc)
+#else
+int idot_emulated(uint a, uint b, int acc) {
+    for (int k = 0; k < 4; k++) acc += (int)(char)(a >> (8 * k)) * (int)(char)(b >> (8 * k));
+    return acc;
+}
+#define IDOT(a, b, acc) idot_emulated(a, b, acc)
+#endif
+
+// float32 -> the float32 value of its fp16 rounding (to nearest even): kernels/cpu/quant_dot.py round_to_half,
+// in integer code (no fp16 arithmetic needed)
+float round_to_half(float f) {
+    uint bits = as_uint(f);
+    uint sign = (bits >> 16) & 0x8000u;
+    int exponent = (int)((bits >> 23) & 0xFFu);
+    uint mantissa = bits & 0x7FFFFFu;
+    uint h;
+    if (exponent == 255) {
+        h = sign | 0x7C00u | (mantissa ? 0x200u : 0u);
+    } else if (exponent - 112 >= 31) {
+        h = sign | 0x7C00u;
+    } else if (exponent - 112 <= 0) {
+        int e = exponent - 112;
+        if (e < -10) {
+            h = sign;
+        } else {
+            uint full = mantissa | 0x800000u, shift = (uint)(14 - e);
+            uint v = full >> shift, rest = full & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+            if (rest > halfway || (rest == halfway && (v & 1u))) v += 1u;
+            h = sign | v;
+        }
+    } else {
+        h = sign | ((uint)(exponent - 112) << 10) | (mantissa >> 13);
+        uint rest = mantissa & 0x1FFFu;
+        if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h += 1u;  // a carry into the exponent is right
+    }
+    return f16_bits(h);
+}
+
+// quantize_q8_0(x, xq, xd, cols): x (n, cols) -> per block of 32 an fp16-rounded scale d = amax / 127 (xd,
+// float32) and quants round(x * 127 / amax) (xq: 8 words of 4 int8 each, element 4w + l in byte l of word w):
+// kernels/cpu/quant_dot.py quantize_q8_0 (ggml's x86 quantize_row_q8_0) bit for bit. Global (cols / 32, n).
+kernel void quantize_q8_0(global const float *x, global uint *xq, global float *xd, uint cols) {
+    uint b = get_global_id(0), k = get_global_id(1), nb = cols / 32;
+    global const float *xb = x + (ulong)k * cols + (ulong)b * 32;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmax(amax, fabs(xb[j]));
+    xd[(ulong)k * nb + b] = round_to_half(amax / 127.0f);
+    float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+    for (int w = 0; w < 8; w++) {
+        uint word = 0u;
+        for (int l = 0; l < 4; l++) {
+            // ggml's nearest_int: adding 1.5 * 2^23 rounds to an integer, ties to even (FP_CONTRACT is off)
+            int q = (int)((xb[4 * w + l] * inv + 12582912.0f) - 12582912.0f);
+            word |= ((uint)q & 0xFFu) << (8 * l);
+        }
+        xq[((ulong)k * nb + b) * 8 + w] = word;
+    }
+}
+
+// A chunk's codes as 8 words of 4 int8, element 4w + l in byte l of word w (x's order). Q8_0: the stored
+// bytes are q + 128. Q4_0: byte j of the 4 words holds u[j] | u[j + 16] << 4, q = u - 8: the nibble XOR 8
+// is q's 4-bit two's complement, sign-extended to 8 bits by OR-ing 0xF0 into the bytes whose bit 3 is set.
+#define WORDS_Q8_0(c, wq)                                                                                       \
+    for (int w_ = 0; w_ < 8; w_++) wq[w_] = lo[(c) * 8 + w_] ^ 0x80808080u;
+#define SEXT4(v) ((v) | ((((v) >> 3) & 0x01010101u) * 0xF0u))
+#define WORDS_Q4_0(c, wq)                                                                                       \
+    for (int w_ = 0; w_ < 4; w_++) {                                                                            \
+        uint v_ = lo[(c) * 4 + w_];                                                                             \
+        wq[w_] = SEXT4((v_ & 0x0F0F0F0Fu) ^ 0x08080808u);                                                       \
+        wq[w_ + 4] = SEXT4(((v_ >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u);                                            \
+    }
+
+// chunk i of row r, x row xr (its first chunk's index in xq / 8 and xd): acc += (s * d) * isum
+#define DOT_Q8(WORDS, T, c, i, xr, acc)                                                                          \
+    {                                                                                                           \
+        uint wq[8];                                                                                             \
+        WORDS(c, wq)                                                                                            \
+        float s_ = sc[c];                                                                                       \
+        for (int t = 0; t < T; t++) {                                                                           \
+            global const uint *xw = xq + (xr[t] + (i)) * 8;                                                     \
+            int isum = 0;                                                                                       \
+            for (int w = 0; w < 8; w++) isum = IDOT(wq[w], xw[w], isum);                                        \
+            acc[t] = MAC(s_ * xd[xr[t] + (i)], (float)isum, acc[t]);                                            \
+        }                                                                                                       \
+    }
+
+#define Q8_SETUP(T)                                                                                             \
+    float acc[T];                                                                                               \
+    ulong xr[T];                                                                                                \
+    for (int t = 0; t < T; t++) {                                                                               \
+        acc[t] = 0.0f;                                                                                          \
+        xr[t] = (ulong)min(k0 + t, n - 1) * nc; /* past n: a repeat, not stored */                              \
+    }
+
+// the "rows" shape (one weight row per work-item) and the "lanes" shape (LPR per row), as the float path's
+#define ROWS_BODY_Q8(WORDS, T)                                                                                  \
+    uint r0 = get_global_id(0), r = min(r0, rows - 1); /* past rows: a repeat of the last, not stored */        \
+    uint k0 = get_global_id(1) * T, nc = cols / 32;                                                            \
+    Q8_SETUP(T)                                                                                                 \
+    for (uint i = 0; i < nc; i++) {                                                                             \
+        ulong c = (ulong)r * nc + i;                                                                            \
+        DOT_Q8(WORDS, T, c, i, xr, acc)                                                                         \
+    }                                                                                                           \
+    for (int t = 0; t < T; t++)                                                                                 \
+        if (k0 + t < n && r0 < rows) y_[(ulong)(k0 + t) * rows + r] = acc[t];
+
+#define LANES_BODY_Q8(WORDS, T)                                                                                 \
+    LANES_LOCAL(T)                                                                                              \
+    uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR;                                              \
+    uint r0 = get_group_id(0) * RPG + rl, r = min(r0, rows - 1);                                               \
+    uint k0 = get_group_id(1) * T, nc = cols / 32;                                                             \
+    Q8_SETUP(T)                                                                                                 \
+    for (uint i = lane; i < nc; i += LPR) {                                                                     \
+        ulong c = (ulong)r * nc + i;                                                                            \
+        DOT_Q8(WORDS, T, c, i, xr, acc)                                                                         \
+    }                                                                                                           \
+    LANES_REDUCE(T, acc[t])
+
+#define Q8ARGS QARGS, global const uint *xq, global const float *xd, global float *y_, uint cols, uint rows, uint n
+#define Q8KERNELS(fmt, WORDS)                                                                                   \
+kernel void matvec_rows_##fmt##_q8(Q8ARGS) {                                                                    \
+    ROWS_BODY_Q8(WORDS, 1)                                                                                      \
+}                                                                                                               \
+kernel void matmul_rows_##fmt##_q8(Q8ARGS) {                                                                    \
+    ROWS_BODY_Q8(WORDS, ROWS_NT)                                                                                \
+}                                                                                                               \
+kernel SG_ATTR void matvec_lanes_##fmt##_q8(Q8ARGS) {                                                           \
+    LANES_BODY_Q8(WORDS, 1)                                                                                     \
+}                                                                                                               \
+kernel SG_ATTR void matmul_lanes_##fmt##_q8(Q8ARGS) {                                                           \
+    LANES_BODY_Q8(WORDS, NT)                                                                                    \
+}
+
+Q8KERNELS(q8_0, WORDS_Q8_0)
+Q8KERNELS(q4_0, WORDS_Q4_0)
+#endif

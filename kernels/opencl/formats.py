@@ -269,9 +269,52 @@ _OPTIONS = (f"-DWG={MATVEC_WG}", f"-DNT={MATMUL_NT}", f"-DROWS_NT={ROWS_NT}", f"
             f"-DRPG={LANES_RPG}", "-cl-std=CL1.2")
 
 
+# The optional paths of formats.cl (its top comment): sub-group reductions where the device takes a required
+# sub-group size of 16 (Intel's extension: the reduction order must not depend on a size the compiler picks, or
+# matvec and matmul could differ), 8-bit activations with integer dot products for these formats.
+SUBGROUP_SIZE = 16
+INTEGER_DOT_FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0)
+# The kernel shapes whose products take the integer-dot path where a device has it: "lanes" (GPUs), not "rows"
+# (CPU devices): on Intel's CPU runtime (this EPYC: AVX2, no VNNI) the rows shape's 8-bit kernels took 17.5 ms
+# against 9.9 for the float ones (Q8_0 4096x1536, one x row; 379 against 201 ms for 32), the packed dot
+# products running as byte arithmetic in each work-item (tools/opencl_kernels_bench.py, at a load of 5-7 on 2
+# cores). Its kernels stay built and tested (the tests add "rows" here).
+INTEGER_DOT_SHAPES = {"lanes"}
+
+
+def build_options(dev: Device) -> tuple[str, ...]:
+    """The options formats.cl is built with on a device: the shapes' constants, and the device's capability
+    macros (Capabilities.build_options, its -cl-std in place of CL1.2) of the optional paths formats.cl has;
+    the floor's alone where the device has none of them, or with `dev.optional_paths` off."""
+    opts = list(capability_options(dev))
+    if dev.emulate_integer_dot:
+        opts.append("-DLOCALLLM_INTEGER_DOT_EMULATED=1")
+    if integer_dot(opts) and dev.device.single_fp_config & dev.cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
+        # quantize_q8_0's amax / 127 and 127 / amax as numpy and the CPU backend round them (OpenCL's
+        # division may be 2.5 ulp off otherwise)
+        opts.append("-cl-fp32-correctly-rounded-divide-sqrt")
+    return tuple(o for o in _OPTIONS if not o.startswith("-cl-std")) + tuple(opts)
+
+
+def capability_options(dev: Device) -> tuple[str, ...]:
+    """-cl-std and the capability macros the kernels of formats.cl and ops.cl are built with on a device: its
+    own (Capabilities.build_options), less the sub-groups where it cannot be asked for sub-groups of
+    SUBGROUP_SIZE; the floor's with `dev.optional_paths` off."""
+    caps = dev.capabilities if dev.optional_paths else dev.capabilities.floor()
+    opts = caps.build_options()
+    if caps.subgroups and not (caps.subgroups == "intel" and SUBGROUP_SIZE in caps.subgroup_sizes):
+        opts = tuple(o for o in opts if not o.startswith("-DLOCALLLM_SUBGROUPS"))  # no size to require: the tree
+    return opts
+
+
+def integer_dot(options) -> bool:
+    """Whether a build of formats.cl with these options has the integer-dot kernels (`*_q8`, quantize_q8_0)."""
+    return "-DLOCALLLM_INTEGER_DOT=1" in options or "-DLOCALLLM_INTEGER_DOT_EMULATED=1" in options
+
+
 def kernel(dev: Device, name: str):
     """A kernel of formats.cl built for a device (once per process; from the build caches after the first)."""
-    return dev.kernel(source(), _OPTIONS, name)
+    return dev.kernel(source(), build_options(dev), name)
 
 
 def shape_for(dev: Device) -> str:
@@ -337,7 +380,15 @@ def enqueue_matmul(w: DeviceWeight, x_buf, n: int, out_buf, shape: str | None = 
                                             np.uint32(w.rows), np.uint32(n))
         return
     shape = shape or shape_for(dev)
-    args = (*w.buffers, x_buf, out_buf, np.uint32(w.cols), np.uint32(w.rows), np.uint32(n))
+    if w.qtype in INTEGER_DOT_FORMATS and shape in INTEGER_DOT_SHAPES and integer_dot(build_options(dev)):
+        # x to 8 bits per 32 values on the device (kernels.cpu's quantize_q8_0), then the integer-dot products
+        nb = w.cols // 32
+        xq, xd = dev.scratch("q8_quants", n * w.cols), dev.scratch("q8_scales", n * nb * 4)
+        kernel(dev, "quantize_q8_0")(dev.queue, (nb, n), None, x_buf, xq, xd, np.uint32(w.cols))
+        args = (*w.buffers, xq, xd, out_buf, np.uint32(w.cols), np.uint32(w.rows), np.uint32(n))
+        suffix += "_q8"
+    else:
+        args = (*w.buffers, x_buf, out_buf, np.uint32(w.cols), np.uint32(w.rows), np.uint32(n))
     which = "matvec" if n == 1 else "matmul"
     if shape == "rows":
         nt = 1 if n == 1 else ROWS_NT

@@ -32,21 +32,39 @@
 #define ATT_NACC (ATT_MAX_D / ATT_WG)  // output sums per work-item
 #endif
 
+// Optional: with LOCALLLM_SUBGROUPS_INTEL (kernels/opencl/formats.py passes it only where the device takes a
+// required sub-group size of 16), rms_norm's sum of squares meets in sub_group_reduce_add over sub-groups of
+// 16, then the ROW_WG / 16 sums in order: two barriers instead of log2(ROW_WG) + 1.
+#ifdef LOCALLLM_SUBGROUPS_INTEL
+#define SG_ATTR __attribute__((intel_reqd_sub_group_size(16)))
+#else
+#define SG_ATTR
+#endif
+
 // rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
 // The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
-kernel void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
+kernel SG_ATTR void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
     local float part[ROW_WG];
     uint r = get_group_id(0), lid = get_local_id(0);
     global const float *xr = x + (ulong)r * d;
     float acc = 0.0f;
     for (uint i = lid; i < d; i += ROW_WG) acc = MAC(xr[i], xr[i], acc);
+#ifdef LOCALLLM_SUBGROUPS_INTEL
+    float sg = sub_group_reduce_add(acc);
+    if (get_sub_group_local_id() == 0) part[lid / 16] = sg;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float total = part[0];
+    for (uint g = 1; g < ROW_WG / 16; g++) total += part[g];
+#else
     part[lid] = acc;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint s = ROW_WG / 2; s > 0; s >>= 1) {
         if (lid < s) part[lid] += part[lid + s];
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    float scale = 1.0f / sqrt(part[0] / (float)d + eps);
+    float total = part[0];
+#endif
+    float scale = 1.0f / sqrt(total / (float)d + eps);
     global float *o = out + (ulong)r * d;
     for (uint i = lid; i < d; i += ROW_WG) o[i] = (xr[i] * scale) * w[i];
 }

@@ -38,8 +38,14 @@ def source() -> str:
     return resources.files("localllm.kernels.opencl").joinpath("ops.cl").read_text()
 
 
+def build_options(dev: Device) -> tuple[str, ...]:
+    """ops.cl's constants and the device's capability macros (formats.capability_options: the same sub-group
+    rule as the weight kernels'), -cl-std=CL1.2 where it has none."""
+    return tuple(o for o in _OPTIONS if not o.startswith("-cl-std")) + _formats.capability_options(dev)
+
+
 def kernel(dev: Device, name: str):
-    return dev.kernel(source(), _OPTIONS, name)
+    return dev.kernel(source(), build_options(dev), name)
 
 
 def _array():
