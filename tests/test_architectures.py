@@ -194,10 +194,15 @@ FEATURE_OFF = {
     "llama-linear": ("linear scaling x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "llama-yarn": ("YaRN x4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
+    "gemma2": ("soft-cap", {"attn_logit_softcapping": None, "final_logit_softcapping": None}),
+    # converted as llama, the same weights with RoPE on every layer
+    "smollm3": ("NoPE", {"architectures": ["LlamaForCausalLM"]}),
 }
 FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
             "llama-yarn": "YaRN x4 from a context of 64",
-            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm"}
+            "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm",
+            "gemma2": "sliding window 48 on 1 of 2 layers; attention logit soft-cap 1; final logit soft-cap 2",
+            "smollm3": "no RoPE (NoPE) on 1 of 4 layers (every 4th)"}
 
 
 def test_every_architecture_fixture_is_there():

@@ -82,6 +82,16 @@ CASES = {
                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 4),
     "qwen3-untied": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False,
                                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 5),
+    # Gemma 2: both soft-caps small enough to bend the scores and logits (GEMMA2_CAPS), a window of 48 on
+    # layer 0 (every other layer from the first), sandwich norms, GeGLU, heads of 32 (query_pre_attn_scalar 32,
+    # as llama.cpp scales them), tied output.
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=48,
+                                         tie_word_embeddings=True, **{"attn_logit_softcapping": 1.0,
+                                                                      "final_logit_softcapping": 2.0},
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 7),
+    # SmolLM3: 4 layers, the fourth without RoPE (NoPE), tied output.
+    "smollm3": ("SmolLM3ForCausalLM", dict(LLAMA_HEADS, num_hidden_layers=4, tie_word_embeddings=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 8),
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from localllm.architectures import gemma3, llama, qwen2, qwen3, validate
+from localllm.architectures import gemma2, gemma3, llama, qwen2, qwen3, smollm3, validate
 from localllm.architectures.base import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
@@ -20,6 +20,8 @@ ARCHITECTURES = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "gemma3": gemma3,
+    "gemma2": gemma2,
+    "smollm3": smollm3,
 }
 
 
@@ -32,7 +34,8 @@ def load_config(meta: dict[str, Any]) -> ModelConfig:
         )
     validate.check_metadata(meta)
     config = ARCHITECTURES[arch].config(meta)
-    validate.check_known_keys(meta, arch)  # after config(): a RoPE scaling type it refuses is named as such
+    # after config(): a RoPE scaling type it refuses is named as such
+    validate.check_known_keys(meta, arch, config.traits)
     validate.check_config(config, meta)
     return config
 
@@ -93,6 +96,9 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
         rope += f", linear scaling x{1 / c.rope_scale:g}"
     if c.rope_factors is not None:
         rope += f", llama3 frequency factors {min(c.rope_factors):g}..{max(c.rope_factors):g}"
+    nope = [i for i in range(c.n_layers) if not c.layer_uses_rope(i)]
+    if nope:
+        rope += f"; no RoPE (NoPE) on {len(nope)} of {c.n_layers} layers (every {tr.nope_interval}th)"
     out.append(rope)
     if "blk.0.attn_q.bias" in names:
         out.append("QKV bias")
@@ -109,6 +115,10 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
         if c.rope_base_swa is not None:
             swa += f" (RoPE base {_number(c.rope_base_swa)})"
         out.append(swa)
+    if c.attn_softcap:
+        out.append(f"attention logit soft-cap {_number(c.attn_softcap)}")
+    if c.final_softcap:
+        out.append(f"final logit soft-cap {_number(c.final_softcap)}")
     out.append("tied output" if "output.weight" not in names else "separate output")
     return out
 

@@ -42,6 +42,13 @@ class ArchTraits:
     # The file may carry `rope_freqs.weight`, per-frequency divisors of RoPE's angles (Llama 3.1+'s "llama3"
     # scaling; llama.cpp loads the tensor for llama only).
     rope_freq_factors: bool = True
+    # The file's {arch}.attn_logit_softcapping and final_logit_softcapping are read (gemma2: tanh(s / cap) * cap
+    # on each attention score and on the logits; absent keys are llama.cpp's defaults, 50 and 30; 0: none).
+    # False: a file that sets either is refused (validate.NEUTRAL).
+    soft_caps: bool = False
+    # Every `nope_interval`-th layer (layers il with (il + 1) % n == 0) attends without RoPE (SmolLM3: 4, fixed in
+    # llama.cpp, no GGUF key). 0: RoPE on every layer.
+    nope_interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,14 @@ class ModelConfig:
     rope_base_swa: float | None = None  # the sliding-window layers' RoPE base, where it differs
     # YaRN (rope_scaling "yarn"): (original context, beta_fast, beta_slow, extrapolation mix, cos/sin scale).
     rope_yarn: tuple[float, float, float, float, float] | None = None
+    # Soft-caps (traits.soft_caps): attention scores and logits become tanh(s / cap) * cap; 0 = none.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        # llama.cpp's smollm3: use_rope = (il + 1) % n_no_rope_layer_step != 0 (transformers' no_rope_layers).
+        n = self.traits.nope_interval
+        return n == 0 or (layer + 1) % n != 0
 
     def layer_rope_yarn(self, layer: int):
         return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_yarn
