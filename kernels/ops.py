@@ -263,7 +263,8 @@ def _warm_attention(kv_type: str) -> None:
         _attention.read_rows(k, scales, cols, np.empty((1, 1, 32), _F32))
         for parallel in (False, True):
             out = np.empty((1, 64), _F32)
-            args = (q, k, scales, k, scales, table, 0, np.zeros(1, np.int64), 0, 0, np.float32(1.0), out)
+            args = (q, k, scales, k, scales, table, 0, np.zeros(1, np.int64), 0, 0, np.float32(1.0), np.float32(0.0),
+                    out)
             _attention.attend_parallel(*args, 2) if parallel else _attention.attend(*args)
 
 
@@ -291,20 +292,21 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: b
 
 
 def attention(q: np.ndarray, cache_inputs: tuple, q_positions: np.ndarray, key_start: int, window: int,
-              scale: float) -> np.ndarray:
+              scale: float, softcap: float = 0.0) -> np.ndarray:
     """Causal grouped-query attention of q (n, n_head, head_dim), C-contiguous float32, at positions
     q_positions (ascending) over a paged KV cache (`KVCache.attention_inputs(layer)`, whose first key sits at
-    key_start). window > 0: a query at p sees only keys after p - window. Returns (n, n_head * value_dim)."""
+    key_start). window > 0: a query at p sees only keys after p - window. softcap > 0: scores soft-capped,
+    tanh(s / softcap) * softcap (gemma2). Returns (n, n_head * value_dim)."""
     k, k_scale, v, v_scale, table, first_block = cache_inputs
     _ensure_runtime()
     out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), _F32)
     work = q.shape[0] * q.shape[1] * (int(q_positions[-1]) - key_start + 1) * q.shape[2]
     if _threads[0] > 1 and work >= _attention.PARALLEL_MIN_WORK:
         _attention.attend_parallel(q, k, k_scale, v, v_scale, table, first_block, q_positions, key_start, window,
-                                   np.float32(scale), out, _threads[0])
+                                   np.float32(scale), np.float32(softcap), out, _threads[0])
     else:
         _attention.attend(q, k, k_scale, v, v_scale, table, first_block, q_positions, key_start, window,
-                          np.float32(scale), out)
+                          np.float32(scale), np.float32(softcap), out)
     return out
 
 
@@ -357,7 +359,7 @@ class FusedForward:
     CPU lacks AVX2 (callers then keep the per-kernel path, which computes the same values)."""
 
     def __init__(self, layer_mats: list[list[Weight]], output: Weight, layer_vecs: list[list], output_norm,
-                 dims: tuple, flags: tuple, eps: float, attention_scale: float):
+                 dims: tuple, flags: tuple, eps: float, attention_scale: float, attention_softcap: float = 0.0):
         everything = [w for mats in layer_mats for w in mats] + [output]
         self.available = (_fused is not None and _quant_dot.USES_AVX2
                           and all(w._use_quant_dot for w in everything))
@@ -373,6 +375,7 @@ class FusedForward:
         self.dims = np.array(dims, np.int64)
         self.flags = np.array(flags, np.int64)
         self.eps, self.scale = float(eps), np.float32(attention_scale)
+        self.softcap = np.float32(attention_softcap)  # gemma2's attention logit soft-cap; 0: none
 
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
@@ -388,7 +391,8 @@ class FusedForward:
             raise ValueError("fused forward: the model, its cache and the inputs do not match")
         threads = _threads[0]
         return _fused.forward(threads, FUSED_TASKS_PER_THREAD * threads, self.dims, self.flags, self.eps,
-                              self.scale, self.mats, self.mat_types, self.mat_families, self.vecs, kv[0], kv[1],
+                              self.scale, self.softcap, self.mats, self.mat_types, self.mat_families, self.vecs,
+                              kv[0], kv[1],
                               kv[2], kv[3], layer_group, layer_window, layer_rope, tables, first_blocks, write_cols,
                               positions, cos, sin, x, out_rows)
 

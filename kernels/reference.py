@@ -46,13 +46,13 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: b
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
-              window: int, key_start: int = 0) -> np.ndarray:
+              window: int, key_start: int = 0, softcap: float = 0.0) -> np.ndarray:
     """Grouped-query attention of n queries over T cached tokens (positions key_start..key_start+T-1: a
     sliding-window layer's cache drops keys no query can see any more).
 
     q: (n, n_head, d); keys: (n_kv, T, d); values: (n_kv, T, dv). Query head h reads KV head h // group, as
     ggml's broadcasting does. Causal; with `window` > 0 a query at p sees only keys at p - window < j <= p.
-    Returns (n, n_head * dv).
+    softcap > 0: scores become tanh(s / softcap) * softcap before the mask (gemma2). Returns (n, n_head * dv).
     """
     if window > 0:
         # Start at the first key any query can see: the result is then the same, to the bit, whether the cache
@@ -66,6 +66,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: 
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n, d)
     scores = np.matmul(qg, keys.transpose(0, 2, 1)).reshape(n_kv, group, n, t)
     scores *= scale
+    if softcap > 0:
+        scores = np.tanh(scores / softcap) * softcap
     key_pos = np.arange(key_start, key_start + t)
     masked = key_pos[None, :] > q_positions[:, None]
     if window > 0:

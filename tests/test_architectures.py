@@ -196,12 +196,17 @@ FEATURE_OFF = {
     "mistral-swa": ("sliding window 48 on 2 of 2 layers", {"sliding_window": None}),
     "phi3": ("LongRoPE", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.75}}),
+    "gemma2": ("soft-cap", {"attn_logit_softcapping": None, "final_logit_softcapping": None}),
+    # converted as llama, the same weights with RoPE on every layer
+    "smollm3": ("NoPE", {"architectures": ["LlamaForCausalLM"]}),
 }
 FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
             "llama-yarn": "YaRN x4 from a context of 64",
             "mistral-swa": "sliding window 48 on 2 of 2 layers", "qwen3": "QK-norm", "qwen3-untied": "QK-norm",
             "phi3": "RoPE NeoX halves, base 10000, 24 of 32 dimensions, LongRoPE factors short 1..3 / long 1..24 "
-                    "(long above a context of 512; using short), cos/sin x1.155; fused QKV; fused gate/up"}
+                    "(long above a context of 512; using short), cos/sin x1.155; fused QKV; fused gate/up",
+            "gemma2": "sliding window 48 on 1 of 2 layers; attention logit soft-cap 1; final logit soft-cap 16",
+            "smollm3": "no RoPE (NoPE) on 1 of 4 layers (every 4th)"}
 
 
 def test_every_architecture_fixture_is_there():
@@ -512,3 +517,62 @@ def test_a_rope_attn_factor_scales_cos_and_sin_as_llama_cpp_does_for_any_archite
     np.testing.assert_allclose(cos, 2 * plain_cos, rtol=1e-6)
     np.testing.assert_allclose(sin, 2 * plain_sin, rtol=1e-6, atol=1e-7)
     assert not np.allclose(logits_of(path), logits_of(write_tiny_model(tmp_path / "p.gguf")), rtol=1e-3)
+
+
+# ---- gemma2 and smollm3 -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["smollm3", "qwen3"])
+@pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_a_soft_cap_in_an_architecture_without_soft_caps_is_refused_naming_it(tmp_path, arch, key):
+    path = write_tiny_model(tmp_path / "m.gguf", arch=arch, meta={f"{arch}.{key}": (30.0, F32_)})
+    assert f"the model sets {arch}.{key} = 30.0, which changes what the model computes" in refused(path)
+
+
+def test_a_nope_layer_rotates_by_the_identity_table_bit_for_bit():
+    """SmolLM3's NoPE layers: cos 1 and sin 0 at every position leave each value exactly as it was, in the rope
+    kernel and in a context shift's rotation alike."""
+    from localllm.architectures.transformer import RopeTable
+    from localllm.kernels import ops
+
+    table = RopeTable.identity(32)
+    cos, sin = table.get(np.array([0, 1, 7, 4095]))
+    assert np.all(cos == 1.0) and np.all(sin == 0.0)
+    x = np.random.default_rng(0).standard_normal((4, 2, 32)).astype(np.float32)
+    for neox in (False, True):
+        y = x.copy()
+        ops.rope(y, cos, sin, 32, neox)
+        assert np.array_equal(y.view(np.uint32), x.view(np.uint32))
+
+
+def test_smollm3_leaves_rope_out_of_every_fourth_layer_only():
+    engine = arch_engine("smollm3", "f32")
+    c, m = engine.config, engine.model
+    assert [c.layer_uses_rope(i) for i in range(4)] == [True, True, True, False]
+    assert not np.any(m.layer_rope[3].inv_freq) and np.all(m.layer_rope[0].inv_freq > 0)
+    assert m.can_shift  # no window: the context shift runs, the NoPE layer's keys rotated by zero angles
+
+
+def test_gemma2_reads_its_soft_caps_window_and_scale_as_llama_cpp_does():
+    c = arch_engine("gemma2", "f32").config
+    assert (c.attn_softcap, c.final_softcap, c.sliding_window) == (1.0, 16.0, 48)
+    assert [c.layer_is_sliding(i) for i in range(2)] == [True, False]  # every other layer, the first sliding
+    assert c.attention_scale == 1 / np.sqrt(32)
+
+
+@pytest.mark.parametrize("case, change, message", [
+    ("gemma2", {"query_pre_attn_scalar": 64}, "query_pre_attn_scalar is 64 in config.json"),
+    ("gemma2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("smollm3", {"no_rope_layers": [1, 0, 1, 1]}, "no_rope_layers [1, 0, 1, 1] in config.json"),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 32}, "llama.cpp's smollm3 has no sliding window"),
+])
+def test_convert_refuses_a_checkpoint_the_gguf_format_of_its_architecture_cannot_express(tmp_path, case, change,
+                                                                                         message):
+    from localllm.convert.converter import convert
+    from localllm.errors import LocalLLMError
+
+    src = shutil.copytree(ARCH_DATA / case, tmp_path / case)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(LocalLLMError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()

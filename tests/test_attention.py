@@ -36,14 +36,14 @@ def filled_cache(pool: KVPool, rng, n_tokens: int, interleave_with=None):
     return cache
 
 
-def kernel_attention(cache, q, positions, window=0):
+def kernel_attention(cache, q, positions, window=0, softcap=0.0):
     cache.reserve(0)  # refresh the kernel's block tables, as a forward does
-    return ops.attention(q, cache.attention_inputs(0), positions, cache.start(0), window, 1 / np.sqrt(D))
+    return ops.attention(q, cache.attention_inputs(0), positions, cache.start(0), window, 1 / np.sqrt(D), softcap)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("window", [0, 40])
-def test_kernel_matches_numpy_reference(paged, window):
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (40, 0.0), (40, 0.5)])
+def test_kernel_matches_numpy_reference(paged, window, softcap):
     rng = np.random.default_rng(1)
     pool = cpu_pool(1, N_KV, D, D)
     other = pool.new_cache(4096) if paged else None
@@ -52,8 +52,9 @@ def test_kernel_matches_numpy_reference(paged, window):
     n = 7  # the last 7 cached tokens are the queries (their keys were written, as in a forward)
     positions = np.arange(100 - n, 100)
     q = rng.standard_normal((n, N_KV * GROUP, D)).astype(np.float32)
-    want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window)
-    np.testing.assert_allclose(kernel_attention(cache, q, positions, window), want, rtol=1e-4, atol=1e-5)
+    want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window,
+                               softcap=softcap)
+    np.testing.assert_allclose(kernel_attention(cache, q, positions, window, softcap), want, rtol=1e-4, atol=1e-5)
 
 
 def test_each_query_is_bitwise_independent_of_the_others():
@@ -103,10 +104,11 @@ def test_softmax_exponential_is_within_a_few_ulp_of_libm():
     assert abs(total - want.sum()) < 1e-5 * want.sum()
 
 
-@pytest.mark.parametrize("window", [0, 100])
-def test_grouped_query_items_equal_per_head_items_bit_for_bit(window):
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (100, 0.0), (100, 0.5)])
+def test_grouped_query_items_equal_per_head_items_bit_for_bit(window, softcap):
     """Prompt chunks take (query, KV head) items, reading each tile of keys once for the whole group; decode
-    takes (query, head) items. A token's output must not depend on which: the two agree to the bit."""
+    takes (query, head) items. A token's output must not depend on which: the two agree to the bit, with
+    gemma2's soft-capped scores too (a cap of 0.5 changes every score of these unit-variance queries)."""
     from localllm.kernels.cpu import attention as kernel
 
     if not kernel.HAVE_AVX2:
@@ -125,12 +127,16 @@ def test_grouped_query_items_equal_per_head_items_bit_for_bit(window):
         acc = np.empty(D, np.float32)
         for c in range(chunks):
             kernel._attend_items(c, chunks, q, k, ks, v, vs, table, first_block, positions, 0, window,
-                                 np.float32(1 / np.sqrt(D)), out, scores, acc)
+                                 np.float32(1 / np.sqrt(D)), np.float32(softcap), out, scores, acc)
         outs.append(out)
     assert np.array_equal(outs[0].view(np.uint32), outs[2].view(np.uint32))
     assert np.array_equal(outs[1].view(np.uint32), outs[2].view(np.uint32))
-    want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window)
+    want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window,
+                               softcap=softcap)
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-5)
+    if softcap:
+        uncapped = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window)
+        assert not np.allclose(outs[0], uncapped, rtol=1e-2, atol=1e-3)
 
 
 def test_vector_softmax_exponential_is_the_scalar_one_bit_for_bit():

@@ -534,6 +534,22 @@ def test_opencl_attention_matches_the_reference(ops, case):
     assert nmse(got, want) <= OPS_NMSE["attention"], f"NMSE {nmse(got, want):.3g}"
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_opencl_attention_soft_caps_its_scores_as_the_reference(ops, window):
+    """gemma2's attention logit soft-cap: tanh(s / cap) * cap on each scaled score, before the softmax (a cap of
+    1 changes these scores of about unit size, so the uncapped output is far off)."""
+    rng = np.random.default_rng(11)
+    q = (rng.standard_normal((5, 4, 64)) * 2).astype(np.float32)
+    keys = rng.standard_normal((2, 90, 64)).astype(np.float32)
+    values = rng.standard_normal((2, 90, 64)).astype(np.float32)
+    positions = np.arange(85, 90)
+    got = ops.to_host(ops.attention(ops.to_device(q), ops.to_device(keys), ops.to_device(values), positions, 0.125,
+                                    window, softcap=1.0))
+    want = reference.attention(q, keys, values, positions, 0.125, window, softcap=1.0)
+    assert nmse(got, want) <= OPS_NMSE["attention"], f"NMSE {nmse(got, want):.3g}"
+    assert nmse(want, reference.attention(q, keys, values, positions, 0.125, window)) > 100 * OPS_NMSE["attention"]
+
+
 def test_opencl_kv_write_fills_a_cache_that_attention_reads_up_to_its_length(ops):
     rng = np.random.default_rng(19)
     n_kv, cap, d, n_head = 2, 40, 64, 6

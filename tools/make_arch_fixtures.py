@@ -59,6 +59,12 @@ ROW_SPREAD = 1.0
 # 32; hidden / heads as in the real models).
 LLAMA_HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 
+# Embedding std per case where transformers' 0.02 makes a degenerate model: gemma2 scales embeddings by
+# sqrt(64) = 8 and its sandwich norms bring each block's output to about unit size, so at 0.02 the token's own
+# embedding (RMS 0.16) drowns in the residual and the tied head's top-1 margins are tiny (median 0.06: Q8_0 kept
+# 95% of the top-1 tokens); at 0.25, median 1.8.
+EMBED_STD = {"gemma2": 0.25}
+
 # name -> (transformers class, config changes, seed)
 CASES = {
     # Llama 3.1's RoPE: original context 64, so of the 16 frequencies, the 11 of wavelengths above 64 positions
@@ -82,6 +88,17 @@ CASES = {
                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 4),
     "qwen3-untied": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False,
                                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 5),
+    # Gemma 2: both soft-caps small enough to bend the scores and logits (without the attention cap the logits
+    # move by 132%, without the final cap by 74%, without the window by 123%), a window of 48 on
+    # layer 0 (every other layer from the first), sandwich norms, GeGLU, heads of 32 (query_pre_attn_scalar 32,
+    # as llama.cpp scales them), tied output.
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=48,
+                                         tie_word_embeddings=True, **{"attn_logit_softcapping": 1.0,
+                                                                      "final_logit_softcapping": 16.0},
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 7),
+    # SmolLM3: 4 layers, the fourth without RoPE (NoPE), tied output.
+    "smollm3": ("SmolLM3ForCausalLM", dict(LLAMA_HEADS, num_hidden_layers=4, tie_word_embeddings=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 8),
 }
 
 # Phi-3 (Phi3ForCausalLM: Phi-3, Phi-3.5, Phi-4-mini): Q/K/V fused in qkv_proj and gate/up in gate_up_proj (always);
@@ -163,6 +180,8 @@ def make_case(name: str) -> None:
             if pname.endswith("qkv_proj.weight"):  # fused (phi3): its Q and K rows
                 head_dim = config.hidden_size // config.num_attention_heads
                 p[: (config.num_attention_heads + config.num_key_value_heads) * head_dim].mul_(QK_SCALE)
+        if name in EMBED_STD:
+            model.model.embed_tokens.weight.mul_(EMBED_STD[name] / config.initializer_range)
         if not config.tie_word_embeddings:
             model.lm_head.weight.mul_(torch.exp(ROW_SPREAD * torch.randn(config.vocab_size, 1, generator=gen)))
     model.generation_config.eos_token_id = None

@@ -148,14 +148,27 @@ def _softmax_weights(scores, count, m):
     return total
 
 
+@njit(cache=True)
+def _soft_cap(scores, count, cap):
+    """scores[:count] = tanh(s / cap) * cap (gemma2's attention logit soft-capping), returning their maximum.
+    Every path (scalar, AVX2, grouped; the fused forward) caps its scores here, after scaling and before the
+    softmax, so they stay bitwise alike; cap 0 (every other model) never calls it."""
+    m = -np.inf
+    for j in range(count):
+        s = np.float32(np.tanh(scores[j] / cap)) * cap
+        scores[j] = s
+        m = max(m, s)
+    return m
+
+
 @njit(cache=True, inline="always")
 def _column(table, first_block, pos):
     return table[pos // BLOCK - first_block] * BLOCK + pos % BLOCK
 
 
 @njit(cache=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
-def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_block, lo, hi, scale, scores, acc,
-               out):
+def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_block, lo, hi, scale, softcap, scores,
+               acc, out):
     """Softmax(q . K / sqrt(d)) V for query row i, head h, over keys at positions lo..hi (inclusive).
 
     fastmath lets LLVM vectorise the dot products and the V accumulation; the operation order still depends
@@ -180,6 +193,8 @@ def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_bl
         s *= scale
         scores[j] = s
         m = max(m, s)
+    if softcap > 0:
+        m = _soft_cap(scores, hi - lo + 1, softcap)
     total = _softmax_weights(scores, hi - lo + 1, m)
     acc[:dv] = 0.0
     for j in range(hi - lo + 1):
@@ -199,7 +214,7 @@ def _one_query(q, i, h, kvh, k_store, k_scale, v_store, v_scale, table, first_bl
 
 
 @njit(cache=True)
-def _one_query_avx2(q, i, h, kvh, k_store, v_store, table, first_block, lo, hi, scale, scores, out):
+def _one_query_avx2(q, i, h, kvh, k_store, v_store, table, first_block, lo, hi, scale, softcap, scores, out):
     """_one_query for float32 storage with head sizes that are multiples of 32, in explicit AVX2 registers:
     two accumulators per dot product (summed in ggml's hsum order), four for the weighted sum of values, so
     no loop is bound by a chain of dependent FMAs."""
@@ -220,6 +235,8 @@ def _one_query_avx2(q, i, h, kvh, k_store, v_store, table, first_block, lo, hi, 
         s = (hsum_float_8(a0) + hsum_float_8(a1)) * scale
         scores[j] = s
         m = max(m, s)
+    if softcap > 0:
+        m = _soft_cap(scores, hi - lo + 1, softcap)
     total = _softmax_weights(scores, hi - lo + 1, m)
     inv = set1_ps(np.float32(1.0) / total)
     zero = setzero_ps()
@@ -329,8 +346,8 @@ def _scores_8(qa, rows, j, d, scale_v, out_address):
 
 
 @njit(cache=True)
-def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, hi, scale, scores, acc, rows,
-                      out):
+def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, hi, scale, softcap, scores, acc,
+                      rows, out):
     """_one_query_avx2 for every query head that reads KV head kvh (a grouped-query group), faster where many
     queries are attended at once (prompt chunks over a long context took 2.2x llama.cpp's time before this):
     eight keys' dot products at a time, their sums added up in vector registers; the weighted sum of values
@@ -369,7 +386,10 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
     totals = np.zeros(group, np.float32)
     for g in range(group):
         m = -np.inf
-        m = max(m, scores[g, :n_keys].max())
+        if softcap > 0:
+            m = _soft_cap(scores[g], n_keys, softcap)
+        else:
+            m = max(m, scores[g, :n_keys].max())
         sa = address_of(scores) + g * scores.shape[1] * 4
         j = 0
         while j + 8 <= n_keys:
@@ -431,7 +451,7 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
 
 @njit(cache=True)
 def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
-                  window, scale, out, scores, acc):
+                  window, scale, softcap, out, scores, acc):
     """Work share c of `chunks`: the (query, head) items c, c + chunks, ... (interleaved, because causal rows
     grow longer with the query index and contiguous ranges would unbalance the threads). With AVX2 registers
     and at least two of them (two threads' worth), the items are (query, KV head) pairs instead, each head of
@@ -450,8 +470,8 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
             lo = key_start
             if window > 0:
                 lo = max(lo, p - window + 1)
-            _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, p, scale, group_scores,
-                              group_acc, rows, out)
+            _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, p, scale, softcap,
+                              group_scores, group_acc, rows, out)
         return
     for item in range(c, n * n_head, chunks):
         i, h = item // n_head, item % n_head
@@ -460,29 +480,32 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
         if window > 0:
             lo = max(lo, p - window + 1)
         if registers:
-            _one_query_avx2(q, i, h, h // group, k_store, v_store, table, first_block, lo, p, scale, scores, out)
+            _one_query_avx2(q, i, h, h // group, k_store, v_store, table, first_block, lo, p, scale, softcap, scores,
+                            out)
         else:
             _one_query(q, i, h, h // group, k_store, k_scale, v_store, v_scale, table, first_block, lo, p, scale,
-                       scores, acc, out)
+                       softcap, scores, acc, out)
 
 
 @njit(cache=True)
-def attend(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window, scale, out):
+def attend(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window, scale, softcap,
+           out):
     """Causal grouped-query attention of q (n, n_head, d) over a paged cache; writes out (n, n_head * dv).
 
-    A query at position p sees keys at max(key_start, p - window + 1) .. p (window = 0: no window). Query head
+    A query at position p sees keys at max(key_start, p - window + 1) .. p (window = 0: no window). softcap > 0:
+    each scaled score s becomes tanh(s / softcap) * softcap before the softmax (gemma2); 0: none. Query head
     h reads KV head h // (n_head // n_kv), as ggml's broadcasting does. Single-threaded: entering a parallel
     region costs ~15 us, as much as a decode step's attention over a short context.
     """
     scores = np.empty(q_positions[-1] - key_start + 1, np.float32)
     acc = np.empty(v_store.shape[2], np.float32)
     _attend_items(0, 1, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window,
-                  scale, out, scores, acc)
+                  scale, softcap, out, scores, acc)
 
 
 @njit(cache=True, parallel=True)
 def attend_parallel(q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start, window,
-                    scale, out, threads):
+                    scale, softcap, out, threads):
     """`attend` with the (query, head) items shared by `threads` threads; each item is computed exactly as
     `attend` computes it."""
     chunks = max(1, min(threads, q.shape[0] * q.shape[1]))
@@ -490,7 +513,7 @@ def attend_parallel(q, k_store, k_scale, v_store, v_scale, table, first_block, q
     acc = np.empty((chunks, v_store.shape[2]), np.float32)
     for c in prange(chunks):
         _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
-                      window, scale, out, scores[c], acc[c])
+                      window, scale, softcap, out, scores[c], acc[c])
 
 
 # Built with simd.py's intrinsics: recompile when that file changes (see kernels.cpu.forget_stale_cache).

@@ -92,8 +92,8 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
 
 
 @njit(cache=True)
-def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_families, vecs, kv_k, kv_ks, kv_v,
-            kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin,
+def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k, kv_ks,
+            kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin,
             x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits):
     n_layers, n_head, n_kv, head_dim, value_dim, rope_dim = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
     neox, qk_norm, post_norms, act_kind = flags[0] != 0, flags[1] != 0, flags[2] != 0, flags[3]
@@ -143,8 +143,8 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_famil
                 if t < 0:
                     break
                 _attend_items(t, attn_items, q3, kv_k[layer], kv_ks[layer], kv_v[layer], kv_vs[layer], tables[g],
-                              first_blocks[g], positions, key_start, layer_window[layer], attn_scale, attn,
-                              scores, acc)
+                              first_blocks[g], positions, key_start, layer_window[layer], attn_scale,
+                              attn_softcap, attn, scores, acc)
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
@@ -197,9 +197,9 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_famil
 
 
 @njit(parallel=True, cache=True)
-def forward(threads, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_families, vecs, kv_k, kv_ks, kv_v,
-            kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin, x,
-            out_rows):
+def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
+            kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos,
+            sin, x, out_rows):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
     logits (len(out_rows), vocab) of the rows `out_rows`. The cache must have reserved the n tokens."""
     n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
@@ -219,9 +219,9 @@ def forward(threads, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_f
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
     ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
-        _worker(ctl, tasks, dims, flags, eps, attn_scale, mats, mat_types, mat_families, vecs, kv_k, kv_ks, kv_v,
-                kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos,
-                sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
+        _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
+                kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions,
+                cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
     return logits
 
 

@@ -150,7 +150,7 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
 // (j = lid, lid + ATT_WG, ...: at most ATT_NACC per item, in registers).
 kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
                       global const int *cols, global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
-                      int window, float scale) {
+                      int window, float scale, float softcap) {
     local float qs[ATT_MAX_D];
     local float ps[ATT_WG];
     uint h = get_group_id(0), i = get_global_id(1), lid = get_local_id(0);
@@ -175,6 +175,7 @@ kernel void attention(global const float *q, global const float *k, global const
             float dot = 0.0f;
             for (uint j = 0; j < d; j++) dot = MAC(qs[j], kt[j], dot);
             sc = dot * scale;
+            if (softcap > 0.0f) sc = tanh(sc / softcap) * softcap;  // gemma2's attention logit soft-cap
         }
         ps[lid] = sc;
         barrier(CLK_LOCAL_MEM_FENCE);

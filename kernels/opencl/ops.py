@@ -236,12 +236,13 @@ class Ops:
         return out
 
     def attention(self, q, keys, values, q_positions, scale: float, window: int, key_start: int = 0,
-                  length: int | None = None, cols=None):
+                  length: int | None = None, cols=None, softcap: float = 0.0):
         """Causal grouped-query attention (`kernels/reference.py` attention): q (n, n_head, d) at q_positions
         (n ints, host or device int32) over the first `length` (default: all) rows of keys (n_kv, capacity, d)
         and values (n_kv, capacity, dv), at positions key_start .. key_start + length - 1; window > 0: a query
         at p sees only keys after p - window. `cols` (host or device ints): key t's storage column, for a
-        paged cache (`length` is then len(cols)); by default key t is row t. Returns (n, n_head * dv)."""
+        paged cache (`length` is then len(cols)); by default key t is row t. softcap > 0: each scaled score
+        becomes tanh(s / softcap) * softcap (gemma2). Returns (n, n_head * dv)."""
         _check(q, "q", 3)
         _check(keys, "keys", 3)
         _check(values, "values", 3)
@@ -271,7 +272,7 @@ class Ops:
             self._kernel("attention")(dev.queue, (n_head * ATT_WG, n), (ATT_WG, 1), q.data, keys.data, values.data,
                                      pos.data, cols_d.data if t else pos.data, out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t),
                                      np.uint32(cap), np.uint32(d), np.uint32(dv), np.int32(key_start),
-                                     np.int32(window), np.float32(scale))
+                                     np.int32(window), np.float32(scale), np.float32(softcap))
         return out
 
     def argmax(self, x):

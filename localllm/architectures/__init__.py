@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from localllm.architectures import gemma3, llama, phi3, qwen2, qwen3, validate
+from localllm.architectures import gemma2, gemma3, llama, phi3, qwen2, qwen3, smollm3, validate
 from localllm.architectures.base import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
@@ -21,6 +21,8 @@ ARCHITECTURES = {
     "qwen3": qwen3,
     "gemma3": gemma3,
     "phi3": phi3,
+    "gemma2": gemma2,
+    "smollm3": smollm3,
 }
 
 
@@ -33,7 +35,8 @@ def load_config(meta: dict[str, Any]) -> ModelConfig:
         )
     validate.check_metadata(meta)
     config = ARCHITECTURES[arch].config(meta)
-    validate.check_known_keys(meta, arch)  # after config(): a RoPE scaling type it refuses is named as such
+    # after config(): a RoPE scaling type it refuses is named as such
+    validate.check_known_keys(meta, arch, config.traits)
     validate.check_config(config, meta)
     return config
 
@@ -152,6 +155,9 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
         rope += f", llama3 frequency factors {min(c.rope_factors):g}..{max(c.rope_factors):g}"
     if c.rope_attn_factor != 1.0:
         rope += f", cos/sin x{c.rope_attn_factor:.4g}"
+    nope = [i for i in range(c.n_layers) if not c.layer_uses_rope(i)]
+    if nope:
+        rope += f"; no RoPE (NoPE) on {len(nope)} of {c.n_layers} layers (every {tr.nope_interval}th)"
     out.append(rope)
     if "blk.0.attn_qkv.weight" in names:
         out.append("fused QKV")
@@ -174,6 +180,10 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
         out.append(swa)
     if c.sliding_window_ignored:
         out.append(f"sliding window {c.sliding_window_ignored} in the file, not applied (as llama.cpp)")
+    if c.attn_softcap:
+        out.append(f"attention logit soft-cap {_number(c.attn_softcap)}")
+    if c.final_softcap:
+        out.append(f"final logit soft-cap {_number(c.final_softcap)}")
     out.append("tied output" if "output.weight" not in names else "separate output")
     return out
 

@@ -54,6 +54,13 @@ class ArchTraits:
     # The file's attention.sliding_window is read but not applied, as llama.cpp does for phi3 (it disables Phi's
     # sliding window: "Phi SWA is currently disabled", llama.cpp PR 13676).
     sliding_window_ignored: bool = False
+    # The file's {arch}.attn_logit_softcapping and final_logit_softcapping are read (gemma2: tanh(s / cap) * cap
+    # on each attention score and on the logits; absent keys are llama.cpp's defaults, 50 and 30; 0: none).
+    # False: a file that sets either is refused (validate.NEUTRAL).
+    soft_caps: bool = False
+    # Every `nope_interval`-th layer (layers il with (il + 1) % n == 0) attends without RoPE (SmolLM3: 4, fixed in
+    # llama.cpp, no GGUF key). 0: RoPE on every layer.
+    nope_interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,14 @@ class ModelConfig:
     rope_longrope: tuple[int, tuple[float, ...] | None, tuple[float, ...] | None] | None = None
     # An attention.sliding_window the file sets and the architecture does not apply (phi3, as llama.cpp).
     sliding_window_ignored: int = 0
+    # Soft-caps (traits.soft_caps): attention scores and logits become tanh(s / cap) * cap; 0 = none.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        # llama.cpp's smollm3: use_rope = (il + 1) % n_no_rope_layer_step != 0 (transformers' no_rope_layers).
+        n = self.traits.nope_interval
+        return n == 0 or (layer + 1) % n != 0
 
     def layer_rope_yarn(self, layer: int):
         return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_yarn

@@ -41,6 +41,14 @@ class RopeTable:
         self.cos = np.empty((0, rope_dim // 2), np.float32)
         self.sin = self.cos
 
+    @classmethod
+    def identity(cls, rope_dim: int) -> "RopeTable":
+        """No rotation (a NoPE layer): every angle 0, so cos = 1 and sin = 0, and x * 1 - y * 0 = x exactly in
+        float32 (also under FMA); a context shift rotates its keys by the same zero angles."""
+        table = cls(rope_dim, 10000.0, 1.0)
+        table.inv_freq = np.zeros(rope_dim // 2, np.float64)
+        return table
+
     def get(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         end = int(positions[-1]) + 1
         if end > len(self.cos):
@@ -209,8 +217,10 @@ class Transformer:
         for i in range(c.n_layers):
             key = (c.layer_rope_base(i), c.layer_rope_scale(i), c.layer_rope_factors(i), c.layer_rope_yarn(i),
                    c.rope_attn_factor)
+            if not c.layer_uses_rope(i):
+                key = "nope"  # SmolLM3's NoPE layers: the identity table (cos 1, sin 0), bitwise no rotation
             if key not in self._rope:
-                self._rope[key] = RopeTable(c.rope_dim, *key)
+                self._rope[key] = RopeTable.identity(c.rope_dim) if key == "nope" else RopeTable(c.rope_dim, *key)
             self.layer_rope.append(self._rope[key])
         self.layer_window = [c.sliding_window if c.layer_is_sliding(i) else 0 for i in range(c.n_layers)]
         self._ropes = list(self._rope.values())
@@ -281,6 +291,15 @@ class Transformer:
 
         cache.shift(n_keep, n_discard, rotate)
 
+    def _soft_cap_logits(self, logits: np.ndarray) -> np.ndarray:
+        """gemma2's final soft-cap, tanh(l / cap) * cap, on the host logits of every path (fused or not, any
+        backend): the same numpy operations, so the paths stay bitwise alike. Cap 0: the logits as they are."""
+        cap = self.config.final_softcap
+        if not cap:
+            return logits
+        cap = np.float32(cap)
+        return np.tanh(logits / cap) * cap
+
     def forward(self, tokens, cache: KVCache, output_rows: np.ndarray | None = None,
                 precise: bool = False, observe=None) -> np.ndarray:
         """Process `tokens` (appended after the cache's contents); return logits (len(output_rows), vocab).
@@ -309,7 +328,7 @@ class Transformer:
         alone or beside others."""
         if (observe is None and not hidden and len(segments) == 1 and self.fused_available and len(segments[0][0]) > 0
                 and not (precise and len(segments[0][0]) >= self.backend.precise_min_rows)):
-            return [self.fused(*segments[0])]
+            return [self._soft_cap_logits(self.fused(*segments[0]))]
         c = self.config
         tr = c.traits
         b = self.backend
@@ -348,13 +367,13 @@ class Transformer:
             if len(segments) == 1:
                 cache = segments[0][1]
                 b.kv_write(cache, i, k, v)
-                attn = b.attention(q, cache, i, positions, self.layer_window[i], c.attention_scale)
+                attn = b.attention(q, cache, i, positions, self.layer_window[i], c.attention_scale, c.attn_softcap)
             else:
                 parts = []
                 for (_, cache, _), lo, hi, pos in zip(segments, bounds, bounds[1:], seg_positions):
                     b.kv_write(cache, i, b.slice_rows(k, lo, hi), b.slice_rows(v, lo, hi))
                     parts.append(b.attention(b.slice_rows(q, lo, hi), cache, i, pos, self.layer_window[i],
-                                             c.attention_scale))
+                                             c.attention_scale, c.attn_softcap))
                 attn = b.concat_rows(parts)
             if observe is not None:
                 observe(self.matmul_names[i][3:4], b.to_host(attn))
@@ -387,6 +406,6 @@ class Transformer:
             out = b.rms_norm(b.rows(x, rows), self.output_norm, c.rms_eps)
             if observe is not None:
                 observe((self.output_name,), b.to_host(out))
-            logits = b.to_host(b.matmul(self.output, out, precise=precise))
+            logits = self._soft_cap_logits(b.to_host(b.matmul(self.output, out, precise=precise)))
         counts = [1 if out_rows is None else len(out_rows) for _, _, out_rows in segments]
         return np.split(logits, np.cumsum(counts)[:-1])

@@ -136,15 +136,20 @@ def check_metadata(meta: dict[str, Any]) -> None:
             f"{arch}.attention.key_length does not give the head size")
 
 
-def check_known_keys(meta: dict[str, Any], arch: str) -> None:
+# Keys an architecture reads when its traits say so (ArchTraits.soft_caps: gemma2); elsewhere they stay NEUTRAL.
+SOFT_CAPS = frozenset({"attn_logit_softcapping", "final_logit_softcapping"})
+
+
+def check_known_keys(meta: dict[str, Any], arch: str, traits=None) -> None:
     """Every "{arch}." key is one localllm reads, one that changes nothing it computes, or one left at the value
     that means "off" (NEUTRAL). Anything else may change the math: refused by name, never ignored."""
     prefix = arch + "."
+    understood = SOFT_CAPS if traits is not None and traits.soft_caps else frozenset()
     for key, value in meta.items():
         if not key.startswith(prefix):
             continue
         suffix = key[len(prefix):]
-        if suffix in HYPERPARAMETERS or suffix in INFORMATIONAL:
+        if suffix in HYPERPARAMETERS or suffix in INFORMATIONAL or suffix in understood:
             continue
         if suffix in NEUTRAL:
             neutral = NEUTRAL[suffix]

@@ -110,9 +110,11 @@ class Backend(ABC):
         """Append k (n, n_head_kv, head_dim) and v to `cache`'s storage for `layer` (reserved beforehand)."""
 
     @abstractmethod
-    def attention(self, q: Tensor, cache, layer: int, positions: np.ndarray, window: int, scale: float) -> Tensor:
+    def attention(self, q: Tensor, cache, layer: int, positions: np.ndarray, window: int, scale: float,
+                  softcap: float = 0.0) -> Tensor:
         """Causal grouped-query attention of q (n, n_head, head_dim) at `positions` over `cache`'s keys and
-        values for `layer`; window > 0 limits each query to the last `window` positions. (n, n_head*value_dim)."""
+        values for `layer`; window > 0 limits each query to the last `window` positions; softcap > 0 caps each
+        scaled score to tanh(s / softcap) * softcap before the softmax (gemma2). (n, n_head*value_dim)."""
 
     @abstractmethod
     def to_host(self, x: Tensor) -> np.ndarray:

@@ -79,8 +79,9 @@ class CpuBackend(Backend):
     def kv_write(self, cache, layer, k, v):
         cache.write(layer, k, v)
 
-    def attention(self, q, cache, layer, positions, window, scale):
-        return ops.attention(q, cache.attention_inputs(layer), positions, cache.start(layer), window, scale)
+    def attention(self, q, cache, layer, positions, window, scale, softcap=0.0):
+        return ops.attention(q, cache.attention_inputs(layer), positions, cache.start(layer), window, scale,
+                             softcap)
 
     def to_host(self, x):
         return x
@@ -161,7 +162,7 @@ class _WholeForward:
             (c.n_layers, c.n_head, c.n_head_kv, c.head_dim, c.value_dim, c.rope_dim, c.n_embd, c.n_ff,
              c.vocab_size),
             (tr.rope_style == "neox", tr.qk_norm, tr.post_norms, ops.GATES[tr.activation]), c.rms_eps,
-            c.attention_scale)
+            c.attention_scale, c.attn_softcap)
         self.available = self.kernel.available
 
     def __call__(self, tokens, cache, output_rows) -> np.ndarray:

@@ -200,11 +200,11 @@ class OpenCLBackend(Backend):
         self.ops.kv_write(g.k[slot], k, cols=cols)
         self.ops.kv_write(g.v[slot], v, cols=cols)
 
-    def attention(self, q, cache, layer, positions, window, scale):
+    def attention(self, q, cache, layer, positions, window, scale, softcap=0.0):
         gi, slot = cache.pool.where[layer]
         g = cache.pool.groups[gi]
         return self.ops.attention(q, g.k[slot], g.v[slot], self._upload(positions, np.int32), scale, window,
-                                  cache.start(layer), cols=self._columns(cache, layer, "read"))
+                                  cache.start(layer), cols=self._columns(cache, layer, "read"), softcap=softcap)
 
     def to_host(self, x):
         return self.ops.to_host(x)

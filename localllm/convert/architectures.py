@@ -187,6 +187,49 @@ def generated_tensors(spec: ArchSpec, hp: dict) -> dict[str, np.ndarray]:
     if spec.gguf_arch == gguf.MODEL_ARCH.PHI3 and (rope := phi3_rope(hp))["long"] is not None:
         return {"rope_factors_long.weight": rope["long"], "rope_factors_short.weight": rope["short"]}
     return {}
+def _gemma2_extra(w: gguf.GGUFWriter, hp: dict) -> None:
+    """Gemma2Model.set_gguf_parameters' own keys: the two soft-caps and the window. llama.cpp's gemma2 attends
+    with a window on every other layer from the first and scales queries by 1/sqrt(head_dim) (27B, 46 layers:
+    1/sqrt(hidden / heads)); a checkpoint that departs from either is refused rather than converted to a file
+    that computes something else."""
+    n_layers, heads = hp["num_hidden_layers"], hp["num_attention_heads"]
+    want = [("sliding_attention" if (i + 1) % 2 else "full_attention") for i in range(n_layers)]
+    if hp.get("layer_types") not in (None, want):
+        raise CheckpointError(f"layer_types {hp['layer_types']} in config.json: llama.cpp's gemma2 has a sliding "
+                              "window on every other layer from the first, and cannot express another pattern")
+    scalar = hp["query_pre_attn_scalar"]
+    expected = hp["hidden_size"] // heads if n_layers == 46 else hp["head_dim"]
+    if scalar != expected:
+        raise CheckpointError(f"query_pre_attn_scalar is {scalar} in config.json, but llama.cpp's gemma2 scales "
+                              f"queries by 1/sqrt({expected}) for this shape; not converted")
+    # transformers' None (no cap) is written as 0, which localllm reads as no cap; absent, llama.cpp would
+    # default to 50 and 30.
+    w.add_attn_logit_softcapping(hp.get("attn_logit_softcapping") or 0.0)
+    w.add_final_logit_softcapping(hp.get("final_logit_softcapping") or 0.0)
+    if hp.get("sliding_window") is None:
+        raise CheckpointError("sliding_window is null in config.json: llama.cpp's gemma2 always has a window")
+    w.add_sliding_window(hp["sliding_window"])
+
+
+def _smollm3_extra(w: gguf.GGUFWriter, hp: dict) -> None:
+    """LlamaModel's keys (SmolLM3Model is one); the NoPE layers are llama.cpp's fixed every-fourth, with no key,
+    so a checkpoint whose no_rope_layers differ (or that uses a sliding window or llama3 RoPE factors, which
+    llama.cpp's smollm3 does not read) is refused."""
+    _llama_extra(w, hp)
+    n = hp["num_hidden_layers"]
+    want = [int((i + 1) % 4 != 0) for i in range(n)]
+    layers = hp.get("no_rope_layers")
+    if layers is None:
+        layers = [int((i + 1) % hp.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+    if list(layers)[:n] != want:
+        raise CheckpointError(f"no_rope_layers {list(layers)} in config.json: llama.cpp's smollm3 leaves out RoPE on "
+                              "every fourth layer exactly (layers 3, 7, ...), and the GGUF format cannot say otherwise")
+    if hp.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window is true in config.json: llama.cpp's smollm3 has no sliding window")
+    rope_all = hp.get("rope_parameters") or {}
+    if str(rope_all.get("rope_type", "default")).lower() == "llama3":
+        raise CheckpointError("llama3 RoPE scaling in a SmolLM3 checkpoint: llama.cpp's smollm3 reads no "
+                              "frequency factors")
 
 
 _LLAMA_DEFAULTS = {"vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -202,6 +245,13 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "max_position_embeddings": 131072, "rm
 _PHI3_DEFAULTS = {"vocab_size": 32064, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None}
 
+_GEMMA2_DEFAULTS = {"vocab_size": 256000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                    "rope_theta": 10000.0, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+_SMOLLM3_DEFAULTS = {"vocab_size": 128256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                     "rope_theta": 2000000.0, "tie_word_embeddings": True, "no_rope_layer_interval": 4}
+
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(gguf.MODEL_ARCH.LLAMA, ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
              _LLAMA_DEFAULTS, undo_permute=True, extra_hparams=_llama_extra, vocab_kind=_llama_vocab_kind),
@@ -213,6 +263,10 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
              norm_shift=1.0, trim_vocab=True, extra_hparams=_gemma3_extra, vocab_kind=_spm_if_present),
     ArchSpec(gguf.MODEL_ARCH.PHI3, ("Phi3ForCausalLM",), _PHI3_DEFAULTS, own_hparams=_phi3_hparams,
              vocab_kind=_phi3_vocab_kind),
+    ArchSpec(gguf.MODEL_ARCH.GEMMA2, ("Gemma2ForCausalLM",), _GEMMA2_DEFAULTS, norm_shift=1.0,
+             extra_hparams=_gemma2_extra, vocab_kind=_spm_if_present),
+    ArchSpec(gguf.MODEL_ARCH.SMOLLM3, ("SmolLM3ForCausalLM",), _SMOLLM3_DEFAULTS, undo_permute=True,
+             extra_hparams=_smollm3_extra, vocab_kind=_llama_vocab_kind),
 )
 
 
@@ -236,7 +290,7 @@ def normalise_config(spec: ArchSpec, config: dict) -> dict:
             hp.setdefault(k, v)
     if "num_key_value_heads" not in hp and "num_attention_heads" in hp:
         hp["num_key_value_heads"] = hp["num_attention_heads"]
-    if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and "head_dim" not in hp:
+    if spec.gguf_arch in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3) and "head_dim" not in hp:
         hp["head_dim"] = hp["hidden_size"] // hp["num_attention_heads"]
     if "rope_parameters" not in hp:
         scaling = dict(hp.get("rope_scaling") or {})

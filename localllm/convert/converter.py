@@ -222,7 +222,7 @@ def _metadata_writer(plan: Plan, model_name: str | None) -> gguf.GGUFWriter:
     plan.vocab_summary = write_vocab(w, directory, hp, kind)
     if spec.gguf_arch == gguf.MODEL_ARCH.LLAMA and hp.get("vocab_size", 32000) == 49152:
         w.add_add_bos_token(False)  # llama.cpp's rule for Granite-small-sized vocabularies (SmolLM2 too)
-    if spec.gguf_arch == gguf.MODEL_ARCH.GEMMA3 and kind == "spm":
+    if spec.gguf_arch in (gguf.MODEL_ARCH.GEMMA3, gguf.MODEL_ARCH.GEMMA2) and kind == "spm":
         w.add_add_space_prefix(False)
     return w
 
