@@ -42,6 +42,9 @@ class ArchTraits:
     # The file may carry `rope_freqs.weight`, per-frequency divisors of RoPE's angles (Llama 3.1+'s "llama3"
     # scaling; llama.cpp loads the tensor for llama only).
     rope_freq_factors: bool = True
+    # The feed-forward block is a mixture of experts (qwen3moe): a router (ffn_gate_inp) picks expert_used_count of
+    # expert_count SwiGLU experts per token, stored stacked as GGUF's ffn_{gate,up,down}_exps tensors.
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ class ModelConfig:
     rope_base_swa: float | None = None  # the sliding-window layers' RoPE base, where it differs
     # YaRN (rope_scaling "yarn"): (original context, beta_fast, beta_slow, extrapolation mix, cos/sin scale).
     rope_yarn: tuple[float, float, float, float, float] | None = None
+    # Mixture of experts (traits.moe): experts per layer (0: a dense FFN), experts each token uses, each expert's
+    # FFN width, and whether the chosen experts' router weights are renormalised to sum to 1 (norm_topk_prob).
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = False
 
     def layer_rope_yarn(self, layer: int):
         return None if self.layer_is_sliding(layer) and self.rope_base_swa is not None else self.rope_yarn
@@ -141,6 +150,30 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
         rope_base_swa=(float(key("rope.freq_base_swa", traits.swa_rope_base)) if traits.swa_rope_base is not None
                        else None),
     )
+
+
+def expert_config(meta: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (ModelConfig's n_expert...), as llama.cpp reads them for qwen3moe:
+    expert_feed_forward_length defaults to feed_forward_length / expert_used_count, the weights of the chosen
+    experts are renormalised unless expert_weights_norm says false (llama.cpp always renormalises for qwen3moe; a
+    checkpoint with norm_topk_prob false converts to that key), and the router is a softmax (expert_gating_func 1,
+    or absent): another gating function is refused, not run as a softmax."""
+    arch = config.architecture
+    n_expert, n_used = int(meta[f"{arch}.expert_count"]), int(meta[f"{arch}.expert_used_count"])
+    if n_used > n_expert:
+        raise ModelFileError(f"{arch}.expert_used_count is {n_used}, more than the {n_expert} experts of "
+                             f"{arch}.expert_count")
+    n_ff_exp = meta.get(f"{arch}.expert_feed_forward_length")
+    n_ff_exp = int(n_ff_exp) if n_ff_exp is not None else config.n_ff // n_used
+    if n_ff_exp < 1:
+        raise ModelFileError(f"{arch}.feed_forward_length {config.n_ff} over {n_used} experts used leaves no expert "
+                             f"width, and {arch}.expert_feed_forward_length is absent")
+    gating = meta.get(f"{arch}.expert_gating_func", 1)
+    if gating != 1:
+        raise ModelFileError(f"{arch}.expert_gating_func is {gating}: localllm's {arch} routes by a softmax (1) only; "
+                             "refused rather than route the tokens otherwise")
+    return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp,
+            "expert_weights_norm": bool(meta.get(f"{arch}.expert_weights_norm", True))}
 
 
 # RoPE scalings localllm computes (rope.scaling.type); llama.cpp's default, when the key is absent, is linear.
