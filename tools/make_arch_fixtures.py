@@ -82,7 +82,15 @@ CASES = {
                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 4),
     "qwen3-untied": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False,
                                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 5),
+    # Qwen3-MoE: 8 experts of width 64 on every layer, top-2 with the two weights renormalised (norm_topk_prob),
+    # QK-norm, untied output.
+    "qwen3moe": ("Qwen3MoeForCausalLM", dict(head_dim=32, tie_word_embeddings=False, num_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 7),
 }
+# The MoE router's weights times this: transformers' std of 0.02 leaves the experts' logits within ~0.2 of each
+# other, so the top-2 would be near-ties that Q8_0's noise flips; sharper, each token's choice is clear.
+ROUTER_SCALE = 4.0
 
 
 def byte_vocab() -> list[str]:
@@ -138,6 +146,8 @@ def make_case(name: str) -> None:
             if not hasattr(model.model.layers[0].self_attn, "q_norm") and pname.endswith(("q_proj.weight",
                                                                                           "k_proj.weight")):
                 p.mul_(QK_SCALE)
+            if pname.endswith("mlp.gate.weight"):  # a mixture of experts' router
+                p.mul_(ROUTER_SCALE)
         if not config.tie_word_embeddings:
             model.lm_head.weight.mul_(torch.exp(ROW_SPREAD * torch.randn(config.vocab_size, 1, generator=gen)))
     model.generation_config.eos_token_id = None
