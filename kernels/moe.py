@@ -20,24 +20,22 @@ import numpy as np
 def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
     """(ids, weights) of each row's k chosen experts, best first: int64 and float32 (n, k). Ties go to the lower
     expert index; a NaN logit is never preferred to a number."""
-    logits = np.ascontiguousarray(logits, np.float64)
+    logits = np.asarray(logits).astype(np.float64)
     n, n_expert = logits.shape
     if not 1 <= k <= n_expert:
         raise ValueError(f"cannot choose {k} of {n_expert} experts")
-    order = np.argsort(-logits, axis=1, kind="stable")  # NaN sorts last
-    ids = np.ascontiguousarray(order[:, :k])
-    top = np.take_along_axis(logits, ids, axis=1)
-    best = top[:, :1]
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # NaN sorts last
+    top = logits[np.arange(n)[:, None], ids]
     with np.errstate(invalid="ignore", over="ignore"):
-        e = np.exp(top - best)
+        e = np.exp(top - top[:, :1])
         if normalize:
             total = e[:, 0].copy()
             for j in range(1, k):  # in rank order, as ggml_sum_rows over the k chosen
                 total += e[:, j]
         else:
-            total = np.exp(logits - best).sum(axis=1)
-        weights = e / total[:, None]
-    weights = np.nan_to_num(weights, nan=0.0).astype(np.float32)
+            total = np.exp(logits - top[:, :1]).sum(axis=1)
+        weights = (e / total[:, None]).astype(np.float32)
+    np.copyto(weights, 0.0, where=np.isnan(weights))
     return ids.astype(np.int64), weights
 
 

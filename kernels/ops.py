@@ -419,12 +419,18 @@ def moe_ffn(experts, x: np.ndarray, k: int, normalize: bool, kind: str, precise:
     flat_weights = weights.reshape(-1)
     d_out = experts.down[0].rows
     slots = np.empty((n * k, d_out), _F32)
-    for e, sel in _routing.by_expert(ids, experts.n_expert):
-        xs = x[sel // k]  # contiguous: the rows this expert serves
-        gate, up = experts.gate_up[e](xs, precise=precise)
-        y = matmul(experts.down[e], gated_activation(gate, up, kind), precise=precise)
-        y *= flat_weights[sel][:, None]
-        slots[sel] = y
+    if n == 1:  # decode: each chosen expert serves the one row (the same products as below, less numpy around them)
+        for j, e in enumerate(ids[0].tolist()):
+            gate, up = experts.gate_up[e](x, precise=precise)
+            y = matmul(experts.down[e], gated_activation(gate, up, kind), out=slots[j : j + 1], precise=precise)
+            y *= flat_weights[j]
+    else:
+        for e, sel in _routing.by_expert(ids, experts.n_expert):
+            xs = x[sel // k]  # contiguous: the rows this expert serves
+            gate, up = experts.gate_up[e](xs, precise=precise)
+            y = matmul(experts.down[e], gated_activation(gate, up, kind), precise=precise)
+            y *= flat_weights[sel][:, None]
+            slots[sel] = y
     slots = slots.reshape(n, k, d_out)
     out = slots[:, 0].copy()
     for j in range(1, k):
