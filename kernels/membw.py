@@ -29,6 +29,11 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5, threads: int | None =
     cache), split over the threads."""
     import numba
 
+    from localllm.kernels.cpu import runtime
+
+    # Before the first parallel region: OpenMP reads its wait policy when it starts, and GNU's default spin made
+    # every later per-kernel forward of the process (a mixture of experts' decode: 1.7 tok/s against 30) crawl.
+    runtime.configure()
     a = np.ones(megabytes * 2**20 // 4, np.float32)
     chunks = threads or numba.get_num_threads()
     _sum_chunks(a[: chunks * 1024], chunks)  # compile outside the timing

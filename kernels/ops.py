@@ -401,3 +401,45 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     view = a.view()
     view.flags.writeable = False
     return view
+
+
+def moe_ffn(experts, x: np.ndarray, k: int, normalize: bool, kind: str, precise: bool = False) -> np.ndarray:
+    """A mixture-of-experts FFN over x (n, d) (backends.base.Backend.moe_ffn; `experts` a backends.base.Experts
+    of this module's weights): the router's logits (kernels/cpu/moe.py), each row's k experts and weights
+    (kernels/moe.py route), then per chosen expert its rows gathered and put through gate/up (one WeightGroup
+    call), the activation and down once, each result times its weight into the row's slot; the slots summed in
+    rank order. Every step computes each row alone (the integer kernels' rows are batch invariant), so a row's
+    output is bitwise the same whatever else is in the batch."""
+    from localllm.kernels import moe as _routing
+    from localllm.kernels.cpu import moe as _moe
+
+    router = experts.cache.get("router")
+    if router is None:  # float32 once (converted files keep it so: then a view of the file, no copy)
+        w = experts.router
+        router = experts.cache["router"] = np.ascontiguousarray(w._dense if w._dense is not None else dequantize(w))
+    x = np.ascontiguousarray(x, dtype=_F32)
+    n = x.shape[0]
+    logits = np.empty((n, experts.n_expert), _F32)
+    _moe.router_logits(router, x, logits)
+    ids, weights = _routing.route(logits, k, normalize)
+    flat_weights = weights.reshape(-1)
+    d_out = experts.down[0].rows
+    slots = np.empty((n * k, d_out), _F32)
+    if n == 1:  # decode: each chosen expert serves the one row (the same products as below, less numpy around them)
+        for j, e in enumerate(ids[0].tolist()):
+            gate, up = experts.gate_up[e](x, precise=precise)
+            y = matmul(experts.down[e], gated_activation(gate, up, kind), out=slots[j : j + 1], precise=precise)
+            y *= flat_weights[j]
+    else:
+        for e, sel in _routing.by_expert(ids, experts.n_expert):
+            xs = x[sel // k]  # contiguous: the rows this expert serves
+            gate, up = experts.gate_up[e](xs, precise=precise)
+            y = matmul(experts.down[e], gated_activation(gate, up, kind), precise=precise)
+            y *= flat_weights[sel][:, None]
+            slots[sel] = y
+    slots = slots.reshape(n, k, d_out)
+    out = slots[:, 0].copy()
+    for j in range(1, k):
+        out += slots[:, j]
+    return out
+

@@ -88,3 +88,24 @@ def silu(x: np.ndarray) -> np.ndarray:
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     # ggml_gelu: the tanh approximation, as GeGLU models were trained with.
     return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * x * (1.0 + 0.044715 * x * x)))
+
+
+def moe_ffn(x: np.ndarray, router: np.ndarray, gates, ups, downs, k: int, normalize: bool,
+            kind: str = "silu") -> np.ndarray:
+    """A mixture-of-experts FFN as transformers' Qwen3MoeSparseMoeBlock computes it, in float64, token by token:
+    softmax over the router's logits (router (n_expert, d)), the k most probable experts, their probabilities
+    (renormalised to sum to 1 with `normalize`) weighting each chosen expert's act(x gate^T) * (x up^T) down^T.
+    gates/ups/downs: one float matrix per expert, (n_ff, d) and (d, n_ff). Returns (n, d)."""
+    act = silu if kind == "silu" else gelu_tanh
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(router, np.float64).T
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    out = np.zeros((x.shape[0], np.asarray(downs[0]).shape[0]))
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-p[t], kind="stable")[:k]
+        w = p[t, chosen] / (p[t, chosen].sum() if normalize else 1.0)
+        for e, we in zip(chosen, w):
+            h = act(np.asarray(gates[e], np.float64) @ x[t]) * (np.asarray(ups[e], np.float64) @ x[t])
+            out[t] += we * (np.asarray(downs[e], np.float64) @ h)
+    return out

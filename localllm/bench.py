@@ -91,9 +91,11 @@ def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> di
 
 def weight_bytes_per_token(engine) -> int:
     """Weight bytes a decode step reads: every matrix once, but only one row of the token embedding (unless it
-    doubles as the output head, which is read whole)."""
+    doubles as the output head, which is read whole), and of a mixture of experts' experts the share a token
+    uses (expert_used_count of expert_count per layer)."""
     model = engine.model
     total = sum(w.nbytes for w in model.weights()[2:])  # the layers' matrices
+    total -= model.unread_expert_bytes  # a mixture of experts reads only the chosen ones
     total += model.output.nbytes
     if model.output is not model.token_embd:
         total += model.token_embd.nbytes // model.token_embd.rows  # one row (either backend's weights)

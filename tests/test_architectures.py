@@ -199,6 +199,7 @@ FEATURE_OFF = {
     "gemma2": ("soft-cap", {"attn_logit_softcapping": None, "final_logit_softcapping": None}),
     # converted as llama, the same weights with RoPE on every layer
     "smollm3": ("NoPE", {"architectures": ["LlamaForCausalLM"]}),
+    "qwen3moe": ("weights renormalised", {"norm_topk_prob": False}),
 }
 FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scaling x4",
             "llama-yarn": "YaRN x4 from a context of 64",
@@ -206,7 +207,10 @@ FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scalin
             "phi3": "RoPE NeoX halves, base 10000, 24 of 32 dimensions, LongRoPE factors short 1..3 / long 1..24 "
                     "(long above a context of 512; using short), cos/sin x1.155; fused QKV; fused gate/up",
             "gemma2": "sliding window 48 on 1 of 2 layers; attention logit soft-cap 1; final logit soft-cap 16",
-            "smollm3": "no RoPE (NoPE) on 1 of 4 layers (every 4th)"}
+            "smollm3": "no RoPE (NoPE) on 1 of 4 layers (every 4th)",
+            "qwen3moe": "mixture of 8 experts, top-2 per token (expert width 64), weights renormalised"}
+# The CPU's fused forward has no mixture-of-experts block: those models run op by op (tested below).
+FUSED_CASES = [c for c in CASES if c != "qwen3moe"]
 
 
 def test_every_architecture_fixture_is_there():
@@ -302,7 +306,7 @@ def test_the_fixture_is_wrong_by_far_without_its_feature(case):
 
 # ---- every path: fused, paged, q8_0 KV, batched, speculative ----------------------------------------------
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", FUSED_CASES)
 def test_the_fused_forward_equals_the_per_kernel_path_bitwise_in_both_kv_layouts(case):
     from test_fused_forward import assert_bitwise, run
 
@@ -574,5 +578,180 @@ def test_convert_refuses_a_checkpoint_the_gguf_format_of_its_architecture_cannot
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(LocalLLMError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+# ---- a mixture of experts (qwen3moe) ------------------------------------------------------------------------
+
+def _steps_logits(engine: Engine, prompt: list[int], steps: list[list[int]], interleave: bool) -> list[np.ndarray]:
+    """Logits of every position of every step after `prompt` (test_fused_forward.run without the fused kernel);
+    `interleave`: a second sequence grows in turn, so both block tables fragment."""
+    engine.kv_pool = engine.model.new_pool(kv_type=engine.kv_type)
+    engine.kv_pool.budget_bytes = engine.ctx * engine.kv_pool.bytes_per_token
+    seq, other = engine.new_sequence(), engine.new_sequence()
+    outs = [engine.evaluate(seq, prompt, logit_positions=range(len(prompt)))]
+    if interleave:
+        engine.evaluate(other, prompt[::-1])
+    for tokens in steps:
+        outs.append(engine.evaluate(seq, tokens, logit_positions=range(len(tokens))))
+        if interleave:
+            engine.evaluate(other, tokens[:1])
+    assert seq.cache.contiguous == (not interleave)
+    seq.close()
+    other.close()
+    return outs
+
+
+def test_a_mixture_of_experts_runs_op_by_op_each_token_alike_in_any_chunk_and_kv_layout():
+    """No fused kernel for MoE; the op-by-op forward gives each token bitwise the logits whatever the chunk it is
+    evaluated in (decode steps, verify-sized ones, a whole prompt: its experts' rows grouped with other tokens'
+    or alone) and in both KV layouts."""
+    from test_fused_forward import assert_bitwise
+
+    engine = arch_engine("qwen3moe", "q8_0")
+    assert engine.model.fused is None and engine.config.n_expert == 8 and engine.config.n_expert_used == 2
+    prompt = reference("qwen3moe")["prompts"][1].tolist()
+    cuts = (0, 1, 4, 5, 13, 29, 66)
+    steps = [prompt[i:j] for i, j in zip(cuts, cuts[1:])]
+    contiguous = _steps_logits(engine, prompt[:70], steps, False)
+    assert_bitwise(_steps_logits(engine, prompt[:70], steps, True), contiguous)
+    whole = _steps_logits(engine, prompt[:70] + prompt[:66], [], False)[0]
+    assert np.array_equal(np.concatenate(contiguous[1:]).view(np.uint32), whole[70:].view(np.uint32))
+
+
+def test_decode_reads_only_the_chosen_experts_weights(monkeypatch):
+    """A decode step multiplies by 2 of the 8 experts of each layer (their gate, up and down), and bench counts
+    the weight bytes it reads so: the other 6/8 of the experts' bytes are not read."""
+    from localllm.bench import weight_bytes_per_token
+    from localllm.kernels import ops
+
+    engine = arch_engine("qwen3moe", "q8_0")
+    layers = engine.model.layers
+    experts = {id(w): (i, e) for i, L in enumerate(layers) for e, d in enumerate(L.experts.down) for w in (d,)}
+    used = []
+    matmul = ops.matmul
+    monkeypatch.setattr(ops, "matmul", lambda w, x, **kw: (used.append(experts.get(id(w))), matmul(w, x, **kw))[1])
+    seq = engine.new_sequence()
+    engine.evaluate(seq, reference("qwen3moe")["prompts"][0][:20].tolist())
+    used.clear()
+    engine.evaluate(seq, [5])
+    seq.close()
+    chosen = [u for u in used if u is not None]
+    assert sorted(i for i, _ in chosen) == [0, 0, 1, 1]  # two experts' down per layer, no other expert's
+    expert_bytes = sum(w.nbytes for L in layers for g in L.experts.gate_up for w in g.weights)
+    expert_bytes += sum(w.nbytes for L in layers for w in L.experts.down)
+    every = sum(w.nbytes for w in engine.model.weights()[2:]) + engine.model.output.nbytes \
+        + engine.model.token_embd.nbytes // engine.model.token_embd.rows
+    assert weight_bytes_per_token(engine) == every - expert_bytes * 6 // 8
+
+
+def test_show_lists_the_experts(capsys):
+    from localllm.cli import main
+
+    assert main(["show", str(converted("qwen3moe", "q8_0"))]) == 0
+    assert "mixture of 8 experts, top-2 per token (expert width 64), weights renormalised" in capsys.readouterr().out
+
+
+def _qwen3moe_meta() -> dict:
+    return dict(GGUFFile(converted("qwen3moe", "f32")).metadata)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3moe.expert_gating_func", 2, "qwen3moe.expert_gating_func is 2: localllm's qwen3moe routes by a softmax"),
+    ("qwen3moe.expert_used_count", 9, "qwen3moe.expert_used_count is 9, more than the 8 experts"),
+    ("qwen3moe.expert_weights_norm", 1.5, "qwen3moe.expert_weights_norm should be true or false"),
+    ("qwen3moe.expert_shared_count", 1, "the model sets qwen3moe.expert_shared_count = 1, which changes what the "
+                                        "model computes"),
+    ("qwen3moe.expert_weights_scale", 2.5, "the model has the key qwen3moe.expert_weights_scale (2.5), which "
+                                           "localllm does not know"),
+])
+def test_a_mixture_of_experts_key_localllm_does_not_compute_is_refused_naming_it(key, value, message):
+    from localllm.architectures import load_config
+    from localllm.errors import ModelFileError
+
+    meta = {**_qwen3moe_meta(), key: value}
+    with pytest.raises(ModelFileError) as e:
+        load_config(meta)
+    assert message in str(e.value)
+
+
+def test_a_missing_expert_count_is_refused_naming_the_key():
+    from localllm.architectures import load_config
+    from localllm.errors import ModelFileError
+
+    meta = _qwen3moe_meta()
+    del meta["qwen3moe.expert_count"]
+    with pytest.raises(ModelFileError, match="the model's metadata lacks 'qwen3moe.expert_count'"):
+        load_config(meta)
+
+
+def _fused_experts(src: Path, dst: Path) -> None:
+    """The checkpoint with its experts fused, mlp.experts.gate_up_proj (experts, 2 * n_ff, n_embd) and
+    mlp.experts.down_proj, as transformers 5 holds them in memory (it saves them per expert, as published
+    Qwen3-MoE checkpoints are)."""
+    import re
+
+    from convert_fixtures import write_safetensors
+    from localllm.convert.safetensors import SafetensorsFile
+
+    shutil.copytree(src, dst)
+    st = SafetensorsFile(dst / "model.safetensors")
+    out, experts = {}, {}
+    for name, e in st.tensors.items():
+        m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$", name)
+        if m:
+            experts.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)))] = st.read(e).reshape(e.shape)
+        else:
+            out[name] = st.read(e).reshape(e.shape)
+    for base, parts in experts.items():
+        n = len(parts) // 3
+        out[f"{base}.gate_up_proj"] = np.stack([np.concatenate([parts[("gate", x)], parts[("up", x)]])
+                                                for x in range(n)])
+        out[f"{base}.down_proj"] = np.stack([parts[("down", x)] for x in range(n)])
+    write_safetensors(dst / "model.safetensors", out)
+
+
+def test_per_expert_and_fused_expert_tensors_convert_to_the_same_stacked_tensors(tmp_path):
+    """Published checkpoints (and transformers' save_pretrained) store each expert's gate/up/down apart
+    (mlp.experts.E.gate_proj.weight); fused ones (mlp.experts.gate_up_proj) split: both become the same
+    blk.N.ffn_{gate,up,down}_exps tensors, in llama.cpp's order (down, gate, up)."""
+    from localllm.convert.converter import convert
+
+    _fused_experts(ARCH_DATA / "qwen3moe", tmp_path / "fused")
+    convert(tmp_path / "fused", tmp_path / "fused.gguf", "q8_0", progress=False)
+    ours, theirs = GGUFFile(tmp_path / "fused.gguf"), GGUFFile(converted("qwen3moe", "q8_0"))
+    names = [n for n in theirs.tensors if "_exps" in n]
+    assert names[:3] == ["blk.0.ffn_down_exps.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"]
+    assert len(names) == 6 and theirs.tensors["blk.0.ffn_gate_exps.weight"].shape == (8, 64, 64)
+    for name in names:
+        assert ours.tensors[name].shape == theirs.tensors[name].shape
+        assert np.array_equal(ours.raw(name), theirs.raw(name)), name
+
+
+def test_a_checkpoint_missing_an_experts_tensor_is_refused(tmp_path):
+    from convert_fixtures import write_safetensors
+    from localllm.convert.converter import convert
+    from localllm.convert.safetensors import SafetensorsFile
+    from localllm.errors import LocalLLMError
+
+    src = shutil.copytree(ARCH_DATA / "qwen3moe", tmp_path / "moe")
+    st = SafetensorsFile(src / "model.safetensors")
+    tensors = {n: st.read(e).reshape(e.shape) for n, e in st.tensors.items()
+               if n != "model.layers.1.mlp.experts.5.up_proj.weight"}
+    write_safetensors(src / "model.safetensors", tensors)
+    with pytest.raises(LocalLLMError, match="layer 1 has 23 of its 24 expert tensors"):
+        convert(src, tmp_path / "out.gguf", "f32", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_convert_refuses_a_qwen3moe_checkpoint_with_dense_layers(tmp_path):
+    from localllm.convert.converter import convert
+    from localllm.errors import LocalLLMError
+
+    src = shutil.copytree(ARCH_DATA / "qwen3moe", tmp_path / "moe")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [1]}))
+    with pytest.raises(LocalLLMError, match="mlp_only_layers"):
         convert(src, tmp_path / "out.gguf", "f32", progress=False)
     assert not (tmp_path / "out.gguf").exists()

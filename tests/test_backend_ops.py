@@ -1086,3 +1086,118 @@ def test_a_row_range_outside_the_tensor_is_refused_naming_it(where, rows):
     with pytest.raises(ValueError, match=rf"blk.0.ffn_up.weight: rows {rows[0]} to {rows[1]} are not within its "
                                          r"128 rows"):
         _backend(where).matrix(f, "blk.0.ffn_up.weight", rows=rows)
+
+
+# ---- mixture of experts: Backend.moe_ffn on both backends ------------------------------------------------------
+
+MOE_E, MOE_K, MOE_D, MOE_FF = 8, 2, 64, 96
+
+
+def _moe_backend(name: str, dev):
+    """The CPU backend, or the OpenCL backend on `dev` (the op tests' device)."""
+    if name == "cpu":
+        from localllm.backends.cpu import CpuBackend
+
+        return CpuBackend()
+    from localllm.backends.opencl import OpenCLBackend
+    from localllm.kernels.opencl.ops import Ops
+
+    b = OpenCLBackend.__new__(OpenCLBackend)  # on the module's device, not a new one
+    b.dev, b.ops, b.name, b._uploads = dev, Ops(dev), f"opencl:{dev.info.spec}", {}
+    return b
+
+
+def _moe_layer(backend, qtype: T, seed: int):
+    """(the backend's experts, the float matrices the reference takes): a float32 router whose logits are far
+    apart (the same top-2 on every path), and 8 experts' gate/up (96, 64) and down (64, 96) in `qtype`."""
+    from localllm.kernels.formats import row_range
+
+    rng = np.random.default_rng(seed)
+    router = (rng.standard_normal((MOE_E, MOE_D)) * 0.5).astype(np.float32)
+    stacked = {m: random_blocks(qtype, MOE_E * rows, cols, seed=seed + i, moderate_scales=True)
+               for i, (m, rows, cols) in enumerate((("gate", MOE_FF, MOE_D), ("up", MOE_FF, MOE_D),
+                                                    ("down", MOE_D, MOE_FF)))}
+    if backend.name == "cpu":
+        from localllm.kernels import ops as cpu_ops
+
+        def matrix(raw, q):
+            return cpu_ops.Weight(np.ascontiguousarray(raw), q)
+    else:
+        def matrix(raw, q):
+            return cl_formats.DeviceWeight(backend.dev, np.ascontiguousarray(raw), q)
+    rows = {"gate": MOE_FF, "up": MOE_FF, "down": MOE_D}
+    mats = {m: [matrix(row_range(raw, (e * rows[m], (e + 1) * rows[m])), qtype) for e in range(MOE_E)]
+            for m, raw in stacked.items()}
+    floats = {m: [reference.dequantize(row_range(raw, (e * rows[m], (e + 1) * rows[m])), qtype)
+                  for e in range(MOE_E)] for m, raw in stacked.items()}
+    experts = backend.experts(matrix(router.view(np.uint8), T.F32), mats["gate"], mats["up"], mats["down"])
+    return experts, (router, floats["gate"], floats["up"], floats["down"])
+
+
+def _moe_run(backend, experts, x: np.ndarray, normalize: bool) -> np.ndarray:
+    if backend.name == "cpu":
+        return backend.moe_ffn(x, experts, MOE_K, normalize, "silu")
+    return backend.to_host(backend.moe_ffn(backend.ops.to_device(x), experts, MOE_K, normalize, "silu"))
+
+
+# The CPU's integer kernels round each activation row to 8 bits per block (as llama.cpp): ~1e-5 measured; float
+# weights and the OpenCL kernels keep float32 activations: float32 rounding alone.
+MOE_NMSE = {("cpu", T.F32): 1e-10, ("cpu", T.Q8_0): 5e-4, ("cpu", T.Q4_0): 5e-4, ("opencl", T.F32): 1e-10,
+            ("opencl", T.Q8_0): 1e-10, ("opencl", T.Q4_0): 1e-10}
+MOE_CASES = pytest.mark.parametrize("qtype, normalize", [(T.F32, True), (T.Q8_0, True), (T.Q8_0, False),
+                                                         (T.Q4_0, True)], ids=lambda v: getattr(v, "name", str(v)))
+
+
+def _check_moe_against_the_reference(backend, qtype: T, normalize: bool) -> None:
+    experts, floats = _moe_layer(backend, qtype, seed=5)
+    x = np.random.default_rng(6).standard_normal((13, MOE_D)).astype(np.float32)
+    got = _moe_run(backend, experts, x, normalize)
+    want = reference.moe_ffn(x, *floats, MOE_K, normalize)
+    assert got.shape == (13, MOE_D)
+    assert nmse(got, want) < MOE_NMSE[(backend.name.split(":")[0], qtype)]
+
+
+@MOE_CASES
+def test_cpu_moe_ffn_matches_the_reference(qtype, normalize):
+    """Router softmax, top-2 of 8, optional renormalisation, each expert's SwiGLU weighted and summed: as
+    reference.moe_ffn (transformers' Qwen3MoeSparseMoeBlock in float64), for 13 tokens spread over the experts."""
+    _check_moe_against_the_reference(_moe_backend("cpu", None), qtype, normalize)
+
+
+@MOE_CASES
+def test_opencl_moe_ffn_matches_the_reference(dev, qtype, normalize):
+    _check_moe_against_the_reference(_moe_backend("opencl", dev), qtype, normalize)
+
+
+def _check_moe_batch_invariance(backend) -> None:
+    experts, _ = _moe_layer(backend, T.Q8_0, seed=7)
+    x = np.random.default_rng(8).standard_normal((13, MOE_D)).astype(np.float32)
+    together = _moe_run(backend, experts, x, True)
+    pair = _moe_run(backend, experts, x[3:5], True)
+    for i in range(13):
+        alone = _moe_run(backend, experts, x[i : i + 1], True)
+        assert np.array_equal(_bits(alone[0]), _bits(together[i]))
+    assert np.array_equal(_bits(pair), _bits(together[3:5]))
+
+
+def test_cpu_moe_ffn_gives_each_token_its_result_alone_bitwise():
+    """A token's experts see other tokens' rows beside its own (grouped by expert), yet its output is bitwise what
+    it gets alone, in a batch of 2 or of 13: batch invariance, as the other ops."""
+    _check_moe_batch_invariance(_moe_backend("cpu", None))
+
+
+def test_opencl_moe_ffn_gives_each_token_its_result_alone_bitwise(dev):
+    _check_moe_batch_invariance(_moe_backend("opencl", dev))
+
+
+def test_moe_routing_picks_the_k_largest_and_renormalises_in_rank_order():
+    from localllm.kernels import moe
+
+    logits = np.array([[0.0, 3.0, 1.0, 3.0], [2.0, -1.0, np.nan, 0.5]], np.float32)
+    ids, w = moe.route(logits, 2, True)
+    assert ids.tolist() == [[1, 3], [0, 3]]  # ties to the lower index; a NaN is never chosen over a number
+    np.testing.assert_allclose(w, [[0.5, 0.5], [1 / (1 + np.exp(-1.5)), 1 - 1 / (1 + np.exp(-1.5))]], rtol=1e-6)
+    _, p = moe.route(logits[:1], 2, False)
+    np.testing.assert_allclose(p, np.exp([[3.0, 3.0]]) / np.exp([0.0, 3.0, 1.0, 3.0]).sum(), rtol=1e-6)
+    groups = moe.by_expert(np.array([[1, 3], [0, 3]]), 4)
+    assert [(e, sel.tolist()) for e, sel in groups] == [(0, [2]), (1, [0]), (3, [1, 3])]

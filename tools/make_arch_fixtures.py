@@ -99,7 +99,15 @@ CASES = {
     # SmolLM3: 4 layers, the fourth without RoPE (NoPE), tied output.
     "smollm3": ("SmolLM3ForCausalLM", dict(LLAMA_HEADS, num_hidden_layers=4, tie_word_embeddings=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 8),
+    # Qwen3-MoE: 8 experts of width 64 on every layer, top-2 with the two weights renormalised (norm_topk_prob),
+    # QK-norm, untied output.
+    "qwen3moe": ("Qwen3MoeForCausalLM", dict(head_dim=32, tie_word_embeddings=False, num_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), 7),
 }
+# The MoE router's weights times this: transformers' std of 0.02 leaves the experts' logits within ~0.2 of each
+# other, so the top-2 would be near-ties that Q8_0's noise flips; sharper, each token's choice is clear.
+ROUTER_SCALE = 4.0
 
 # Phi-3 (Phi3ForCausalLM: Phi-3, Phi-3.5, Phi-4-mini): Q/K/V fused in qkv_proj and gate/up in gate_up_proj (always);
 # partial rotary (0.75: 24 of each head's 32 dimensions, as Phi-4-mini's 96 of 128); LongRoPE factors that differ
@@ -180,6 +188,8 @@ def make_case(name: str) -> None:
             if pname.endswith("qkv_proj.weight"):  # fused (phi3): its Q and K rows
                 head_dim = config.hidden_size // config.num_attention_heads
                 p[: (config.num_attention_heads + config.num_key_value_heads) * head_dim].mul_(QK_SCALE)
+            if pname.endswith("mlp.gate.weight"):  # a mixture of experts' router
+                p.mul_(ROUTER_SCALE)
         if name in EMBED_STD:
             model.model.embed_tokens.weight.mul_(EMBED_STD[name] / config.initializer_range)
         if not config.tie_word_embeddings:

@@ -242,3 +242,25 @@ kernel void argmax(global const float *x, global int *out, uint cols) {
     }
     if (lid == 0) out[r] = best_i[0] < 0 ? 0 : best_i[0];
 }
+
+// scale_rows_to(y, rows, w, out, d, count): out[rows[r], :] = y[r, :] * w[r] for the count = n * d values of y
+// (n, d): one expert's outputs, each times its router weight, into the slots (token * k + rank) of its tokens.
+kernel void scale_rows_to(global const float *y, global const int *rows, global const float *w, global float *out,
+                          uint d, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    uint r = i / d, j = i % d;
+    out[(ulong)(uint)rows[r] * d + j] = y[i] * w[r];
+}
+
+// sum_slots(slots, out, k, d, count): out[t, j] = slots[t, 0, j] + slots[t, 1, j] + ... over the k slots in
+// order (a token's experts best first, as ggml adds them), for the count = n * d values of out.
+kernel void sum_slots(global const float *slots, global float *out, uint k, uint d, uint count) {
+    uint i = get_global_id(0);
+    if (i >= count) return;
+    uint t = i / d, j = i % d;
+    global const float *s = slots + (ulong)t * k * d + j;
+    float acc = s[0];
+    for (uint m = 1; m < k; m++) acc += s[(ulong)m * d];
+    out[i] = acc;
+}

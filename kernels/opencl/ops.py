@@ -287,3 +287,30 @@ class Ops:
         return out
 
 
+
+    def scale_rows_to(self, y, rows, weights, out) -> None:
+        """out[rows[r]] = y[r] * weights[r] for each row r of y (n, d); rows and weights (n,) host or device
+        arrays (int32, float32); out (m, d), m > every row index."""
+        _check(y, "y", 2)
+        _check(out, "out", 2)
+        n, d = y.shape
+        if isinstance(rows, np.ndarray) and rows.size and (rows.min() < 0 or rows.max() >= out.shape[0]):
+            raise ValueError(f"rows must lie in [0, {out.shape[0]}), got {rows.min()}..{rows.max()}")
+        rows_d, w_d = self._input(rows, np.int32), self._input(weights, np.float32)
+        if out.shape[1] != d or rows_d.size != n or w_d.size != n:
+            raise ValueError(f"cannot scale {y.shape} by {w_d.size} weights into {rows_d.size} rows of {out.shape}")
+        if y.size:
+            self._kernel("scale_rows_to")(self.dev.queue, _groups(y.size), (256,), y.data, rows_d.data, w_d.data,
+                                          out.data, np.uint32(d), np.uint32(y.size))
+
+    def sum_slots(self, slots, k: int):
+        """(n, d): each row's k consecutive rows of slots (n * k, d) added in order."""
+        _check(slots, "slots", 2)
+        if k < 1 or slots.shape[0] % k:
+            raise ValueError(f"{slots.shape[0]} slot rows are not a whole number of groups of {k}")
+        n, d = slots.shape[0] // k, slots.shape[1]
+        out = self.empty((n, d))
+        if out.size:
+            self._kernel("sum_slots")(self.dev.queue, _groups(out.size), (256,), slots.data, out.data, np.uint32(k),
+                                      np.uint32(d), np.uint32(out.size))
+        return out

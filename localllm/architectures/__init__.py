@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from localllm.architectures import gemma2, gemma3, llama, phi3, qwen2, qwen3, smollm3, validate
+from localllm.architectures import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe, smollm3, validate
 from localllm.architectures.base import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "llama": llama,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "qwen3moe": qwen3moe,
     "gemma3": gemma3,
     "phi3": phi3,
     "gemma2": gemma2,
@@ -170,6 +171,9 @@ def features(config: ModelConfig, tensor_names) -> list[str]:
     if tr.post_norms:
         out.append("sandwich norms")
     out.append({"silu": "SwiGLU", "gelu_tanh": "GeGLU (tanh)"}[tr.activation])
+    if c.n_expert:
+        moe = f"mixture of {c.n_expert} experts, top-{c.n_expert_used} per token (expert width {c.n_ff_exp})"
+        out.append(moe + (", weights renormalised" if c.expert_weights_norm else ""))
     if tr.scale_embeddings:
         out.append("embeddings scaled by sqrt(n_embd)")
     sliding = sum(c.layer_is_sliding(i) for i in range(c.n_layers))

@@ -61,6 +61,9 @@ class ArchTraits:
     # Every `nope_interval`-th layer (layers il with (il + 1) % n == 0) attends without RoPE (SmolLM3: 4, fixed in
     # llama.cpp, no GGUF key). 0: RoPE on every layer.
     nope_interval: int = 0
+    # The feed-forward block is a mixture of experts (qwen3moe): a router (ffn_gate_inp) picks expert_used_count of
+    # expert_count SwiGLU experts per token, stored stacked as GGUF's ffn_{gate,up,down}_exps tensors.
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,12 @@ class ModelConfig:
     # Soft-caps (traits.soft_caps): attention scores and logits become tanh(s / cap) * cap; 0 = none.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Mixture of experts (traits.moe): experts per layer (0: a dense FFN), experts each token uses, each expert's
+    # FFN width, and whether the chosen experts' router weights are renormalised to sum to 1 (norm_topk_prob).
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = False
 
     def layer_uses_rope(self, layer: int) -> bool:
         # llama.cpp's smollm3: use_rope = (il + 1) % n_no_rope_layer_step != 0 (transformers' no_rope_layers).
@@ -182,6 +191,30 @@ def config_from_metadata(meta: dict[str, Any], traits: ArchTraits, *, attention_
         rope_base_swa=(float(key("rope.freq_base_swa", traits.swa_rope_base)) if traits.swa_rope_base is not None
                        else None),
     )
+
+
+def expert_config(meta: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (ModelConfig's n_expert...), as llama.cpp reads them for qwen3moe:
+    expert_feed_forward_length defaults to feed_forward_length / expert_used_count, the weights of the chosen
+    experts are renormalised unless expert_weights_norm says false (llama.cpp always renormalises for qwen3moe; a
+    checkpoint with norm_topk_prob false converts to that key), and the router is a softmax (expert_gating_func 1,
+    or absent): another gating function is refused, not run as a softmax."""
+    arch = config.architecture
+    n_expert, n_used = int(meta[f"{arch}.expert_count"]), int(meta[f"{arch}.expert_used_count"])
+    if n_used > n_expert:
+        raise ModelFileError(f"{arch}.expert_used_count is {n_used}, more than the {n_expert} experts of "
+                             f"{arch}.expert_count")
+    n_ff_exp = meta.get(f"{arch}.expert_feed_forward_length")
+    n_ff_exp = int(n_ff_exp) if n_ff_exp is not None else config.n_ff // n_used
+    if n_ff_exp < 1:
+        raise ModelFileError(f"{arch}.feed_forward_length {config.n_ff} over {n_used} experts used leaves no expert "
+                             f"width, and {arch}.expert_feed_forward_length is absent")
+    gating = meta.get(f"{arch}.expert_gating_func", 1)
+    if gating != 1:
+        raise ModelFileError(f"{arch}.expert_gating_func is {gating}: localllm's {arch} routes by a softmax (1) only; "
+                             "refused rather than route the tokens otherwise")
+    return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp,
+            "expert_weights_norm": bool(meta.get(f"{arch}.expert_weights_norm", True))}
 
 
 # RoPE scalings localllm computes (rope.scaling.type); llama.cpp's default, when the key is absent, is linear.

@@ -102,6 +102,9 @@ class LayerWeights:
     # Matrices that always read the same input, one backend call each group (on the CPU: x quantized once).
     qkv: Any = None
     gate_up: Any = None
+    # A mixture-of-experts layer (traits.moe): its router and experts as `Backend.experts` holds them; the dense
+    # ffn_gate/ffn_up/ffn_down are then None.
+    experts: Any = None
 
 
 def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
@@ -112,9 +115,9 @@ def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
     return g.raw(name).view(np.float32).reshape(length)
 
 
-def _matrix(backend: Backend, g: GGUFFile, name: str, rows: int, cols: int):
+def _matrix(backend: Backend, g: GGUFFile, name: str, rows: int, cols: int, part: tuple[int, int] | None = None):
     try:
-        w = backend.matrix(g, name)
+        w = backend.matrix(g, name) if part is None else backend.matrix(g, name, rows=part)
     except ModelFileError as e:
         if str(g.path) in str(e):
             raise
@@ -122,6 +125,11 @@ def _matrix(backend: Backend, g: GGUFFile, name: str, rows: int, cols: int):
     if (w.rows, w.cols) != (rows, cols):
         raise ModelFileError(f"{g.path}: tensor {name!r} has shape ({w.rows}, {w.cols}), expected ({rows}, {cols})")
     return w
+
+
+def _members(group) -> list:
+    """The matrices of a `Backend.group` (the CPU's WeightGroup, or a tuple)."""
+    return list(getattr(group, "weights", group))
 
 
 class Transformer:
@@ -135,8 +143,8 @@ class Transformer:
         self.backend = b = backend or backends.get()
         tr = c.traits
 
-        def _matrix_of(name, rows, cols):
-            return _matrix(b, g, name, rows, cols)
+        def _matrix_of(name, rows, cols, part=None):
+            return _matrix(b, g, name, rows, cols, part)
 
         def _vector_of(name, length):
             return b.vector(_vector(g, name, length))
@@ -172,6 +180,18 @@ class Transformer:
         def optional_vector(name: str, length: int):
             return _vector_of(name, length) if name in g.tensors else None
 
+        def experts_of(p):
+            """The layer's experts, each a row range of the stacked tensors (expert e: rows e*n to (e+1)*n)."""
+            f, e = c.n_ff_exp, c.n_embd
+            mats = {m: [_matrix_of(f"{p}ffn_{m}_exps.weight", *shape, part=(j * shape[0], (j + 1) * shape[0]))
+                        for j in range(c.n_expert)]
+                    for m, shape in (("gate", (f, e)), ("up", (f, e)), ("down", (e, f)))}
+            return b.experts(_matrix_of(p + "ffn_gate_inp.weight", c.n_expert, e), mats["gate"], mats["up"],
+                             mats["down"])
+
+        def dense(name, rows, cols):
+            return None if c.n_expert else _matrix_of(name, rows, cols)
+
         self.layers = []
         for i in range(c.n_layers):
             p = f"blk.{i}."
@@ -183,7 +203,9 @@ class Transformer:
                 wq, wk, wv = (_matrix_of(p + "attn_q.weight", q_dim, c.n_embd),
                               _matrix_of(p + "attn_k.weight", kv_dim, c.n_embd),
                               _matrix_of(p + "attn_v.weight", v_dim, c.n_embd))
-            if tr.fused_gate_up:
+            if c.n_expert:  # a mixture of experts (below) instead of the dense FFN
+                ffn_gate = ffn_up = None
+            elif tr.fused_gate_up:
                 ffn_gate, ffn_up = parts(p + "ffn_up.weight", [c.n_ff, c.n_ff])
             else:
                 ffn_gate = _matrix_of(p + "ffn_gate.weight", c.n_ff, c.n_embd)
@@ -197,7 +219,7 @@ class Transformer:
                 ffn_norm=_vector_of(p + "ffn_norm.weight", c.n_embd),
                 ffn_gate=ffn_gate,
                 ffn_up=ffn_up,
-                ffn_down=_matrix_of(p + "ffn_down.weight", c.n_embd, c.n_ff),
+                ffn_down=dense(p + "ffn_down.weight", c.n_embd, c.n_ff),
                 bq=optional_vector(p + "attn_q.bias", q_dim),
                 bk=optional_vector(p + "attn_k.bias", kv_dim),
                 bv=optional_vector(p + "attn_v.bias", v_dim),
@@ -209,7 +231,10 @@ class Transformer:
                 layer.attn_post_norm = _vector_of(p + "post_attention_norm.weight", c.n_embd)
                 layer.ffn_post_norm = _vector_of(p + "post_ffw_norm.weight", c.n_embd)
             layer.qkv = b.group([layer.wq, layer.wk, layer.wv])
-            layer.gate_up = b.group([layer.ffn_gate, layer.ffn_up])
+            if c.n_expert:
+                layer.experts = experts_of(p)
+            else:
+                layer.gate_up = b.group([layer.ffn_gate, layer.ffn_up])
             self.layers.append(layer)
 
         self._rope = {}
@@ -229,7 +254,10 @@ class Transformer:
         # The backend's override of the same forward for one sequence (decode, speculative verify, prompt
         # chunks), called as fused(tokens, cache, output_rows) -> logits: on the CPU one compiled call per step,
         # bitwise the op-by-op forward's logits. None or `.available` False: the op-by-op forward.
-        self.fused = b.whole_forward(self)
+        #
+        # Not for a mixture of experts: the CPU's fused kernel has no MoE block (routing, per-expert row groups), so
+        # such a model runs op by op on every backend.
+        self.fused = None if c.n_expert else b.whole_forward(self)
 
     @property
     def fused_available(self) -> bool:
@@ -239,15 +267,30 @@ class Transformer:
         """Every weight matrix (for kernel warm-up and accounting)."""
         mats = [self.token_embd, self.output]
         for L in self.layers:
-            mats += [L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down]
+            mats += [L.wq, L.wk, L.wv, L.wo]
+            if L.experts is not None:
+                mats += [L.experts.router, *(w for g in L.experts.gate_up for w in _members(g)), *L.experts.down]
+            else:
+                mats += [L.ffn_gate, L.ffn_up, L.ffn_down]
         return mats
+
+    @property
+    def unread_expert_bytes(self) -> int:
+        """Bytes of expert weights a decode step does not read, on average: each layer reads n_expert_used of
+        n_expert experts (0 for a dense model)."""
+        c = self.config
+        if not c.n_expert:
+            return 0
+        total = sum(w.nbytes for L in self.layers for g in L.experts.gate_up for w in _members(g))
+        total += sum(w.nbytes for L in self.layers for w in L.experts.down)
+        return total * (c.n_expert - c.n_expert_used) // c.n_expert
 
     def warm_up_calls(self, kv_type: str) -> list:
         """(label, thunk) compiling the fused forward for this KV type (one compile serves every model), or, for a
         backend without one, its remaining kernels (norms, RoPE, attention...) by a decode step and a 9-token
         step (the tiled products' path; labelled with the backend and the weights' formats)."""
         if not self.fused_available:
-            if self.backend.name == "cpu":
+            if self.backend.name == "cpu" and not self.config.n_expert:
                 return []  # the CPU's op-by-op kernels are its warm_up_calls' (Numba compiles each once)
 
             def steps():
@@ -383,13 +426,19 @@ class Transformer:
             x = b.add(x, o)
 
             h = b.rms_norm(x, L.ffn_norm, c.rms_eps)
-            if observe is not None:
-                observe(_distinct(self.matmul_names[i][4:6]), b.to_host(h))
-            gate, up = b.group_matmul(L.gate_up, h, precise=precise)
-            act = b.gated_activation(gate, up, tr.activation)
-            if observe is not None:
-                observe(self.matmul_names[i][6:], b.to_host(act))
-            d = b.matmul(L.ffn_down, act, precise=precise)
+            if L.experts is not None:
+                # The router sees h; the experts' inputs (each its own rows) are not observed.
+                if observe is not None:
+                    observe((f"blk.{i}.ffn_gate_inp.weight",), b.to_host(h))
+                d = b.moe_ffn(h, L.experts, c.n_expert_used, c.expert_weights_norm, tr.activation, precise=precise)
+            else:
+                if observe is not None:
+                    observe(_distinct(self.matmul_names[i][4:6]), b.to_host(h))
+                gate, up = b.group_matmul(L.gate_up, h, precise=precise)
+                act = b.gated_activation(gate, up, tr.activation)
+                if observe is not None:
+                    observe(self.matmul_names[i][6:], b.to_host(act))
+                d = b.matmul(L.ffn_down, act, precise=precise)
             if tr.post_norms:
                 d = b.rms_norm(d, L.ffn_post_norm, c.rms_eps)
             x = b.add(x, d)

@@ -58,6 +58,20 @@ HYPERPARAMETERS: dict[str, tuple[str, bool, float | None]] = {
     "rope.scaling.attn_factor": ("float", False, 0.0),
 }
 
+# Hyperparameters only some architectures read (a mixture of experts' counts...), checked as HYPERPARAMETERS are;
+# "bool": true or false. In any other architecture the same keys stay refused (NEUTRAL): run without its experts,
+# a model would answer wrongly.
+ARCH_HYPERPARAMETERS: dict[str, dict[str, tuple[str, bool, float | None]]] = {
+    "qwen3moe": {"expert_count": ("int", True, 1), "expert_used_count": ("int", True, 1),
+                 "expert_feed_forward_length": ("int", False, 1), "expert_weights_norm": ("bool", False, None),
+                 "expert_gating_func": ("int", False, 0)},
+}
+
+
+def _hyperparameters(arch: str) -> dict[str, tuple[str, bool, float | None]]:
+    return {**HYPERPARAMETERS, **ARCH_HYPERPARAMETERS.get(arch, {})}
+
+
 # Keys under "{arch}." that change nothing localllm computes: informational, or read by llama.cpp only for
 # options localllm does not have (pooling for embeddings; rope.scaling.finetuned).
 INFORMATIONAL = frozenset({"tensor_data_layout", "rope.scaling.finetuned", "pooling_type"})
@@ -107,7 +121,7 @@ def check_metadata(meta: dict[str, Any]) -> None:
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is not None and not _is_string_list(tokens):
         raise ModelFileError(f"tokenizer.ggml.tokens should be an array of strings, is {_describe(tokens)}")
-    for suffix, (kind, required, minimum) in HYPERPARAMETERS.items():
+    for suffix, (kind, required, minimum) in _hyperparameters(arch).items():
         key = f"{arch}.{suffix}"
         if key not in meta:
             if required:
@@ -117,6 +131,9 @@ def check_metadata(meta: dict[str, Any]) -> None:
         if kind == "str":
             if not isinstance(value, str):
                 raise ModelFileError(f"{key} should be a string, is {_describe(value)}")
+        elif kind == "bool":
+            if not isinstance(value, (bool, np.bool_)):
+                raise ModelFileError(f"{key} should be true or false, is {_describe(value)}")
         elif kind == "int":
             if not _is_int(value):
                 hint = " (per-layer values are not supported)" if isinstance(value, (list, np.ndarray)) else ""
@@ -149,7 +166,7 @@ def check_known_keys(meta: dict[str, Any], arch: str, traits=None) -> None:
         if not key.startswith(prefix):
             continue
         suffix = key[len(prefix):]
-        if suffix in HYPERPARAMETERS or suffix in INFORMATIONAL or suffix in understood:
+        if suffix in _hyperparameters(arch) or suffix in INFORMATIONAL or suffix in understood:
             continue
         if suffix in NEUTRAL:
             neutral = NEUTRAL[suffix]
@@ -205,6 +222,9 @@ def check_config(config: ModelConfig, meta: dict[str, Any]) -> None:
         raise ModelFileError(f"the attention scale is {c.attention_scale}; the head sizes are wrong")
     if c.sliding_window < 0:
         raise ModelFileError(f"{key('attention.sliding_window')} is {c.sliding_window}; it must be >= 0")
+    if c.traits.moe and not 1 <= c.n_expert_used <= c.n_expert:
+        raise ModelFileError(f"{key('expert_used_count')} is {c.n_expert_used} of {c.n_expert} experts; it must be "
+                             "between 1 and the expert count")
 
 
 def expected_tensors(c: ModelConfig, names=frozenset()) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
@@ -240,12 +260,18 @@ def expected_tensors(c: ModelConfig, names=frozenset()) -> Iterator[tuple[str, t
             *qkv,
             (p + "attn_output.weight", (c.n_embd, c.n_head * c.value_dim), "matrix", True),
             (p + "ffn_norm.weight", (c.n_embd,), "vector", True),
-            *gate_up,
-            (p + "ffn_down.weight", (c.n_embd, c.n_ff), "matrix", True),
             (p + "attn_q.bias", (q_dim,), "vector", False),
             (p + "attn_k.bias", (kv_dim,), "vector", False),
             (p + "attn_v.bias", (v_dim,), "vector", False),
         )
+        if c.n_expert:  # the router, and the experts stacked (expert, rows, cols)
+            yield p + "ffn_gate_inp.weight", (c.n_expert, c.n_embd), "matrix", True
+            yield p + "ffn_gate_exps.weight", (c.n_expert, c.n_ff_exp, c.n_embd), "matrix", True
+            yield p + "ffn_up_exps.weight", (c.n_expert, c.n_ff_exp, c.n_embd), "matrix", True
+            yield p + "ffn_down_exps.weight", (c.n_expert, c.n_embd, c.n_ff_exp), "matrix", True
+        else:
+            yield from gate_up
+            yield p + "ffn_down.weight", (c.n_embd, c.n_ff), "matrix", True
         if tr.qk_norm:
             yield p + "attn_q_norm.weight", (c.head_dim,), "vector", True
             yield p + "attn_k_norm.weight", (c.head_dim,), "vector", True

@@ -17,6 +17,7 @@ Conventions every backend keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -85,6 +86,20 @@ class Backend(ABC):
     def gated_activation(self, gate: Tensor, up: Tensor, kind: str) -> Tensor:
         """act(gate) * up; kind "silu" or "gelu_tanh"."""
 
+    def experts(self, router: Matrix, gate: Sequence[Matrix], up: Sequence[Matrix], down: Sequence[Matrix]) -> Any:
+        """One layer's mixture of experts for `moe_ffn`: the router (n_expert, n_embd) and each expert's gate and
+        up (n_ff_exp, n_embd) and down (n_embd, n_ff_exp) matrices (`matrix` with `rows`: one expert of a stacked
+        tensor each)."""
+        return Experts(router, [self.group([g, u]) for g, u in zip(gate, up)], list(down))
+
+    @abstractmethod
+    def moe_ffn(self, x: Tensor, experts, n_used: int, normalize: bool, kind: str, precise: bool = False) -> Tensor:
+        """A mixture-of-experts FFN (kernels/reference.py moe_ffn): per row, the router's softmax, its `n_used`
+        most probable experts (kernels/moe.py route: weights renormalised with `normalize`), and the sum, in that
+        order, of their act(gate) * up products through down, each times its weight. The rows are grouped by
+        expert, so each chosen expert's weights stream once per call whatever the number of rows, and the
+        experts no row chose are not read (decode reads n_used of them per layer). (n, n_embd)."""
+
     @abstractmethod
     def reshape(self, x: Tensor, shape: tuple[int, ...]) -> Tensor:
         """A view of x with another shape (same elements, same order)."""
@@ -142,6 +157,21 @@ class Backend(ABC):
         """(label, thunk) pairs compiling and warming the kernels these weights need (`prepare()` runs them
         with progress: localllm/warmup.py); `kv_type`: only that KV cache type's kernels (None: every type)."""
         return []
+
+
+@dataclass
+class Experts:
+    """A layer's mixture of experts as `Backend.experts` holds it: the router, per expert its gate/up group
+    (`Backend.group`) and its down matrix."""
+    router: Matrix
+    gate_up: list
+    down: list
+    # Whatever the backend derives once from them (the CPU: the router as float32 for its row-invariant kernel).
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def n_expert(self) -> int:
+        return len(self.down)
 
 
 class KVStorage(ABC):

@@ -61,6 +61,9 @@ class CpuBackend(Backend):
     def gated_activation(self, gate, up, kind):
         return ops.gated_activation(gate, up, kind)
 
+    def moe_ffn(self, x, experts, n_used, normalize, kind, precise=False):
+        return ops.moe_ffn(experts, x, n_used, normalize, kind, precise=precise)
+
     def reshape(self, x, shape):
         return x.reshape(shape)
 

@@ -171,6 +171,23 @@ class OpenCLBackend(Backend):
     def gated_activation(self, gate, up, kind):
         return self.ops.gated_activation(gate, up, kind)
 
+    def moe_ffn(self, x, experts, n_used, normalize, kind, precise=False):
+        """The router's logits come to the host (n x n_expert floats) for the routing (kernels/moe.py); the rows
+        are gathered, multiplied and scattered on the device, one expert at a time."""
+        from localllm.kernels import moe as routing
+
+        ops = self.ops
+        n, k = x.shape[0], n_used
+        ids, weights = routing.route(ops.to_host(ops.matmul(experts.router, x)), k, normalize)
+        flat_weights = weights.reshape(-1)
+        slots = ops.empty((n * k, experts.down[0].rows))
+        for e, sel in routing.by_expert(ids, experts.n_expert):
+            xs = ops.gather_rows(x, (sel // k).astype(np.int32))
+            gate, up = (ops.matmul(w, xs) for w in experts.gate_up[e])
+            y = ops.matmul(experts.down[e], ops.gated_activation(gate, up, kind))
+            ops.scale_rows_to(y, sel.astype(np.int32), flat_weights[sel], slots)
+        return ops.sum_slots(slots, k)
+
     def reshape(self, x, shape):
         return x.reshape(shape)
 

@@ -36,6 +36,7 @@ class ArchSpec:
     # An architecture whose set_gguf_parameters replaces TextModel's (phi3): writes every hyperparameter itself,
     # (writer, hparams, file_type), instead of write_hparams' shared keys and extra_hparams.
     own_hparams: Callable[[gguf.GGUFWriter, dict, int], None] | None = None
+    moe: bool = False  # a mixture of experts: expert keys written, experts stacked (converter._ExpertStacker)
 
 
 def _llama_vocab_kind(directory: Path, hp: dict) -> str:
@@ -83,6 +84,23 @@ def _qwen_extra(w: gguf.GGUFWriter, hp: dict) -> None:
     if hp.get("use_sliding_window"):
         raise CheckpointError("use_sliding_window is true in config.json: a per-layer sliding window that the GGUF "
                               "format of this architecture cannot express; not converted")
+
+
+def _qwen3moe_extra(w: gguf.GGUFWriter, hp: dict) -> None:
+    """Qwen2MoeModel.set_gguf_parameters' keys, and what the GGUF format of qwen3moe cannot say refused."""
+    _qwen_extra(w, hp)
+    if hp.get("mlp_only_layers") or hp.get("decoder_sparse_step", 1) != 1:
+        raise CheckpointError("config.json makes some layers dense (mlp_only_layers, decoder_sparse_step): qwen3moe "
+                              "in GGUF has experts on every layer; not converted")
+    if (n := hp.get("moe_intermediate_size")) is not None:
+        w.add_expert_feed_forward_length(n)
+    if (n := hp.get("shared_expert_intermediate_size")) is not None:
+        raise CheckpointError("config.json has a shared expert (shared_expert_intermediate_size), which qwen3moe "
+                              "does not; not converted")
+    # llama.cpp's qwen3moe always renormalises the chosen experts' weights (its converter ignores norm_topk_prob).
+    # A checkpoint that does not gets expert_weights_norm = false, which localllm honours (llama.cpp would not).
+    if not hp.get("norm_topk_prob", False):
+        w.add_expert_weights_norm(False)
 
 
 def _gemma3_extra(w: gguf.GGUFWriter, hp: dict) -> None:
@@ -238,6 +256,13 @@ _QWEN2_DEFAULTS = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_
                    "rope_theta": 10000.0, "tie_word_embeddings": False}
 _QWEN3_DEFAULTS = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                    "rope_theta": 10000.0, "tie_word_embeddings": False, "head_dim": 128}
+# Qwen3MoeConfig's defaults (transformers 5): norm_topk_prob is false unless config.json says otherwise; no head_dim
+# (the attention then takes hidden / heads).
+# The expert count has no default here: transformers 5 writes it as num_local_experts, published configs as
+# num_experts (llama.cpp reads either, in that order).
+_QWEN3MOE_DEFAULTS = {**_QWEN2_DEFAULTS, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                      "mlp_only_layers": []}
 _GEMMA3_DEFAULTS = {"vocab_size": 262208, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
@@ -259,6 +284,8 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
              vocab_kind=_spm_if_present),
     ArchSpec(gguf.MODEL_ARCH.QWEN3, ("Qwen3ForCausalLM",), _QWEN3_DEFAULTS, extra_hparams=_qwen_extra,
              vocab_kind=_spm_if_present),
+    ArchSpec(gguf.MODEL_ARCH.QWEN3MOE, ("Qwen3MoeForCausalLM",), _QWEN3MOE_DEFAULTS, extra_hparams=_qwen3moe_extra,
+             vocab_kind=_spm_if_present, moe=True),
     ArchSpec(gguf.MODEL_ARCH.GEMMA3, ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _GEMMA3_DEFAULTS,
              norm_shift=1.0, trim_vocab=True, extra_hparams=_gemma3_extra, vocab_kind=_spm_if_present),
     ArchSpec(gguf.MODEL_ARCH.PHI3, ("Phi3ForCausalLM",), _PHI3_DEFAULTS, own_hparams=_phi3_hparams,
@@ -367,8 +394,12 @@ def write_hparams(w: gguf.GGUFWriter, spec: ArchSpec, hp: dict, file_type: int) 
         w.add_layer_norm_rms_eps(eps)
     if (eps := _find(hp, ["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"])) is not None:
         w.add_layer_norm_eps(eps)
-    if _find(hp, ["num_local_experts", "num_experts", "n_routed_experts"]) is not None:
-        raise CheckpointError("mixture-of-experts checkpoints are not converted")
+    if (n := _find(hp, ["num_local_experts", "num_experts", "n_routed_experts"])) is not None:
+        if not spec.moe:
+            raise CheckpointError("mixture-of-experts checkpoints are not converted")
+        w.add_expert_count(n)
+    if spec.moe and (n := _find(hp, ["num_experts_per_tok", "num_experts_per_token", "top_k_experts"])) is not None:
+        w.add_expert_used_count(n)
     if (head_dim := hp.get("head_dim")) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

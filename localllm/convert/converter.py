@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,11 @@ class PlannedTensor:
     qtype: Q
     nbytes: int
     bid: int | None
+    # A mixture of experts' stacked tensor: the per-expert source tensors stacked on a new first axis (source is
+    # then the first of them), and/or only rows lo..hi of the source's second-to-last axis (one half of a fused
+    # gate_up_proj).
+    parts: tuple[TensorEntry, ...] = ()
+    rows: tuple[int, int] | None = None
 
 
 @dataclass
@@ -93,6 +99,13 @@ def _hf_name(name: str) -> str | None:
 def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
+
+
+def _matrix_type(name: str, shape: tuple[int, ...], t: Q) -> Q:
+    if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
+        log.warning("%s: row of %d is not a multiple of the %s block, written as F16", name, shape[-1], t.name)
+        return Q.F16  # convert_hf_to_gguf.py's QuantError fallback
+    return t
 
 
 def source_type(ckpt: Checkpoint) -> str:
@@ -129,6 +142,7 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
             # generate_extra_tensors comes first in convert_hf_to_gguf.py's tensor order
             planned.append(PlannedTensor(None, gen_name.removesuffix(".weight"), gen_name, values.shape, Q.F32,
                                          values.nbytes, None))
+        experts = _ExpertStacker(hp, n_layers) if spec.moe else None
         for src_name, entry in ckpt.tensors.items():
             name = _hf_name(src_name)
             if name is None or name.endswith(_SKIP_SUFFIXES):
@@ -136,6 +150,15 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
             bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
             if bid is not None and bid >= n_layers:
                 raise CheckpointError(f"tensor {src_name!r} is for layer {bid}, but config.json has {n_layers} layers")
+            if experts is not None:
+                stacked = experts.take(name, entry)
+                if stacked is not None:  # an expert's tensor: its layer's stacked tensors come when it is complete
+                    for hf_name, parts, shape, rows in stacked:
+                        _, new_name = tmap.get_type_and_name(hf_name, try_suffixes=(".weight",))
+                        t = _matrix_type(new_name, shape, qtype)
+                        planned.append(PlannedTensor(parts[0], hf_name, new_name, shape, t, _nbytes(shape, t), bid,
+                                                     parts=parts if len(parts) > 1 else (), rows=rows))
+                    continue
             mapped = tmap.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
             if mapped is None:
                 raise CheckpointError(f"cannot map tensor {src_name!r} to a GGUF name for "
@@ -148,11 +171,10 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
             if len(shape) <= 1 or new_name.endswith("_norm.weight") or kind in _F32_ALWAYS \
                     or new_name[-7:] not in (".weight", ".lora_a", ".lora_b"):
                 t = Q.F32
-            if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
-                log.warning("%s: row of %d is not a multiple of the %s block, written as F16", new_name, shape[-1],
-                            t.name)
-                t = Q.F16  # convert_hf_to_gguf.py's QuantError fallback
+            t = _matrix_type(new_name, shape, t)
             planned.append(PlannedTensor(entry, name, new_name, shape, t, _nbytes(shape, t), bid))
+        if experts is not None:
+            experts.check_complete()
         names = [p.name for p in planned]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -163,6 +185,66 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
     except BaseException:
         ckpt.close()
         raise
+
+
+class _ExpertStacker:
+    """A mixture of experts' tensors, as Qwen2MoeModel.modify_tensors (convert_hf_to_gguf.py) takes them:
+    per-expert ones (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight, as published checkpoints store them)
+    are stacked per layer once the layer's last one is seen, down, gate, up; transformers 5's fused ones
+    (mlp.experts.gate_up_proj (experts, 2 * n_ff, n_embd), mlp.experts.down_proj) are split into gate and up or
+    renamed. `take` returns the stacked tensors to plan now, [] while a layer is incomplete, None for any other
+    tensor."""
+
+    _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
+
+    def __init__(self, hp: dict, n_layers: int):
+        self.n_expert = next((hp[k] for k in ("num_local_experts", "num_experts") if k in hp), None)
+        if not isinstance(self.n_expert, int) or self.n_expert < 1:
+            raise CheckpointError("config.json has no num_experts for this mixture-of-experts model")
+        self.pending: dict[int, dict[tuple[str, int], TensorEntry]] = {}
+
+    def take(self, name: str, entry: TensorEntry):
+        if (m := self._FUSED.match(name)) is not None:
+            bid, which = int(m.group(1)), m.group(2)
+            base = f"model.layers.{bid}.mlp.experts"
+            if len(entry.shape) != 3 or entry.shape[0] != self.n_expert:
+                raise CheckpointError(f"tensor {name!r} has shape {entry.shape}; expected ({self.n_expert}, rows, "
+                                      "cols): one matrix per expert")
+            if which == "down_proj":
+                return [(f"{base}.down_proj.weight", (entry,), entry.shape, None)]
+            e, rows, cols = entry.shape
+            if rows % 2:
+                raise CheckpointError(f"tensor {name!r} has shape {entry.shape}: an odd gate_up_proj")
+            half = rows // 2
+            return [(f"{base}.gate_proj.weight", (entry,), (e, half, cols), (0, half)),
+                    (f"{base}.up_proj.weight", (entry,), (e, half, cols), (half, rows))]
+        m = self._PER_EXPERT.match(name)
+        if m is None:
+            return None
+        bid, xid, which = int(m.group(1)), int(m.group(2)), m.group(3)
+        if xid >= self.n_expert:
+            raise CheckpointError(f"tensor {name!r} is for expert {xid}, but config.json has {self.n_expert} experts")
+        layer = self.pending.setdefault(bid, {})
+        layer[(which, xid)] = entry
+        if len(layer) < 3 * self.n_expert:
+            return []
+        del self.pending[bid]
+        out = []
+        for which in ("down_proj", "gate_proj", "up_proj"):
+            parts = tuple(layer[(which, x)] for x in range(self.n_expert))
+            if len({p.shape for p in parts}) != 1 or len(parts[0].shape) != 2:
+                raise CheckpointError(f"layer {bid}'s experts' {which} tensors differ in shape or are not matrices")
+            out.append((f"model.layers.{bid}.mlp.experts.{which}.weight", parts, (self.n_expert, *parts[0].shape),
+                        None))
+        return out
+
+    def check_complete(self) -> None:
+        """convert_hf_to_gguf.py's "Unprocessed experts": a layer with some experts' tensors missing."""
+        if self.pending:
+            bid, layer = next(iter(self.pending.items()))
+            raise CheckpointError(f"layer {bid} has {len(layer)} of its {3 * self.n_expert} expert tensors "
+                                  "(gate, up and down per expert): the checkpoint is incomplete")
 
 
 def tensor_data(plan: Plan, t: PlannedTensor) -> np.ndarray:
@@ -177,8 +259,18 @@ def tensor_values(plan: Plan, t: PlannedTensor) -> np.ndarray:
     """The tensor as convert_hf_to_gguf.py hands it to the quantizer: f16 stays f16, anything else is float32."""
     if t.source is None:
         return generated_tensors(plan.spec, plan.hparams)[t.name]
-    src = plan.ckpt.file_of(t.source)
-    data = src.read(t.source)
+    if t.parts:  # experts stacked, as Qwen2MoeModel.modify_tensors' torch.stack (f16 stays f16)
+        datas = [plan.ckpt.file_of(p).read(p) for p in t.parts]
+        dtype = np.float16 if all(d.dtype == np.float16 for d in datas) else np.float32
+        data = np.empty((len(datas), *datas[0].shape), dtype)
+        for i, d in enumerate(datas):
+            data[i] = d
+        del datas
+    else:
+        src = plan.ckpt.file_of(t.source)
+        data = src.read(t.source)
+    if t.rows is not None:  # one half of a fused gate_up_proj
+        data = np.ascontiguousarray(data[..., t.rows[0]:t.rows[1], :])
     if data.dtype != np.float16:
         data = data.astype(np.float32, copy=False)
     hp, spec, name = plan.hparams, plan.spec, t.hf_name
