@@ -35,13 +35,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, *extra: str, api_key: str | None = None, timeout: float = 120.0):
-    """A `localllm serve` process and its base URL, once /health answers."""
+def start_server(model: str | None, *extra: str, api_key: str | None = None, timeout: float = 120.0,
+                 env: dict | None = None):
+    """A `localllm serve` process and its base URL, once /health answers (model None: `serve` with no MODEL;
+    `env`: the process's environment, default this one's)."""
     port = free_port()
-    cmd = LOCALLLM + ["serve", model, "--port", str(port), *extra] + (["--api-key", api_key] if api_key else [])
+    cmd = LOCALLLM + ["serve", *([model] if model else []), "--port", str(port), *extra]
+    cmd += ["--api-key", api_key] if api_key else []
     # stderr to a file, never a pipe nobody reads: a server that logs a lot must not block on it.
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
     proc.log = log
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from conftest import model_file
-from test_server import LOCALLLM, free_port, stop_server
+from test_server import LOCALLLM, start_server, stop_server
 
 A, B = "smollm2-135m-instruct", "gemma3-270m"
 PROMPT = "The capital of France is"
@@ -61,28 +61,7 @@ def greedy():
 
 def start(store: Path, *args: str):
     """A `localllm serve` process over `store` and its URL, once /health answers."""
-    import tempfile
-
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    env = {**os.environ, "LOCALLLM_HOME": str(store)}
-    proc = subprocess.Popen(LOCALLLM + ["serve", *args, "--port", str(port), "--ctx", "512"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=log, text=True)
-    proc.log = log
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"the server exited with {proc.returncode}: {log.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail("the server did not answer /health in time")
+    return start_server(None, *args, "--ctx", "512", env={**os.environ, "LOCALLLM_HOME": str(store)})
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,10 @@ with a `suffix` it fills in the middle, as Ollama does for code models.
 from __future__ import annotations
 
 import datetime as dt
-import functools
-import hashlib
 import json
 import re
 import time
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -24,7 +23,7 @@ from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, constrain, first_item, fix_seed,
                                  json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_error,
                                  stream_events, submit)
-from localllm.server import tool_calls
+from localllm.server import models_api, tool_calls
 from localllm.server.infill import infill_tokens
 from localllm.toolcalls import CallDelta, TextDelta, supports_tools
 
@@ -35,27 +34,13 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-@functools.cache
 def _model_facts(path: str) -> dict:
-    from localllm.model_info import model_info
-
-    info = model_info(path)
-    st = __import__("os").stat(path)
-    ident = f"{info['path']}:{st.st_size}:{st.st_mtime_ns}".encode()
-    info["digest"] = hashlib.sha256(ident).hexdigest()
-    info["modified_at"] = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc).isoformat().replace(
-        "+00:00", "Z")
-    return info
+    # One digest and date per file for every route, whether one model is served or several (models_api).
+    return models_api.model_facts(Path(path))
 
 
 def _details(state: ServerState) -> dict:
-    info = _model_facts(state.model_path)
-    arch = info["architecture"] or ""
-    params = info["parameters"] or 0
-    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
-    quant = next(iter(info["tensor_types"]), "")
-    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch], "parameter_size": size,
-            "quantization_level": quant}
+    return models_api.details(_model_facts(state.model_path))
 
 
 def _model_entry(state: ServerState) -> dict:
