@@ -15,6 +15,7 @@ from localllm import __version__
 from localllm.errors import LocalLLMError
 from localllm.files import read_text_file
 from localllm.model_info import model_info
+from localllm.progress import human_size
 
 DEFAULT_MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT, USER/REPO) or path to a .gguf file"
 
@@ -23,12 +24,6 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, ensure_ascii=False))
 
 
-def _human_size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 # ---- pull / list / rm / show -----------------------------------------------------------------------------
@@ -83,7 +78,7 @@ def cmd_list(args) -> int:
     for r in rows:
         status = "" if not args.all else ("downloaded  " if r["downloaded"] else "            ")
         default = " (default)" if r["default"] else ""
-        print(f"{r['name']:<{width}}{status}{_human_size(r['size']):>9}  {r['quantization']:<7} "
+        print(f"{r['name']:<{width}}{status}{human_size(r['size']):>9}  {r['quantization']:<7} "
               f"{r['description']}{default}")
     return 0
 
@@ -129,7 +124,7 @@ def cmd_show(args) -> int:
     print(f"path            {info['path']}")
     print(f"architecture    {info['architecture']}")
     print(f"parameters      {params / 1e6:.1f}M" if params else "parameters      0 (vocabulary only)")
-    print(f"file size       {_human_size(info['file_size'])}")
+    print(f"file size       {human_size(info['file_size'])}")
     print(f"context length  {info['context_length']}")
     print(f"layers          {info['block_count']}, embedding {info['embedding_length']}")
     if info["supported"]:
@@ -143,7 +138,7 @@ def cmd_show(args) -> int:
     if prov:
         print(f"hub             {prov.get('name')}: {prov.get('repo')} at revision {prov.get('revision')}")
         for f in prov.get("files", []):
-            print(f"                {f['file']} ({_human_size(f['size'] or 0)}, sha256 {f['sha256']})")
+            print(f"                {f['file']} ({human_size(f['size'] or 0)}, sha256 {f['sha256']})")
         if prov.get("available"):
             print(f"quantizations   {', '.join(prov['available'])} (in the repo when pulled)")
     return 0
@@ -235,7 +230,7 @@ def cmd_devices(args) -> int:
         return 0
     for d in found["devices"]:
         if d["backend"] == "cpu":
-            print(f"cpu     {d['name']}: {d['threads']} threads, {_human_size(d['memory_bytes'])} memory")
+            print(f"cpu     {d['name']}: {d['threads']} threads, {human_size(d['memory_bytes'])} memory")
         else:
             caps = d.get("capabilities") or {}
             optional = ["fp16"] if caps.get("fp16") else []
@@ -244,7 +239,7 @@ def cmd_devices(args) -> int:
                 optional.append(f"subgroups ({caps['subgroups']}{': ' + sizes if sizes else ''})")
             if caps.get("integer_dot"):
                 optional.append(f"integer dot ({caps['integer_dot']})")
-            print(f"opencl  {d['platform']}: {d['name']} ({d['type']}, {_human_size(d['global_mem_bytes'])}, "
+            print(f"opencl  {d['platform']}: {d['name']} ({d['type']}, {human_size(d['global_mem_bytes'])}, "
                   f"{d['opencl_c_version']}; local memory {d['local_mem_bytes'] // 1024} KiB, work-groups up to "
                   f"{d['max_work_group_size']}; optional: {', '.join(optional) or 'none (fp16, subgroups, integer dot)'})")
     if found["opencl_error"]:

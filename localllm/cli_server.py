@@ -87,7 +87,7 @@ def _until(expires_at: str) -> str:
 
 
 def cmd_ps(args) -> int:
-    from localllm.cli import _human_size
+    from localllm.progress import human_size
 
     models = _call(args, "GET", "/api/ps").get("models", [])
     if args.json:
@@ -98,7 +98,7 @@ def cmd_ps(args) -> int:
         return 0
     print(f"{'NAME':<36} {'SIZE':>9} {'CONTEXT':>8}  UNTIL")
     for m in models:
-        print(f"{m.get('name', '?'):<36} {_human_size(m.get('size', 0)):>9} {m.get('context_length', 0):>8}  "
+        print(f"{m.get('name', '?'):<36} {human_size(m.get('size', 0)):>9} {m.get('context_length', 0):>8}  "
               f"{_until(m.get('expires_at'))}")
     return 0
 

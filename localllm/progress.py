@@ -72,3 +72,12 @@ def note(message: str, quiet: bool = False) -> None:
     """A status line for the user (stderr, so stdout stays clean for --json)."""
     if not quiet:
         print(message, file=sys.stderr, flush=True)
+
+
+def human_size(n: int) -> str:
+    """A byte count as `list`, `show`, `ps` and `devices` print it (decimal units, as the hub and Ollama show)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
