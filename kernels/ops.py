@@ -31,6 +31,7 @@ from localllm.kernels.cpu import attention as _attention
 from localllm.kernels.cpu import runtime as _runtime
 from localllm.kernels.cpu import blocks as _blocks
 from localllm.kernels.cpu.formats import FORMATS, CpuFormat, format_of
+from localllm.kernels.cpu.typed_lists import length, typed_list
 from localllm.kernels.formats import row_range
 
 try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
@@ -365,13 +366,13 @@ class FusedForward:
                           and all(w._use_quant_dot for w in everything))
         if not self.available:
             return
-        self.mats = numba.typed.List(w.raw for w in everything)
+        self.mats = typed_list(w.raw for w in everything)
         self.mat_types = np.array([int(w.qtype) for w in everything], np.int64)
         self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in everything], np.int64)
         empty = np.empty(0, _F32)
         vecs = [_read_only(empty if a is None else np.ascontiguousarray(a, _F32))
                 for row in layer_vecs for a in row] + [_read_only(np.ascontiguousarray(output_norm, _F32))]
-        self.vecs = numba.typed.List(vecs)
+        self.vecs = typed_list(vecs)
         self.dims = np.array(dims, np.int64)
         self.flags = np.array(flags, np.int64)
         self.eps, self.scale = float(eps), np.float32(attention_scale)
@@ -385,7 +386,7 @@ class FusedForward:
         # Checked here because the compiled workers must not fail: one that raised would leave the others
         # waiting for its tasks.
         n_layers = int(self.dims[0])
-        if (len(self.mats) != _fused.MATS_PER_LAYER * n_layers + 1 or any(len(lst) != n_layers for lst in kv)
+        if (length(self.mats) != _fused.MATS_PER_LAYER * n_layers + 1 or any(length(lst) != n_layers for lst in kv)
                 or not len(layer_group) == len(layer_window) == len(layer_rope) == n_layers
                 or x.shape[1] != self.dims[6] or len(positions) != len(x) or write_cols.shape[1] != len(x)):
             raise ValueError("fused forward: the model, its cache and the inputs do not match")

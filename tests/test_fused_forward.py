@@ -145,3 +145,21 @@ def test_task_bounds_cover_the_range_once_at_aligned_cuts():
         assert cuts[0][0] == 0 and cuts[-1][1] == total
         assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
         assert all(lo % align == 0 for lo, hi in cuts if lo < total)
+
+
+def test_typed_lists_from_cached_code_equal_numbas_own_and_count_the_same():
+    from localllm.kernels.cpu.typed_lists import length, typed_list
+
+    rng = np.random.default_rng(0)
+    mats = [rng.integers(0, 255, (r, 34), np.uint8) for r in (3, 1, 7)]
+    for m in mats:
+        m.flags.writeable = False  # as a model's weights are
+    vecs = [rng.standard_normal(n).astype(np.float32) for n in (5, 0, 2)]
+    for items in (mats, vecs):
+        ours, theirs = typed_list(items), numba.typed.List(items)
+        assert numba.typeof(ours) == numba.typeof(theirs)
+        assert length(ours) == len(theirs) == len(items)
+        for a, b, want in zip(ours, theirs, items):
+            assert a.dtype == b.dtype and np.array_equal(a, want) and np.array_equal(b, want)
+    with pytest.raises(ValueError, match="at least one"):
+        typed_list([])

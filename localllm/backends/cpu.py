@@ -138,11 +138,11 @@ class CpuKVStorage(KVStorage):
         versions = tuple(g.version for g in pool.groups)
         cached = getattr(pool, "_cpu_layer_lists", None)
         if cached is None or cached[0] != versions:
-            import numba.typed
+            from localllm.kernels.cpu.typed_lists import typed_list
 
             per_layer = [pool.groups[gi].stores for gi, _ in (pool.where[i] for i in range(len(pool.where)))]
             slots = [pool.where[i][1] for i in range(len(pool.where))]
-            lists = tuple(numba.typed.List([stores[s][slot] for stores, slot in zip(per_layer, slots)])
+            lists = tuple(typed_list([stores[s][slot] for stores, slot in zip(per_layer, slots)])
                           for s in range(4))
             cached = pool._cpu_layer_lists = (versions, lists)
         return cached[1]
