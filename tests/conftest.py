@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,64 @@ def english_tokens(tokenizer, n: int, seed: int) -> list[int]:
     while len(out) < n:
         out += tokenizer.encode(" " + " ".join(rng.permutation(words)) + ".", add_special=False)
     return out[:n]
+
+
+# ---- the OpenCL device the tests run on ----------------------------------------------------------------------
+
+POCL_SPEC = "Portable Computing Language:"
+INTEL_CPU_PLATFORM = "Intel(R) OpenCL"  # Intel's CPU runtime; its GPU driver's platform is "Intel(R) OpenCL Graphics"
+POCL_INSTALLED = importlib.util.find_spec("pocl_binary_distribution") is not None
+# The one PoCL failure that is the machine's, not ours: PoCL 3.0 (the newest wheel) links LLVM 14, which does not
+# know CPUs newer than it (AMD family 1Ah, Zen 5) and fails every build there, listing its device all the same.
+POCL_UNKNOWN_CPU = "unknown target CPU"
+
+
+@cache
+def intel_cpu_spec() -> str | None:
+    """The spec of Intel's CPU runtime's device where pyopencl lists it (`make setup-dev` registers the installed
+    intel-opencl-rt), else None."""
+    try:
+        from localllm.kernels.opencl import device as cl_device
+
+        found = [i for i in cl_device.list_devices() if i.platform == INTEL_CPU_PLATFORM and i.type == "CPU"]
+    except Exception:  # no pyopencl, no runtime
+        return None
+    return found[0].spec if found else None
+
+
+@cache
+def pocl_problem() -> str | None:
+    """Why PoCL cannot build kernels on this machine (None: it can, or it is not installed)."""
+    if not POCL_INSTALLED:
+        return None
+    from localllm.kernels.opencl.device import compiler_problem
+
+    return compiler_problem(POCL_SPEC)
+
+
+@cache
+def opencl_test_spec() -> str | None:
+    """The device spec the OpenCL tests run on: LOCALLLM_TEST_OPENCL where set; else PoCL (installed with the
+    project on Linux x86_64); where PoCL's compiler does not know this CPU, Intel's CPU runtime (a dev dependency),
+    so the tests still run every kernel on a real OpenCL compiler (the header of the run says so); None: the
+    preferred device (no PoCL wheel for this platform)."""
+    if os.environ.get("LOCALLLM_TEST_OPENCL"):
+        return os.environ["LOCALLLM_TEST_OPENCL"]
+    if not POCL_INSTALLED:
+        return None
+    problem = pocl_problem()
+    if problem and POCL_UNKNOWN_CPU in problem and intel_cpu_spec():
+        return intel_cpu_spec()
+    return POCL_SPEC  # PoCL works, or fails for a reason of ours: the tests on it say why
+
+
+def pytest_report_header(config):
+    if not POCL_INSTALLED or os.environ.get("LOCALLLM_TEST_OPENCL"):
+        return None
+    try:
+        spec = opencl_test_spec()
+    except Exception as err:  # pragma: no cover - no pyopencl at all
+        return f"OpenCL tests: no device ({err})"
+    if spec == POCL_SPEC:
+        return "OpenCL tests on PoCL"
+    return f"OpenCL tests on {spec}: PoCL cannot compile for this CPU ({pocl_problem()})"

@@ -1,4 +1,5 @@
-"""The catalog models on the OpenCL backend (PoCL's CPU device in `make test`; LOCALLLM_TEST_OPENCL names another):
+"""The catalog models on the OpenCL backend (PoCL's CPU device in `make test`, conftest.opencl_test_spec; LOCALLLM_TEST_OPENCL
+names another):
 the same forward as the CPU's (localllm/architectures/transformer.py) run on device tensors, KV blocks in device
 memory. Its matrix products keep float32 activations where the CPU's round them to 8 bits as llama.cpp does, so
 it is checked against llama.cpp's reference outputs and the independent float32 reference, not bit for bit
@@ -6,24 +7,20 @@ against the CPU; within the backend, batching, prefix reuse and rollback are exa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from functools import cache
 
 import numpy as np
 import pytest
 
-from conftest import DATA, model_file, reference_cases
+from conftest import DATA, POCL_INSTALLED, model_file, opencl_test_spec, reference_cases
 from localllm.engine import Engine
 
 pytest.importorskip("pyopencl", reason="pyopencl is not installed (it is a dependency: `make setup` installs it)")
-POCL_INSTALLED = importlib.util.find_spec("pocl_binary_distribution") is not None
 
 
 def device_spec() -> str:
-    return "opencl:" + (os.environ.get("LOCALLLM_TEST_OPENCL") or ("Portable Computing Language:" if POCL_INSTALLED
-                                                                    else ""))
+    return "opencl:" + (opencl_test_spec() or "")
 
 
 @cache

@@ -288,6 +288,22 @@ def find_device(spec: str | None = None):
     return found[0]
 
 
+def compiler_problem(spec: str | None = None) -> str | None:
+    """Why the device a spec names cannot build OpenCL C here, or None when it can: a one-line kernel is built
+    (no cache). PoCL 3.0's LLVM 14 does not know CPUs newer than it (AMD family 1Ah, Zen 5: "unknown target CPU
+    'generic'") and fails every build on them although it lists its device."""
+    cl = _cl()
+    try:
+        device = find_device(spec)
+        context = cl.Context([device])
+        cl.Program(context, "__kernel void probe(__global float *a) { a[get_global_id(0)] *= 2.0f; }").build()
+    except (cl.Error, OpenCLUnavailable) as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        said = [ln for ln in lines if "error" in ln.lower() and "clBuildProgram" not in ln]
+        return (said or lines or [err.__class__.__name__])[0]
+    return None
+
+
 class Device:
     """One OpenCL device with its context, in-order queue and built programs."""
 

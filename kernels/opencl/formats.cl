@@ -23,7 +23,10 @@
 // each rounded (FP_CONTRACT is off), which the compiler vectorizes: PoCL on this EPYC (znver3) leaves
 // FP_FAST_FMAF undefined and runs fma() as a library call, 0.35 GFLOP/s against 4.3 for `a * b + c` in a
 // 4096x1536 float dot (one row per work-item). Either is deterministic, so batch invariance holds on each.
-#ifdef FP_FAST_FMAF
+// LOCALLLM_FMA (formats.py passes it for Intel's CPU runtime, whose fma() is the CPU's instruction): on an
+// AVX-512 CPU (Zen 5) that compiler contracted `a * b + c` in some copies of a loop and not in others despite
+// FP_CONTRACT OFF, so matmul_rows of Q8_0 gave 3 rows 1-20 ulp from matvec's bits; with fma() all agree.
+#if defined(FP_FAST_FMAF) || defined(LOCALLLM_FMA)
 #define MAC(a, b, c) fma(a, b, c)
 #else
 #define MAC(a, b, c) ((a) * (b) + (c))

@@ -282,6 +282,9 @@ INTEGER_DOT_FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0)
 INTEGER_DOT_SHAPES = {"lanes"}
 
 
+INTEL_CPU_PLATFORM = "Intel(R) OpenCL"  # Intel's CPU runtime (its GPU driver's platform is "Intel(R) OpenCL Graphics")
+
+
 def build_options(dev: Device) -> tuple[str, ...]:
     """The options formats.cl is built with on a device: the shapes' constants, and the device's capability
     macros (Capabilities.build_options, its -cl-std in place of CL1.2) of the optional paths formats.cl has;
@@ -289,6 +292,8 @@ def build_options(dev: Device) -> tuple[str, ...]:
     opts = list(capability_options(dev))
     if dev.emulate_integer_dot:
         opts.append("-DLOCALLLM_INTEGER_DOT_EMULATED=1")
+    if dev.info.platform == INTEL_CPU_PLATFORM and dev.info.type == "CPU":
+        opts.append("-DLOCALLLM_FMA=1")  # formats.cl's MAC: see there
     if integer_dot(opts) and dev.device.single_fp_config & dev.cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
         # quantize_q8_0's amax / 127 and 127 / amax as numpy and the CPU backend round them (OpenCL's
         # division may be 2.5 ulp off otherwise)
