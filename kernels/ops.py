@@ -380,22 +380,33 @@ class FusedForward:
 
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
-                 positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, out_rows: np.ndarray) -> np.ndarray:
+                 positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, out_rows: np.ndarray,
+                 seg_bounds: np.ndarray | None = None) -> np.ndarray:
         """Logits (len(out_rows), vocab); x (n, n_embd) is the embedded tokens (overwritten). kv: per-layer typed
-        lists (keys, key scales, values, value scales) of the pool; the rest as in fused_forward.py."""
+        lists (keys, key scales, values, value scales) of the pool; the rest as in fused_forward.py. One sequence:
+        tables (groups, width), first_blocks (groups), seg_bounds None; several: tables (seqs, groups, width),
+        first_blocks (seqs, groups), seg_bounds their row ranges [0, n1, n1 + n2, ..., n]."""
+        if seg_bounds is None:
+            tables, first_blocks = tables[None], first_blocks[None]
+            seg_bounds = np.array([0, len(x)], np.int64)
         # Checked here because the compiled workers must not fail: one that raised would leave the others
         # waiting for its tasks.
         n_layers = int(self.dims[0])
+        seqs = len(seg_bounds) - 1
         if (length(self.mats) != _fused.MATS_PER_LAYER * n_layers + 1 or any(length(lst) != n_layers for lst in kv)
                 or not len(layer_group) == len(layer_window) == len(layer_rope) == n_layers
-                or x.shape[1] != self.dims[6] or len(positions) != len(x) or write_cols.shape[1] != len(x)):
+                or x.shape[1] != self.dims[6] or len(positions) != len(x) or write_cols.shape[1] != len(x)
+                or seqs < 1 or seg_bounds[0] != 0 or seg_bounds[-1] != len(x) or np.any(np.diff(seg_bounds) < 1)
+                or tables.ndim != 3 or tables.shape[0] != seqs or tables.shape[:2] != first_blocks.shape
+                or write_cols.shape[0] != tables.shape[1] or n_layers and layer_group.max() >= tables.shape[1]
+                or len(out_rows) and not 0 <= out_rows.min() <= out_rows.max() < len(x)):
             raise ValueError("fused forward: the model, its cache and the inputs do not match")
         threads = _threads[0]
         return _fused.forward(threads, FUSED_TASKS_PER_THREAD * threads, self.dims, self.flags, self.eps,
                               self.scale, self.softcap, self.mats, self.mat_types, self.mat_families, self.vecs,
                               kv[0], kv[1],
-                              kv[2], kv[3], layer_group, layer_window, layer_rope, tables, first_blocks, write_cols,
-                              positions, cos, sin, x, out_rows)
+                              kv[2], kv[3], layer_group, layer_window, layer_rope, tables, first_blocks,
+                              seg_bounds.astype(np.int64), write_cols, positions, cos, sin, x, out_rows)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

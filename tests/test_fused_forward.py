@@ -87,6 +87,56 @@ def test_fused_steps_with_a_q8_0_cache():
     assert_bitwise(run(e, True, prompt, steps, True), run(e, False, prompt, steps, True))
 
 
+def batched_steps(e: Engine, fused: bool, prompts: list[list[int]], rounds: list[list[list[int]]]):
+    """Logits of every row of every sequence, stepped together: the prompts in one batched step, then each
+    round's tokens (one list per sequence; an empty list sits the round out) in one step."""
+    e.model.fused.available = fused
+    try:
+        e.kv_pool = e.model.new_pool(kv_type=e.kv_type)
+        e.kv_pool.budget_bytes = e.ctx * e.kv_pool.bytes_per_token
+        seqs = [e.new_sequence() for _ in prompts]
+        outs = [[] for _ in prompts]
+        for step in [prompts] + rounds:
+            todo = [(i, t) for i, t in enumerate(step) if t]
+            if not todo:
+                continue
+            got = e.model.forward_batch([(t, seqs[i].cache, list(range(len(t)))) for i, t in todo])
+            for (i, t), logits in zip(todo, got):
+                seqs[i].tokens.extend(t)
+                outs[i].append(logits)
+        for s in seqs:
+            s.close()
+        return outs
+    finally:
+        e.model.fused.available = True
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
+def test_fused_step_over_several_sequences_equals_each_sequence_alone_bitwise(kv_type):
+    """The server's step: several sequences' new tokens in one compiled call (decode rows beside a verify and a
+    prompt chunk), each sequence's logits bitwise those it gets stepped alone, and those of the op-by-op batch."""
+    e = engine("smollm2-135m-instruct", kv_type)
+    words = english_tokens(e.tokenizer, 400, seed=7)
+    prompts = [words[:40], words[40:57], words[57:130]]
+    rounds = [[words[130:131], words[131:132], words[132:133]],
+              [words[133:137], [], words[137:138]],           # a 4-token verify beside a decode; one sits out
+              [words[138:139], words[139:175], words[175:176]],  # a prompt chunk beside decodes
+              [words[176:177], words[177:178], words[178:195]]]
+    calls = []
+    batch = e.model.fused.batch
+    e.model.fused.batch = lambda segments: calls.append(len(segments)) or batch(segments)
+    try:
+        together = batched_steps(e, True, prompts, rounds)
+    finally:
+        del e.model.fused.batch
+    assert calls == [3, 3, 2, 3, 3]  # every step with several sequences was one compiled call
+    assert_bitwise([x for seq in together for x in seq],
+                   [x for seq in batched_steps(e, False, prompts, rounds) for x in seq])
+    for i in range(len(prompts)):
+        alone = batched_steps(e, True, [prompts[i]], [[r[i]] for r in rounds])[0]
+        assert_bitwise(together[i], alone)
+
+
 def test_fused_step_with_two_workers_on_one_thread():
     """Two workers that the runtime runs one after the other on a single thread (fewer threads than asked):
     the first does every task, the second finds none left; no deadlock, same logits."""

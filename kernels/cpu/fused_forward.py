@@ -21,8 +21,13 @@ Layout of the model description (built once by the architecture; KV lists rebuil
 * `dims`: n_layers, n_head, n_kv, head_dim, value_dim, rope_dim, n_embd, n_ff, vocab;
   `flags`: neox rope, qk_norm, post_norms, activation kind (kernels/cpu/blocks.py's GATE_*).
 * Per layer: its KV arrays (`kv_k`, `kv_ks`, `kv_v`, `kv_vs`), its KV group (block table row), its window, its
-  RoPE table; per group: block tables from the first held block (`tables`, padded), that block (`first_blocks`),
-  the storage columns of the new tokens (`write_cols`).
+  RoPE table; per sequence and group: block tables from the first held block (`tables` (seqs, groups, width),
+  padded), that block (`first_blocks` (seqs, groups)); per group, the storage columns of the new tokens of every
+  sequence in row order (`write_cols`); the sequences' row ranges (`seg_bounds`).
+
+A step over several sequences (the server's batched step) is one call too: the products run over every row at
+once (each weight read once per step), RoPE and the cache writes go by each row's own position and storage
+column, and attention runs per sequence over its own blocks.
 """
 
 from __future__ import annotations
@@ -93,14 +98,15 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
 
 @njit(cache=True)
 def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k, kv_ks,
-            kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin,
-            x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits):
+            kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
+            positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits):
     n_layers, n_head, n_kv, head_dim, value_dim, rope_dim = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
     neox, qk_norm, post_norms, act_kind = flags[0] != 0, flags[1] != 0, flags[2] != 0, flags[3]
     n = x.shape[0]
     q3 = q.reshape(n, n_head, head_dim)
     k3 = k.reshape(n, n_kv, head_dim)
     v3 = v.reshape(n, n_kv, value_dim)
+    n_seqs = seg_bounds.shape[0] - 1
     attn_items = min(tasks, n * n_head)
     for layer in range(n_layers):
         p = PHASES_PER_LAYER * layer
@@ -133,18 +139,24 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
             write_rows(kv_v[layer], kv_vs[layer], write_cols[g], v3)
             task_done(ctl, p + 2)
         wait_phase(ctl, p + 2, 1)
-        # 3: attention, (query, head) items shared out as attend_parallel shares them
+        # 3: attention, (query, head) items shared out as attend_parallel shares them; each sequence's rows
+        # attend over its own block table, so item t is items t, t + attn_items, ... of every segment: a row's
+        # output is computed by the same calls as when its sequence is alone
         if any_left(ctl, p + 3, attn_items):
-            key_start = first_blocks[g] * BLOCK
-            scores = np.empty(positions[n - 1] - key_start + 1, np.float32)
+            longest = 1
+            for s in range(n_seqs):
+                longest = max(longest, positions[seg_bounds[s + 1] - 1] - first_blocks[s, g] * BLOCK + 1)
+            scores = np.empty(longest, np.float32)
             acc = np.empty(value_dim, np.float32)
             while True:
                 t = next_task(ctl, p + 3, attn_items)
                 if t < 0:
                     break
-                _attend_items(t, attn_items, q3, kv_k[layer], kv_ks[layer], kv_v[layer], kv_vs[layer], tables[g],
-                              first_blocks[g], positions, key_start, layer_window[layer], attn_scale,
-                              attn_softcap, attn, scores, acc)
+                for s in range(n_seqs):
+                    a, b = seg_bounds[s], seg_bounds[s + 1]
+                    _attend_items(t, attn_items, q3[a:b], kv_k[layer], kv_ks[layer], kv_v[layer], kv_vs[layer],
+                                  tables[s, g], first_blocks[s, g], positions[a:b], first_blocks[s, g] * BLOCK,
+                                  layer_window[layer], attn_scale, attn_softcap, attn[a:b], scores, acc)
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
@@ -198,10 +210,12 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
 
 @njit(parallel=True, cache=True)
 def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
-            kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos,
-            sin, x, out_rows):
+            kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
+            positions, cos, sin, x, out_rows):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
-    logits (len(out_rows), vocab) of the rows `out_rows`. The cache must have reserved the n tokens."""
+    logits (len(out_rows), vocab) of the rows `out_rows`. The rows are the new tokens of one or more sequences of
+    one KV pool, sequence s owning rows seg_bounds[s]..seg_bounds[s + 1] with block tables tables[s] and first
+    blocks first_blocks[s]; every cache must have reserved its tokens."""
     n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
     n_embd, n_ff, vocab = dims[6], dims[7], dims[8]
     n = x.shape[0]
@@ -220,8 +234,8 @@ def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, ma
     ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
         _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
-                kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions,
-                cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
+                kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
+                positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
     return logits
 
 

@@ -369,9 +369,12 @@ class Transformer:
         `hidden`: return the selected rows' final hidden states (after the output norm, what the output matrix
         would take: embeddings) instead of logits; always this op-by-op path, so a text's vectors are the same
         alone or beside others."""
-        if (observe is None and not hidden and len(segments) == 1 and self.fused_available and len(segments[0][0]) > 0
-                and not (precise and len(segments[0][0]) >= self.backend.precise_min_rows)):
-            return [self._soft_cap_logits(self.fused(*segments[0]))]
+        if (observe is None and not hidden and self.fused_available and segments and all(len(s[0]) > 0 for s in segments)
+                and not (precise and any(len(s[0]) >= self.backend.precise_min_rows for s in segments))):
+            if len(segments) == 1:
+                return [self._soft_cap_logits(self.fused(*segments[0]))]
+            if hasattr(self.fused, "batch"):  # the server's step over several sequences: one call as well
+                return [self._soft_cap_logits(lg) for lg in self.fused.batch(segments)]
         c = self.config
         tr = c.traits
         b = self.backend

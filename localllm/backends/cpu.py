@@ -169,24 +169,52 @@ class _WholeForward:
         self.available = self.kernel.available
 
     def __call__(self, tokens, cache, output_rows) -> np.ndarray:
+        return self.batch([(tokens, cache, output_rows)])[0]
+
+    def batch(self, segments) -> list[np.ndarray]:
+        """The logits of each segment (tokens, cache, output_rows or None: the last row), for sequences of one
+        KV pool, in one compiled call: the server's step over several sequences, each one's logits bitwise
+        those of its sequence alone."""
         m = self.model
         c = m.config
-        tokens = np.asarray(tokens, dtype=np.int64)
-        n = len(tokens)
-        positions = np.arange(cache.length, cache.length + n)
-        cache.reserve(n)
-        x = ops.embed(m.token_embd, tokens)
+        pool = segments[0][1].pool
+        if any(cache.pool is not pool for _, cache, _ in segments):
+            raise ValueError("fused forward: the sequences of one step must share a KV pool")
+        ids, bounds, positions, rows, row_counts = [], [0], [], [], []
+        for tokens, cache, output_rows in segments:
+            n = len(tokens)
+            ids.extend(int(t) for t in tokens)
+            positions.append(np.arange(cache.length, cache.length + n))
+            r = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
+            rows.append(r + bounds[-1])
+            row_counts.append(len(r))
+            bounds.append(bounds[-1] + n)
+        positions = np.concatenate(positions)
+        x = ops.embed(m.token_embd, np.asarray(ids, dtype=np.int64))
         if c.traits.scale_embeddings:
             x *= np.float32(math.sqrt(c.n_embd))
         x = np.ascontiguousarray(x, dtype=np.float32)
         angles = [table.get(positions) for table in m._ropes]
         cos = np.stack([a[0] for a in angles])
         sin = np.stack([a[1] for a in angles])
-        rows = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
-        pool = cache.pool
-        tables, first_blocks, write_cols = cache.kernel_tables()
-        logits = self.kernel(x, _STORAGE.layer_arrays(pool), pool.layer_group, m._layer_window,
-                             m._layer_rope_index, tables, first_blocks, write_cols, positions, cos, sin,
-                             rows.astype(np.int64))
-        cache.commit()
-        return logits
+        tables, firsts, cols = [], [], []
+        for tokens, cache, _ in segments:
+            cache.reserve(len(tokens))
+            t, f, w = cache.kernel_tables()
+            tables.append(t)
+            firsts.append(f)
+            cols.append(w)
+        if len(segments) == 1:
+            tables, firsts, bounds = tables[0], firsts[0], None
+        else:
+            width = max(t.shape[1] for t in tables)
+            padded = np.zeros((len(tables), tables[0].shape[0], width), np.int64)
+            for s, t in enumerate(tables):
+                padded[s, :, : t.shape[1]] = t
+            tables, firsts, bounds = padded, np.stack(firsts), np.asarray(bounds, np.int64)
+        logits = self.kernel(x, _STORAGE.layer_arrays(pool), pool.layer_group, m._layer_window, m._layer_rope_index,
+                             tables, firsts, np.concatenate(cols, axis=1), positions, cos, sin,
+                             np.concatenate(rows).astype(np.int64), bounds)
+        for _, cache, _ in segments:
+            cache.commit()
+        return np.split(logits, np.cumsum(row_counts)[:-1])
