@@ -1204,3 +1204,27 @@ def test_moe_routing_picks_the_k_largest_and_renormalises_in_rank_order():
     np.testing.assert_allclose(p, np.exp([[3.0, 3.0]]) / np.exp([0.0, 3.0, 1.0, 3.0]).sum(), rtol=1e-6)
     groups = moe.by_expert(np.array([[1, 3], [0, 3]]), 4)
     assert [(e, sel.tolist()) for e, sel in groups] == [(0, [2]), (1, [0]), (3, [1, 3])]
+
+
+def test_a_device_that_cannot_build_is_refused_with_its_reason_and_plain_opencl_takes_the_next(monkeypatch):
+    """As PoCL on a CPU newer than its LLVM: the device is listed, every build fails. Named, it is refused before
+    a model is uploaded, with the compiler's words and what to do; plain `--device opencl` takes the next
+    preferred device that builds."""
+    from localllm.backends.opencl import OpenCLBackend
+    from localllm.errors import LocalLLMError
+
+    listed = [i for i in cl_device.list_devices() if i.platform != "Oclgrind"]
+    if len(listed) < 2:
+        pytest.skip("one OpenCL device here")
+    first, real = listed[0], cl_device._probe
+
+    def probe(cl, context):
+        d = context.devices[0]
+        if (d.platform.name.strip(), d.name.strip()) == (first.platform, first.name):
+            return "error: unknown target CPU 'generic'"
+        return real(cl, context)
+
+    monkeypatch.setattr(cl_device, "_probe", probe)
+    with pytest.raises(LocalLLMError, match=r"cannot build OpenCL kernels: error: unknown target CPU .*localllm devices"):
+        OpenCLBackend(first.spec)
+    assert OpenCLBackend("").dev.info.spec != first.spec

@@ -42,6 +42,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from localllm.errors import LocalLLMError
 from localllm.paths import cache_dir
 
 # Extensions that select faster kernel paths where present (none are required: OpenCL C 1.2 is the floor).
@@ -54,8 +55,9 @@ EXTENSIONS_OF_INTEREST = (
 )
 
 
-class OpenCLUnavailable(RuntimeError):
-    """No usable OpenCL device (no runtime, no match for a spec, kernels that do not build)."""
+class OpenCLUnavailable(LocalLLMError, RuntimeError):
+    """No usable OpenCL device (no runtime, no match for a spec, kernels that do not build): a message for the
+    user, never a traceback."""
 
 
 @dataclass(frozen=True)
@@ -288,16 +290,24 @@ def find_device(spec: str | None = None):
     return found[0]
 
 
+PROBE_KERNEL = "__kernel void probe(__global float *a) { a[get_global_id(0)] *= 2.0f; }"
+
+
 def compiler_problem(spec: str | None = None) -> str | None:
     """Why the device a spec names cannot build OpenCL C here, or None when it can: a one-line kernel is built
     (no cache). PoCL 3.0's LLVM 14 does not know CPUs newer than it (AMD family 1Ah, Zen 5: "unknown target CPU
     'generic'") and fails every build on them although it lists its device."""
     cl = _cl()
     try:
-        device = find_device(spec)
-        context = cl.Context([device])
-        cl.Program(context, "__kernel void probe(__global float *a) { a[get_global_id(0)] *= 2.0f; }").build()
-    except (cl.Error, OpenCLUnavailable) as err:
+        return _probe(cl, cl.Context([find_device(spec)]))
+    except OpenCLUnavailable as err:
+        return str(err)
+
+
+def _probe(cl, context) -> str | None:
+    try:
+        cl.Program(context, PROBE_KERNEL).build()
+    except cl.Error as err:
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
         said = [ln for ln in lines if "error" in ln.lower() and "clBuildProgram" not in ln]
         return (said or lines or [err.__class__.__name__])[0]
@@ -327,6 +337,15 @@ class Device:
     @property
     def capabilities(self) -> Capabilities:
         return self.info.capabilities
+
+    def check_compiler(self) -> None:
+        """OpenCLUnavailable, with the compiler's reason, where this device cannot build a one-line kernel: said
+        before a model is uploaded, rather than from the first kernel of its warm-up."""
+        problem = _probe(self.cl, self.context)
+        if problem:
+            hint = (" (PoCL's LLVM does not know this CPU: another OpenCL device, see `localllm devices`, or "
+                    "--device cpu)" if "unknown target CPU" in problem else "")
+            raise OpenCLUnavailable(f"{self.info.spec} cannot build OpenCL kernels: {problem}{hint}")
 
     @property
     def is_pocl(self) -> bool:

@@ -71,6 +71,17 @@ class OpenCLKVStorage(KVStorage):
         arr.set(np.ascontiguousarray(host))
 
 
+def _first_device_that_builds(cl_device):
+    for info in cl_device.list_devices():
+        try:
+            dev = cl_device.Device(info.spec)
+            dev.check_compiler()
+            return dev
+        except cl_device.OpenCLUnavailable:
+            continue
+    return None
+
+
 class OpenCLBackend(Backend):
     def __init__(self, spec: str | None = None):
         from localllm.kernels.opencl import device as cl_device
@@ -78,8 +89,13 @@ class OpenCLBackend(Backend):
 
         try:
             self.dev = cl_device.Device(spec or None)
+            self.dev.check_compiler()
         except cl_device.OpenCLUnavailable as e:
-            raise LocalLLMError(f"OpenCL: {e}") from None
+            # plain "opencl": the preferred device whose compiler works (PoCL lists a device on CPUs its LLVM
+            # cannot compile for)
+            self.dev = None if spec else _first_device_that_builds(cl_device)
+            if self.dev is None:
+                raise LocalLLMError(f"OpenCL: {e}") from None
         self.name = f"opencl:{self.dev.info.spec}"
         self.ops = Ops(self.dev)
         self._storage = OpenCLKVStorage(self.ops)
