@@ -30,15 +30,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from localllm.kernels.cpu import attention, blocks, forget_stale_cache, quant_dot, simd, team
+from localllm.kernels.cpu import attention, blocks, forget_stale_cache, moe as moe_kernels, quant_dot, simd, team
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
+from localllm.kernels.cpu.moe import route_row, router_row
 from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
 
 MATS_PER_LAYER = 7
 VECS_PER_LAYER = 9
 PHASES_PER_LAYER = 9
+# A mixture of experts' FFN takes 5 phases where the dense one takes 3 (router, routing, gate/up and activation,
+# down and weights, the sum over the chosen experts).
+MOE_PHASES_PER_LAYER = PHASES_PER_LAYER + 2
+MOE_FFN_PHASES = 5
 PASS = 16  # x rows per pass through a weight's rows (kernels.ops.ROWS_PER_PASS)
 
 
@@ -92,9 +97,130 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
 
 
 @njit(cache=True)
+def _expert_rows(raw, qtype, acts, out, g0, g1, r0, r1):
+    """out[g0:g1, r0:r1] = x[g0:g1] @ W[r0:r1].T (x given quantized, `acts`), in passes of PASS rows."""
+    q0, d0, q1, d1, s1, qk, dk, bk = acts
+    for i0 in range(g0, g1, PASS):
+        i1 = min(i0 + PASS, g1)
+        part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1], bk[i0:i1])
+        rows_avx2(raw, qtype, part, out[i0:i1], r0, r1)
+
+
+@njit(cache=True)
+def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
+    """Phases p .. p + MOE_FFN_PHASES - 1: dn = the mixture of experts' FFN of h, as kernels/ops.py moe_ffn
+    computes it (the same router and routing kernels, the same products of each chosen expert over the rows
+    routed to it, the weighted slots summed in rank order), so bitwise the same rows.
+
+    `moe` (built by kernels/ops.py FusedForward): routers (per layer, float32 (n_expert, d)); expert matrices
+    (typed list, index (layer * 3 + m) * n_expert + e for m = gate, up, down); their GGML types and activation
+    families (per layer * 3 + m); mdims (n_expert, k, normalize, n_ff_exp); then the step's buffers: logits
+    (n, n_expert), ids (n, k), weights (n, k), per layer starts (n_layers, n_expert + 1: expert e's grouped rows)
+    and active (n_layers, 1 + n_expert: how many experts have rows, then which), pos (n * k: the grouped row of token t's slot j at
+    t * k + j), wg (n * k), xg (n * k, d), gate, up, act (n * k, n_ff_exp), ys (n * k, d)."""
+    (routers, emats, etypes, efamilies, mdims, logits, ids, weights, layer_starts, layer_active, pos, wg, xg, gate,
+     up, act, ys) = moe
+    # Per layer, because a thread reads them outside any task (the expert phases' task count): a thread that ran
+    # ahead (the others' tasks can all be done by one) may already be routing a later layer.
+    starts, active = layer_starts[layer], layer_active[layer]
+    n_expert, k, normalize, n_ff_exp = mdims[0], mdims[1], mdims[2] != 0, mdims[3]
+    n, d = h.shape
+    # p: the router's logits, in row ranges (each row by the one compiled loop: the op-by-op path's)
+    router = routers[layer]
+    while True:
+        t = next_task(ctl, p, tasks)
+        if t < 0:
+            break
+        lo, hi = task_bounds(t, tasks, n, 1)
+        for r in range(lo, hi):
+            router_row(router, h, r, logits)
+        task_done(ctl, p)
+    wait_phase(ctl, p, tasks)
+    # p + 1: each row's experts and weights; the (token, slot) pairs grouped by expert (ascending within one, as
+    # kernels/moe.py by_expert orders them), their inputs gathered
+    if _one_task(ctl, p + 1):
+        for r in range(n):
+            route_row(logits, r, k, normalize, ids, weights)
+        starts[:] = 0
+        for s in range(n * k):
+            starts[ids[s // k, s % k] + 1] += 1
+        active[0] = 0
+        for e in range(n_expert):
+            if starts[e + 1] > 0:
+                active[0] += 1
+                active[active[0]] = e
+            starts[e + 1] += starts[e]
+        fill = starts[:n_expert].copy()
+        for s in range(n * k):
+            e = ids[s // k, s % k]
+            g = fill[e]
+            fill[e] += 1
+            pos[s] = g
+            wg[g] = weights[s // k, s % k]
+            xg[g] = h[s // k]
+        task_done(ctl, p + 1)
+    wait_phase(ctl, p + 1, 1)
+    # (expert, range) tasks: `tasks` ranges of each chosen expert, so a decode step's 2 experts still keep every
+    # thread busy
+    expert_tasks = active[0] * tasks
+    base = layer * 3 * n_expert
+    # p + 2: gate and up of each chosen expert over its rows, in column ranges (whole blocks of 32, as the dense
+    # activation phase cuts them), and the activation of those columns
+    if any_left(ctl, p + 2, expert_tasks):
+        acts = quantize_activations(xg, efamilies[3 * layer] | efamilies[3 * layer + 1])
+        while True:
+            t = next_task(ctl, p + 2, expert_tasks)
+            if t < 0:
+                break
+            e = active[1 + t // tasks]
+            g0, g1 = starts[e], starts[e + 1]
+            lo, hi = task_bounds(t % tasks, tasks, n_ff_exp, 32)
+            if lo < hi:
+                _expert_rows(emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
+                _expert_rows(emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo, hi)
+                gated_activation(gate[g0:g1, lo:hi], up[g0:g1, lo:hi], act_kind, act[g0:g1, lo:hi])
+            task_done(ctl, p + 2)
+    wait_phase(ctl, p + 2, expert_tasks)
+    # p + 3: down of each chosen expert over its rows, in row ranges of the weight; each result row times its
+    # weight
+    if any_left(ctl, p + 3, expert_tasks):
+        acts = quantize_activations(act, efamilies[3 * layer + 2])
+        while True:
+            t = next_task(ctl, p + 3, expert_tasks)
+            if t < 0:
+                break
+            e = active[1 + t // tasks]
+            g0, g1 = starts[e], starts[e + 1]
+            lo, hi = task_bounds(t % tasks, tasks, d, 1)
+            if lo < hi:
+                _expert_rows(emats[base + 2 * n_expert + e], etypes[3 * layer + 2], acts, ys, g0, g1, lo, hi)
+                for g in range(g0, g1):
+                    for c in range(lo, hi):
+                        ys[g, c] *= wg[g]
+            task_done(ctl, p + 3)
+    wait_phase(ctl, p + 3, expert_tasks)
+    # p + 4: each row's k weighted slots summed in rank order, in column ranges
+    while True:
+        t = next_task(ctl, p + 4, tasks)
+        if t < 0:
+            break
+        lo, hi = task_bounds(t, tasks, d, 1)
+        for r in range(n):
+            for c in range(lo, hi):
+                acc = ys[pos[r * k], c]
+                for j in range(1, k):
+                    acc += ys[pos[r * k + j], c]
+                dn[r, c] = acc
+        task_done(ctl, p + 4)
+    wait_phase(ctl, p + 4, tasks)
+
+
+@njit(cache=True)
 def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k, kv_ks,
             kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos, sin,
-            x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits):
+            x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
+    """One thread's walk through the step's phases. `moe` None (a dense model: Numba prunes the mixture-of-experts
+    branch, so dense models compile exactly their own code) or the experts (_moe_ffn) in place of the dense FFN."""
     n_layers, n_head, n_kv, head_dim, value_dim, rope_dim = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
     neox, qk_norm, post_norms, act_kind = flags[0] != 0, flags[1] != 0, flags[2] != 0, flags[3]
     n = x.shape[0]
@@ -102,8 +228,9 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
     k3 = k.reshape(n, n_kv, head_dim)
     v3 = v.reshape(n, n_kv, value_dim)
     attn_items = min(tasks, n * n_head)
+    phases_per_layer = PHASES_PER_LAYER if moe is None else MOE_PHASES_PER_LAYER
     for layer in range(n_layers):
-        p = PHASES_PER_LAYER * layer
+        p = phases_per_layer * layer
         m = MATS_PER_LAYER * layer
         vb = VECS_PER_LAYER * layer
         # 0: the previous layer's FFN output joins the residual; attention's input norm
@@ -158,6 +285,9 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
             rms_norm_rows(x, vecs[vb + 1], eps, h)
             task_done(ctl, p + 5)
         wait_phase(ctl, p + 5, 1)
+        if moe is not None:
+            _moe_ffn(ctl, p + 6, tasks, layer, act_kind, h, dn, moe)
+            continue
         # 6: gate and up
         _products(ctl, p + 6, tasks, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
         wait_phase(ctl, p + 6, tasks)
@@ -175,7 +305,7 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
         _products(ctl, p + 8, tasks, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
         wait_phase(ctl, p + 8, tasks)
     # the last FFN output, the output norm of the rows that want logits, the output head
-    p = PHASES_PER_LAYER * n_layers
+    p = phases_per_layer * n_layers
     if _one_task(ctl, p):
         vb = VECS_PER_LAYER * n_layers
         if post_norms:
@@ -199,9 +329,10 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
 @njit(parallel=True, cache=True)
 def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
             kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions, cos,
-            sin, x, out_rows):
+            sin, x, out_rows, moe):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
-    logits (len(out_rows), vocab) of the rows `out_rows`. The cache must have reserved the n tokens."""
+    logits (len(out_rows), vocab) of the rows `out_rows`. The cache must have reserved the n tokens. `moe`: None,
+    or a mixture of experts' weights and buffers (_moe_ffn)."""
     n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
     n_embd, n_ff, vocab = dims[6], dims[7], dims[8]
     n = x.shape[0]
@@ -217,14 +348,15 @@ def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, ma
     dn = np.empty((n, n_embd), np.float32)
     xo = np.empty((out_rows.shape[0], n_embd), np.float32)
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
-    ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
+    phases_per_layer = PHASES_PER_LAYER if moe is None else MOE_PHASES_PER_LAYER
+    ctl = np.zeros(2 * (phases_per_layer * n_layers + 2), np.int64)
     for _ in prange(threads):
         _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
                 kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions,
-                cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
+                cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe)
     return logits
 
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks)])
+                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels)])
