@@ -428,10 +428,10 @@ class FusedForward:
         if self.moe is None:
             return None
         n_expert, k, _, n_ff_exp = (int(v) for v in self.moe[4])
-        n_layers, d = int(self.dims[0]), int(self.dims[6])
+        d = int(self.dims[6])
         rows = n * k
         return self.moe + (np.empty((n, n_expert), _F32), np.empty((n, k), np.int64), np.empty((n, k), _F32),
-                           np.empty((n_layers, n_expert + 1), np.int64), np.empty((n_layers, n_expert + 1), np.int64),
+                           np.empty(n_expert + 1, np.int64), np.empty(n_expert + 1, np.int64),
                            np.empty(rows, np.int64), np.empty(rows, _F32), np.empty((rows, d), _F32),
                            np.empty((rows, n_ff_exp), _F32), np.empty((rows, n_ff_exp), _F32),
                            np.empty((rows, n_ff_exp), _F32), np.empty((rows, d), _F32))

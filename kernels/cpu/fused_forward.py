@@ -8,9 +8,14 @@ one parallel region: the threads go through the step's phases together (kernels/
 ranges of each product, (query, head) items of attention, and column ranges of the activation.
 
 Every value is computed by the same kernels, on the same inputs, in the same order as the Python path (the
-row functions of quant_dot, rms_norm_rows, rope_rows, write_rows, attention's items, gated_activation), so the
-two agree bit for bit (tests/test_fused_forward.py), and each token's row still depends on nothing else in the
-step (batch invariance).
+row functions of quant_dot, rms_norm_rows, rope_rows, write_rows, attention's items, gated_activation; for a
+mixture of experts the router and routing of kernels/cpu/moe.py), so the two agree bit for bit
+(tests/test_fused_forward.py, tests/test_architectures.py), and each token's row still depends on nothing else
+in the step (batch invariance).
+
+A mixture of experts (qwen3moe) replaces the dense FFN's three phases with three of its own (`_moe_ffn`:
+routing, the chosen experts' gate/up, their down and the weighted sum), given as the `moe` argument; dense
+models pass None, and Numba prunes that branch from their compiled code.
 
 Layout of the model description (built once by the architecture; KV lists rebuilt when the pool grows):
 * `mats`: typed list of read-only uint8 (rows, row_bytes) weights, MATS_PER_LAYER per layer in the order
@@ -40,10 +45,6 @@ from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_don
 MATS_PER_LAYER = 7
 VECS_PER_LAYER = 9
 PHASES_PER_LAYER = 9
-# A mixture of experts' FFN takes 5 phases where the dense one takes 3 (router, routing, gate/up and activation,
-# down and weights, the sum over the chosen experts).
-MOE_PHASES_PER_LAYER = PHASES_PER_LAYER + 2
-MOE_FFN_PHASES = 5
 PASS = 16  # x rows per pass through a weight's rows (kernels.ops.ROWS_PER_PASS)
 
 
@@ -108,38 +109,37 @@ def _expert_rows(raw, qtype, acts, out, g0, g1, r0, r1):
 
 @njit(cache=True)
 def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
-    """Phases p .. p + MOE_FFN_PHASES - 1: dn = the mixture of experts' FFN of h, as kernels/ops.py moe_ffn
-    computes it (the same router and routing kernels, the same products of each chosen expert over the rows
-    routed to it, the weighted slots summed in rank order), so bitwise the same rows.
+    """Phases p, p + 1, p + 2 (the dense FFN's three): dn = the mixture of experts' FFN of h, as kernels/ops.py
+    moe_ffn computes it (the same router and routing kernels, the same products of each chosen expert over the
+    rows routed to it, the weighted slots summed in rank order), so bitwise the same rows.
 
     `moe` (built by kernels/ops.py FusedForward): routers (per layer, float32 (n_expert, d)); expert matrices
     (typed list, index (layer * 3 + m) * n_expert + e for m = gate, up, down); their GGML types and activation
     families (per layer * 3 + m); mdims (n_expert, k, normalize, n_ff_exp); then the step's buffers: logits
-    (n, n_expert), ids (n, k), weights (n, k), per layer starts (n_layers, n_expert + 1: expert e's grouped rows)
-    and active (n_layers, 1 + n_expert: how many experts have rows, then which), pos (n * k: the grouped row of token t's slot j at
-    t * k + j), wg (n * k), xg (n * k, d), gate, up, act (n * k, n_ff_exp), ys (n * k, d)."""
-    (routers, emats, etypes, efamilies, mdims, logits, ids, weights, layer_starts, layer_active, pos, wg, xg, gate,
-     up, act, ys) = moe
-    # Per layer, because a thread reads them outside any task (the expert phases' task count): a thread that ran
-    # ahead (the others' tasks can all be done by one) may already be routing a later layer.
-    starts, active = layer_starts[layer], layer_active[layer]
+    (n, n_expert), ids (n, k), weights (n, k), starts (n_expert + 1: expert e's grouped rows are starts[e] to
+    starts[e + 1]), active (1 + n_expert: how many experts have rows, then which), pos (n * k: the grouped row of
+    token t's slot j at t * k + j), wg (n * k), xg (n * k, d), gate, up, act (n * k, n_ff_exp), ys (n * k, d).
+
+    Each task of the two product phases takes one range of every chosen expert (not one expert's range): the
+    task count is then fixed, never read from the routing (which a thread that ran ahead may already be
+    rewriting for the next layer: one thread can do all of a phase's tasks), the tasks stay even whatever the
+    tokens per expert, and the down phase's task holds every slot of its columns, so it also sums them: 3
+    phases a layer as the dense FFN. Measured on the 8-expert bench model (tools/make_moe_bench_models.py,
+    2-core machine under load): decode 77-79 tok/s at best, where (expert, range) tasks and a summing phase (5
+    phases) gave 73.6 and the op-by-op path 70-74.
+    """
+    (routers, emats, etypes, efamilies, mdims, logits, ids, weights, starts, active, pos, wg, xg, gate, up, act,
+     ys) = moe
     n_expert, k, normalize, n_ff_exp = mdims[0], mdims[1], mdims[2] != 0, mdims[3]
     n, d = h.shape
-    # p: the router's logits, in row ranges (each row by the one compiled loop: the op-by-op path's)
-    router = routers[layer]
-    while True:
-        t = next_task(ctl, p, tasks)
-        if t < 0:
-            break
-        lo, hi = task_bounds(t, tasks, n, 1)
-        for r in range(lo, hi):
-            router_row(router, h, r, logits)
-        task_done(ctl, p)
-    wait_phase(ctl, p, tasks)
-    # p + 1: each row's experts and weights; the (token, slot) pairs grouped by expert (ascending within one, as
-    # kernels/moe.py by_expert orders them), their inputs gathered
-    if _one_task(ctl, p + 1):
+    base = layer * 3 * n_expert
+    # p: the router's logits (each row by the op-by-op path's compiled loop: a few thousand multiply-adds a token,
+    # not worth a phase of their own), each row's experts and weights, the (token, slot) pairs grouped by expert
+    # (ascending within one, as kernels/moe.py by_expert orders them) and their inputs gathered
+    if _one_task(ctl, p):
+        router = routers[layer]
         for r in range(n):
+            router_row(router, h, r, logits)
             route_row(logits, r, k, normalize, ids, weights)
         starts[:] = 0
         for s in range(n * k):
@@ -158,61 +158,51 @@ def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
             pos[s] = g
             wg[g] = weights[s // k, s % k]
             xg[g] = h[s // k]
-        task_done(ctl, p + 1)
-    wait_phase(ctl, p + 1, 1)
-    # (expert, range) tasks: `tasks` ranges of each chosen expert, so a decode step's 2 experts still keep every
-    # thread busy
-    expert_tasks = active[0] * tasks
-    base = layer * 3 * n_expert
-    # p + 2: gate and up of each chosen expert over its rows, in column ranges (whole blocks of 32, as the dense
+        task_done(ctl, p)
+    wait_phase(ctl, p, 1)
+    # p + 1: gate and up of every chosen expert over its rows, in column ranges (whole blocks of 32, as the dense
     # activation phase cuts them), and the activation of those columns
-    if any_left(ctl, p + 2, expert_tasks):
+    if any_left(ctl, p + 1, tasks):
         acts = quantize_activations(xg, efamilies[3 * layer] | efamilies[3 * layer + 1])
         while True:
-            t = next_task(ctl, p + 2, expert_tasks)
+            t = next_task(ctl, p + 1, tasks)
             if t < 0:
                 break
-            e = active[1 + t // tasks]
-            g0, g1 = starts[e], starts[e + 1]
-            lo, hi = task_bounds(t % tasks, tasks, n_ff_exp, 32)
+            lo, hi = task_bounds(t, tasks, n_ff_exp, 32)
             if lo < hi:
-                _expert_rows(emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
-                _expert_rows(emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo, hi)
-                gated_activation(gate[g0:g1, lo:hi], up[g0:g1, lo:hi], act_kind, act[g0:g1, lo:hi])
-            task_done(ctl, p + 2)
-    wait_phase(ctl, p + 2, expert_tasks)
-    # p + 3: down of each chosen expert over its rows, in row ranges of the weight; each result row times its
-    # weight
-    if any_left(ctl, p + 3, expert_tasks):
+                for a in range(1, active[0] + 1):
+                    e = active[a]
+                    g0, g1 = starts[e], starts[e + 1]
+                    _expert_rows(emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
+                    _expert_rows(emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo, hi)
+                    gated_activation(gate[g0:g1, lo:hi], up[g0:g1, lo:hi], act_kind, act[g0:g1, lo:hi])
+            task_done(ctl, p + 1)
+    wait_phase(ctl, p + 1, tasks)
+    # p + 2: down of every chosen expert over its rows, in row ranges of the weight (columns of the output), each
+    # result row times its weight; then each token's k slots of those columns summed in rank order
+    if any_left(ctl, p + 2, tasks):
         acts = quantize_activations(act, efamilies[3 * layer + 2])
         while True:
-            t = next_task(ctl, p + 3, expert_tasks)
+            t = next_task(ctl, p + 2, tasks)
             if t < 0:
                 break
-            e = active[1 + t // tasks]
-            g0, g1 = starts[e], starts[e + 1]
-            lo, hi = task_bounds(t % tasks, tasks, d, 1)
+            lo, hi = task_bounds(t, tasks, d, 1)
             if lo < hi:
-                _expert_rows(emats[base + 2 * n_expert + e], etypes[3 * layer + 2], acts, ys, g0, g1, lo, hi)
-                for g in range(g0, g1):
+                for a in range(1, active[0] + 1):
+                    e = active[a]
+                    g0, g1 = starts[e], starts[e + 1]
+                    _expert_rows(emats[base + 2 * n_expert + e], etypes[3 * layer + 2], acts, ys, g0, g1, lo, hi)
+                    for g in range(g0, g1):
+                        for c in range(lo, hi):
+                            ys[g, c] *= wg[g]
+                for r in range(n):
                     for c in range(lo, hi):
-                        ys[g, c] *= wg[g]
-            task_done(ctl, p + 3)
-    wait_phase(ctl, p + 3, expert_tasks)
-    # p + 4: each row's k weighted slots summed in rank order, in column ranges
-    while True:
-        t = next_task(ctl, p + 4, tasks)
-        if t < 0:
-            break
-        lo, hi = task_bounds(t, tasks, d, 1)
-        for r in range(n):
-            for c in range(lo, hi):
-                acc = ys[pos[r * k], c]
-                for j in range(1, k):
-                    acc += ys[pos[r * k + j], c]
-                dn[r, c] = acc
-        task_done(ctl, p + 4)
-    wait_phase(ctl, p + 4, tasks)
+                        acc = ys[pos[r * k], c]
+                        for j in range(1, k):
+                            acc += ys[pos[r * k + j], c]
+                        dn[r, c] = acc
+            task_done(ctl, p + 2)
+    wait_phase(ctl, p + 2, tasks)
 
 
 @njit(cache=True)
@@ -228,9 +218,8 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
     k3 = k.reshape(n, n_kv, head_dim)
     v3 = v.reshape(n, n_kv, value_dim)
     attn_items = min(tasks, n * n_head)
-    phases_per_layer = PHASES_PER_LAYER if moe is None else MOE_PHASES_PER_LAYER
     for layer in range(n_layers):
-        p = phases_per_layer * layer
+        p = PHASES_PER_LAYER * layer
         m = MATS_PER_LAYER * layer
         vb = VECS_PER_LAYER * layer
         # 0: the previous layer's FFN output joins the residual; attention's input norm
@@ -305,7 +294,7 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
         _products(ctl, p + 8, tasks, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
         wait_phase(ctl, p + 8, tasks)
     # the last FFN output, the output norm of the rows that want logits, the output head
-    p = phases_per_layer * n_layers
+    p = PHASES_PER_LAYER * n_layers
     if _one_task(ctl, p):
         vb = VECS_PER_LAYER * n_layers
         if post_norms:
@@ -348,8 +337,7 @@ def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, ma
     dn = np.empty((n, n_embd), np.float32)
     xo = np.empty((out_rows.shape[0], n_embd), np.float32)
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
-    phases_per_layer = PHASES_PER_LAYER if moe is None else MOE_PHASES_PER_LAYER
-    ctl = np.zeros(2 * (phases_per_layer * n_layers + 2), np.int64)
+    ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
         _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
                 kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, write_cols, positions,
