@@ -637,6 +637,29 @@ def test_the_fused_mixture_of_experts_equals_the_op_by_op_path_bitwise_with_a_q8
     assert_bitwise(run(engine, True, prompt[:40], steps, True), run(engine, False, prompt[:40], steps, True))
 
 
+def test_the_fused_mixture_of_experts_finishes_with_two_workers_on_one_thread():
+    """Two workers that the runtime runs one after the other on one thread: the first does every task of every
+    layer, the second then finds the routing of the last layer in the shared buffers, and must still find no task
+    left in each phase (no task count of its own from that routing: no deadlock), and the logits are the same."""
+    import numba
+    from localllm.kernels import ops
+    from test_fused_forward import assert_bitwise, run
+
+    engine = arch_engine("qwen3moe", "q8_0")
+    prompt = reference("qwen3moe")["prompts"][0].tolist()
+    steps = [prompt[i:j] for i, j in ((0, 1), (1, 4), (4, 21))]
+    want = run(engine, True, prompt[:30], steps, False)
+    threads, saved = numba.get_num_threads(), ops._threads[0]
+    numba.set_num_threads(1)
+    ops._threads[0] = 2  # the fused forward still splits its work for two workers
+    try:
+        got = run(engine, True, prompt[:30], steps, False)
+    finally:
+        numba.set_num_threads(threads)
+        ops._threads[0] = saved
+    assert_bitwise(got, want)
+
+
 def test_a_float32_mixture_of_experts_has_no_fused_forward_and_runs_op_by_op():
     """F32 weights have no integer kernel, so neither the dense nor the experts' products can join the fused
     forward: the model runs op by op (the logits of the other tests against transformers are that path's)."""
