@@ -458,9 +458,10 @@ def moe_ffn(experts, x: np.ndarray, k: int, normalize: bool, kind: str, precise:
     """A mixture-of-experts FFN over x (n, d) (backends.base.Backend.moe_ffn; `experts` a backends.base.Experts
     of this module's weights): the router's logits and each row's k experts and weights (kernels/cpu/moe.py: the
     routing of kernels/moe.py route, compiled, as the fused forward computes it), then per chosen expert its
-    rows gathered and put through gate/up (one WeightGroup call), the activation and down once, each result times its weight into the row's slot; the slots summed in
-    rank order. Every step computes each row alone (the integer kernels' rows are batch invariant), so a row's
-    output is bitwise the same whatever else is in the batch."""
+    rows gathered and put through gate/up (one WeightGroup call), the activation and down once, each result times
+    its weight into the row's slot; the slots summed in rank order. Every step computes each row alone (the
+    integer kernels' rows are batch invariant), so a row's output is bitwise the same whatever else is in the
+    batch."""
     from localllm.kernels import moe as _routing
 
     router = router_f32(experts)
