@@ -41,6 +41,8 @@ try:  # the integer SIMD fast path, written separately; the portable path stands
 except ImportError:
     _quant_dot = None
     _QUANT_DOT_SUPPORTED = frozenset()
+from localllm.kernels.cpu import moe as _moe
+
 try:
     from localllm.kernels.cpu import fused_forward as _fused
 except ImportError:
@@ -357,18 +359,43 @@ class FusedForward:
     overhead and thread wake-ups would otherwise cost as much as a small model's kernels.
 
     Built once per model from its weights; `available` is False where some weight has no integer kernel or the
-    CPU lacks AVX2 (callers then keep the per-kernel path, which computes the same values)."""
+    CPU lacks AVX2 (callers then keep the per-kernel path, which computes the same values).
+
+    A mixture of experts: `experts` (per layer a backends.base.Experts of this module's weights) with `n_used`
+    experts per token, weights renormalised with `normalize`, in place of the dense FFN, whose three matrices
+    are then None in `layer_mats`."""
 
     def __init__(self, layer_mats: list[list[Weight]], output: Weight, layer_vecs: list[list], output_norm,
-                 dims: tuple, flags: tuple, eps: float, attention_scale: float, attention_softcap: float = 0.0):
-        everything = [w for mats in layer_mats for w in mats] + [output]
+                 dims: tuple, flags: tuple, eps: float, attention_scale: float, attention_softcap: float = 0.0,
+                 experts: list | None = None, n_used: int = 0, normalize: bool = True):
+        stacked = [] if experts is None else [
+            [[g.weights[0] for g in ex.gate_up], [g.weights[1] for g in ex.gate_up], list(ex.down)] for ex in experts]
+        everything = [w for mats in layer_mats for w in mats if w is not None] + [output]
         self.available = (_fused is not None and _quant_dot.USES_AVX2
-                          and all(w._use_quant_dot for w in everything))
+                          and all(w._use_quant_dot for w in everything)
+                          and all(w._use_quant_dot for layer in stacked for mats in layer for w in mats)
+                          and all(len({w.qtype for w in mats}) == 1 for layer in stacked for mats in layer))
         if not self.available:
             return
-        self.mats = typed_list(w.raw for w in everything)
-        self.mat_types = np.array([int(w.qtype) for w in everything], np.int64)
-        self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in everything], np.int64)
+        # A mixture of experts' layers have no dense FFN: an empty matrix holds its places (never read).
+        hole = _read_only(np.empty((0, 0), np.uint8))
+        first = everything[0]
+        mats = [w.raw if w is not None else hole for mats in layer_mats for w in mats] + [output.raw]
+        kinds = [w if w is not None else first for mats in layer_mats for w in mats] + [output]
+        self.mats = typed_list(mats)
+        self.mat_types = np.array([int(w.qtype) for w in kinds], np.int64)
+        self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in kinds], np.int64)
+        self.moe = None
+        if experts is not None:
+            n_expert, n_ff_exp = experts[0].n_expert, stacked[0][2][0].cols
+            if not 1 <= n_used <= n_expert:
+                raise ValueError(f"cannot choose {n_used} of {n_expert} experts")
+            self.moe = (typed_list(router_f32(ex) for ex in experts),
+                        typed_list(w.raw for layer in stacked for mats in layer for w in mats),
+                        np.array([int(mats[0].qtype) for layer in stacked for mats in layer], np.int64),
+                        np.array([_quant_dot.activation_family(mats[0].qtype) for layer in stacked for mats in layer],
+                                 np.int64),
+                        np.array([n_expert, n_used, int(bool(normalize)), n_ff_exp], np.int64))
         empty = np.empty(0, _F32)
         vecs = [_read_only(empty if a is None else np.ascontiguousarray(a, _F32))
                 for row in layer_vecs for a in row] + [_read_only(np.ascontiguousarray(output_norm, _F32))]
@@ -406,7 +433,21 @@ class FusedForward:
                               self.scale, self.softcap, self.mats, self.mat_types, self.mat_families, self.vecs,
                               kv[0], kv[1],
                               kv[2], kv[3], layer_group, layer_window, layer_rope, tables, first_blocks,
-                              seg_bounds.astype(np.int64), write_cols, positions, cos, sin, x, out_rows)
+                              seg_bounds.astype(np.int64), write_cols, positions, cos, sin, x, out_rows,
+                              self._moe_step(len(x)))
+
+    def _moe_step(self, n: int):
+        """The experts' weights and this step's buffers for n tokens (fused_forward._moe_ffn), or None."""
+        if self.moe is None:
+            return None
+        n_expert, k, _, n_ff_exp = (int(v) for v in self.moe[4])
+        d = int(self.dims[6])
+        rows = n * k
+        return self.moe + (np.empty((n, n_expert), _F32), np.empty((n, k), np.int64), np.empty((n, k), _F32),
+                           np.empty(n_expert + 1, np.int64), np.empty(n_expert + 1, np.int64),
+                           np.empty(rows, np.int64), np.empty(rows, _F32), np.empty((rows, d), _F32),
+                           np.empty((rows, n_ff_exp), _F32), np.empty((rows, n_ff_exp), _F32),
+                           np.empty((rows, n_ff_exp), _F32), np.empty((rows, d), _F32))
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -415,25 +456,36 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     return view
 
 
+def router_f32(experts) -> np.ndarray:
+    """The router as read-only float32 (n_expert, d), derived once (converted files keep it float32: then a view of
+    the file, no copy); one array type for every caller of the router kernel."""
+    router = experts.cache.get("router")
+    if router is None:
+        w = experts.router
+        router = experts.cache["router"] = _read_only(
+            np.ascontiguousarray(w._dense if w._dense is not None else dequantize(w)))
+    return router
+
+
 def moe_ffn(experts, x: np.ndarray, k: int, normalize: bool, kind: str, precise: bool = False) -> np.ndarray:
     """A mixture-of-experts FFN over x (n, d) (backends.base.Backend.moe_ffn; `experts` a backends.base.Experts
-    of this module's weights): the router's logits (kernels/cpu/moe.py), each row's k experts and weights
-    (kernels/moe.py route), then per chosen expert its rows gathered and put through gate/up (one WeightGroup
-    call), the activation and down once, each result times its weight into the row's slot; the slots summed in
-    rank order. Every step computes each row alone (the integer kernels' rows are batch invariant), so a row's
-    output is bitwise the same whatever else is in the batch."""
+    of this module's weights): the router's logits and each row's k experts and weights (kernels/cpu/moe.py: the
+    routing of kernels/moe.py route, compiled, as the fused forward computes it), then per chosen expert its
+    rows gathered and put through gate/up (one WeightGroup call), the activation and down once, each result times
+    its weight into the row's slot; the slots summed in rank order. Every step computes each row alone (the
+    integer kernels' rows are batch invariant), so a row's output is bitwise the same whatever else is in the
+    batch."""
     from localllm.kernels import moe as _routing
-    from localllm.kernels.cpu import moe as _moe
 
-    router = experts.cache.get("router")
-    if router is None:  # float32 once (converted files keep it so: then a view of the file, no copy)
-        w = experts.router
-        router = experts.cache["router"] = np.ascontiguousarray(w._dense if w._dense is not None else dequantize(w))
+    router = router_f32(experts)
     x = np.ascontiguousarray(x, dtype=_F32)
     n = x.shape[0]
     logits = np.empty((n, experts.n_expert), _F32)
     _moe.router_logits(router, x, logits)
-    ids, weights = _routing.route(logits, k, normalize)
+    if not 1 <= k <= experts.n_expert:
+        raise ValueError(f"cannot choose {k} of {experts.n_expert} experts")
+    ids, weights = np.empty((n, k), np.int64), np.empty((n, k), _F32)
+    _moe.route_rows(logits, k, normalize, ids, weights)
     flat_weights = weights.reshape(-1)
     d_out = experts.down[0].rows
     slots = np.empty((n * k, d_out), _F32)

@@ -209,8 +209,6 @@ FEATURES = {"llama3": "llama3 frequency factors", "llama-linear": "linear scalin
             "gemma2": "sliding window 48 on 1 of 2 layers; attention logit soft-cap 1; final logit soft-cap 16",
             "smollm3": "no RoPE (NoPE) on 1 of 4 layers (every 4th)",
             "qwen3moe": "mixture of 8 experts, top-2 per token (expert width 64), weights renormalised"}
-# The CPU's fused forward has no mixture-of-experts block: those models run op by op (tested below).
-FUSED_CASES = [c for c in CASES if c != "qwen3moe"]
 
 
 def test_every_architecture_fixture_is_there():
@@ -306,7 +304,7 @@ def test_the_fixture_is_wrong_by_far_without_its_feature(case):
 
 # ---- every path: fused, paged, q8_0 KV, batched, speculative ----------------------------------------------
 
-@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_the_fused_forward_equals_the_per_kernel_path_bitwise_in_both_kv_layouts(case):
     from test_fused_forward import assert_bitwise, run
 
@@ -603,21 +601,70 @@ def _steps_logits(engine: Engine, prompt: list[int], steps: list[list[int]], int
     return outs
 
 
-def test_a_mixture_of_experts_runs_op_by_op_each_token_alike_in_any_chunk_and_kv_layout():
-    """No fused kernel for MoE; the op-by-op forward gives each token bitwise the logits whatever the chunk it is
-    evaluated in (decode steps, verify-sized ones, a whole prompt: its experts' rows grouped with other tokens'
-    or alone) and in both KV layouts."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
+def test_a_mixture_of_experts_gives_each_token_alike_in_any_chunk_and_kv_layout(fused):
+    """Fused or op by op, each token gets bitwise the same logits whatever the chunk it is evaluated in (decode
+    steps, verify-sized ones, a whole prompt: its experts' rows grouped with other tokens' or alone) and in both
+    KV layouts."""
     from test_fused_forward import assert_bitwise
 
     engine = arch_engine("qwen3moe", "q8_0")
-    assert engine.model.fused is None and engine.config.n_expert == 8 and engine.config.n_expert_used == 2
+    assert engine.model.fused.available and engine.config.n_expert == 8 and engine.config.n_expert_used == 2
     prompt = reference("qwen3moe")["prompts"][1].tolist()
     cuts = (0, 1, 4, 5, 13, 29, 66)
     steps = [prompt[i:j] for i, j in zip(cuts, cuts[1:])]
-    contiguous = _steps_logits(engine, prompt[:70], steps, False)
-    assert_bitwise(_steps_logits(engine, prompt[:70], steps, True), contiguous)
-    whole = _steps_logits(engine, prompt[:70] + prompt[:66], [], False)[0]
+    engine.model.fused.available = fused
+    try:
+        contiguous = _steps_logits(engine, prompt[:70], steps, False)
+        assert_bitwise(_steps_logits(engine, prompt[:70], steps, True), contiguous)
+        whole = _steps_logits(engine, prompt[:70] + prompt[:66], [], False)[0]
+    finally:
+        engine.model.fused.available = True
     assert np.array_equal(np.concatenate(contiguous[1:]).view(np.uint32), whole[70:].view(np.uint32))
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["renormalised", "softmax weights"])
+def test_the_fused_mixture_of_experts_equals_the_op_by_op_path_bitwise_with_a_q8_0_cache(normalize):
+    """Decode steps, k-token verifies and prompt chunks through the fused forward's experts give bitwise the
+    op-by-op logits, in a q8_0 KV cache, whether the chosen experts' weights are renormalised or not."""
+    from test_fused_forward import assert_bitwise, run
+
+    changes = "" if normalize else json.dumps(FEATURE_OFF["qwen3moe"][1])
+    engine = Engine(converted("qwen3moe", "q8_0", changes), ctx=512, quiet=True, kv_type="q8_0")
+    assert engine.model.fused.available and engine.config.expert_weights_norm == normalize
+    prompt = reference("qwen3moe")["prompts"][2].tolist()
+    steps = [prompt[i:j] for i, j in ((0, 1), (1, 5), (5, 6), (6, 23), (23, 60))]
+    assert_bitwise(run(engine, True, prompt[:40], steps, True), run(engine, False, prompt[:40], steps, True))
+
+
+def test_the_fused_mixture_of_experts_finishes_with_two_workers_on_one_thread():
+    """Two workers that the runtime runs one after the other on one thread: the first does every task of every
+    layer, the second then finds the routing of the last layer in the shared buffers, and must still find no task
+    left in each phase (no task count of its own from that routing: no deadlock), and the logits are the same."""
+    import numba
+    from localllm.kernels import ops
+    from test_fused_forward import assert_bitwise, run
+
+    engine = arch_engine("qwen3moe", "q8_0")
+    prompt = reference("qwen3moe")["prompts"][0].tolist()
+    steps = [prompt[i:j] for i, j in ((0, 1), (1, 4), (4, 21))]
+    want = run(engine, True, prompt[:30], steps, False)
+    threads, saved = numba.get_num_threads(), ops._threads[0]
+    numba.set_num_threads(1)
+    ops._threads[0] = 2  # the fused forward still splits its work for two workers
+    try:
+        got = run(engine, True, prompt[:30], steps, False)
+    finally:
+        numba.set_num_threads(threads)
+        ops._threads[0] = saved
+    assert_bitwise(got, want)
+
+
+def test_a_float32_mixture_of_experts_has_no_fused_forward_and_runs_op_by_op():
+    """F32 weights have no integer kernel, so neither the dense nor the experts' products can join the fused
+    forward: the model runs op by op (the logits of the other tests against transformers are that path's)."""
+    engine = arch_engine("qwen3moe", "f32")
+    assert not engine.model.fused.available
 
 
 def test_decode_reads_only_the_chosen_experts_weights(monkeypatch):
@@ -632,6 +679,7 @@ def test_decode_reads_only_the_chosen_experts_weights(monkeypatch):
     used = []
     matmul = ops.matmul
     monkeypatch.setattr(ops, "matmul", lambda w, x, **kw: (used.append(experts.get(id(w))), matmul(w, x, **kw))[1])
+    monkeypatch.setattr(engine.model.fused, "available", False)  # the op-by-op path, whose products we can count
     seq = engine.new_sequence()
     engine.evaluate(seq, reference("qwen3moe")["prompts"][0][:20].tolist())
     used.clear()

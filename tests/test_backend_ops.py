@@ -1228,3 +1228,26 @@ def test_a_device_that_cannot_build_is_refused_with_its_reason_and_plain_opencl_
     with pytest.raises(LocalLLMError, match=r"cannot build OpenCL kernels: error: unknown target CPU .*localllm devices"):
         OpenCLBackend(first.spec)
     assert OpenCLBackend("").dev.info.spec != first.spec
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_cpu_routing_kernel_chooses_the_experts_of_the_numpy_routing_with_its_weights(normalize):
+    """kernels/cpu/moe.py route_rows (both CPU paths: op by op and the fused forward) is kernels/moe.py route
+    compiled: the same experts in the same order (ties to the lower index, NaN never preferred, -inf last but
+    one), the same weights to rounding (numpy's exp and pairwise sum are not LLVM's)."""
+    from localllm.kernels import moe
+    from localllm.kernels.cpu import moe as cpu_moe
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 8)).astype(np.float32)
+    logits[::3] = np.round(logits[::3])  # ties
+    logits[1::7, 2] = np.nan
+    logits[2::5, 5] = -np.inf
+    logits[4] = np.nan
+    for k in (1, 2, 3, 8):
+        ids, weights = np.empty((64, k), np.int64), np.empty((64, k), np.float32)
+        cpu_moe.route_rows(logits, k, normalize, ids, weights)
+        want_ids, want_weights = moe.route(logits, k, normalize)
+        assert np.array_equal(ids, want_ids)
+        np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=0)
+        assert np.all(weights[4] == 0)  # every logit NaN: no weight

@@ -8,10 +8,13 @@ GGUF (no torch, no checkpoint). The tokenizer is the architecture fixtures' byte
     localllm bench OUT_DIR/dense-500m-q8_0.gguf -p 16 -n 32 -r 2 --json
     python tools/make_moe_bench_models.py OUT_DIR --compare 12   # both decoding in turns, on a busy machine
 
-Measured on the 2-core machine, 2026-11-24, others' tests running: bench counts 518 MB of weights per token for
-the dense model and 197 MB for the MoE (2.62x); MoE decode was 0.40x to 0.72x of that ratio faster than dense in
-`bench` pairs and 0.71x (median) to 0.80x (best) in --compare turns. The MoE runs op by op (about 6 parallel
-regions a layer) where the dense model is one fused call per token: that overhead is the gap.
+Measured on the 2-core machine, 2026-11-24, others' tests running: bench counts 518 MB of weights per token for the
+dense model and 197 MB for the MoE (2.62x); MoE decode was 0.40x to 0.72x of that ratio faster than dense in `bench`
+pairs and 0.71x (median) to 0.80x (best) in --compare turns, the MoE then op by op (about 6 parallel regions a
+layer) where the dense model was one fused call per token. 2026-11-26, the MoE in the fused forward too, load
+average 4-5 on the 2 cores: --compare 12 gave 0.83x-0.91x (median and best, five runs; the op-by-op MoE in the same
+turns 0.81x-0.86x); `bench` pairs (-p 64 -n 64 -r 3, order moe dense dense moe) swung from 0.78x to 1.3x with the
+other load, the op-by-op MoE beside them at 66-114 tok/s against the fused one's 68-75.
 
 The models are not shipped: they are made in a few seconds. Weights are Q8_0 blocks of random int8 quants with a
 scale giving a standard deviation of 0.02 (transformers' initialisation), norms of 1, the router 4x sharper (as

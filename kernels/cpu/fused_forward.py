@@ -8,9 +8,14 @@ one parallel region: the threads go through the step's phases together (kernels/
 ranges of each product, (query, head) items of attention, and column ranges of the activation.
 
 Every value is computed by the same kernels, on the same inputs, in the same order as the Python path (the
-row functions of quant_dot, rms_norm_rows, rope_rows, write_rows, attention's items, gated_activation), so the
-two agree bit for bit (tests/test_fused_forward.py), and each token's row still depends on nothing else in the
-step (batch invariance).
+row functions of quant_dot, rms_norm_rows, rope_rows, write_rows, attention's items, gated_activation; for a
+mixture of experts the router and routing of kernels/cpu/moe.py), so the two agree bit for bit
+(tests/test_fused_forward.py, tests/test_architectures.py), and each token's row still depends on nothing else
+in the step (batch invariance).
+
+A mixture of experts (qwen3moe) replaces the dense FFN's three phases with three of its own (`_moe_ffn`:
+routing, the chosen experts' gate/up, their down and the weighted sum), given as the `moe` argument; dense
+models pass None, and Numba prunes that branch from their compiled code.
 
 Layout of the model description (built once by the architecture; KV lists rebuilt when the pool grows):
 * `mats`: typed list of read-only uint8 (rows, row_bytes) weights, MATS_PER_LAYER per layer in the order
@@ -35,9 +40,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from localllm.kernels.cpu import attention, blocks, forget_stale_cache, quant_dot, simd, team
+from localllm.kernels.cpu import attention, blocks, forget_stale_cache, moe as moe_kernels, quant_dot, simd, team
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
+from localllm.kernels.cpu.moe import route_row, router_row
 from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
 
@@ -97,9 +103,119 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
 
 
 @njit(cache=True)
+def _expert_rows(raw, qtype, acts, out, g0, g1, r0, r1):
+    """out[g0:g1, r0:r1] = x[g0:g1] @ W[r0:r1].T (x given quantized, `acts`), in passes of PASS rows."""
+    q0, d0, q1, d1, s1, qk, dk, bk = acts
+    for i0 in range(g0, g1, PASS):
+        i1 = min(i0 + PASS, g1)
+        part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1], bk[i0:i1])
+        rows_avx2(raw, qtype, part, out[i0:i1], r0, r1)
+
+
+@njit(cache=True)
+def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
+    """Phases p, p + 1, p + 2 (the dense FFN's three): dn = the mixture of experts' FFN of h, as kernels/ops.py
+    moe_ffn computes it (the same router and routing kernels, the same products of each chosen expert over the
+    rows routed to it, the weighted slots summed in rank order), so bitwise the same rows.
+
+    `moe` (built by kernels/ops.py FusedForward): routers (per layer, float32 (n_expert, d)); expert matrices
+    (typed list, index (layer * 3 + m) * n_expert + e for m = gate, up, down); their GGML types and activation
+    families (per layer * 3 + m); mdims (n_expert, k, normalize, n_ff_exp); then the step's buffers: logits
+    (n, n_expert), ids (n, k), weights (n, k), starts (n_expert + 1: expert e's grouped rows are starts[e] to
+    starts[e + 1]), active (1 + n_expert: how many experts have rows, then which), pos (n * k: the grouped row of
+    token t's slot j at t * k + j), wg (n * k), xg (n * k, d), gate, up, act (n * k, n_ff_exp), ys (n * k, d).
+
+    Each task of the two product phases takes one range of every chosen expert (not one expert's range): the
+    task count is then fixed, never read from the routing (which a thread that ran ahead may already be
+    rewriting for the next layer: one thread can do all of a phase's tasks), the tasks stay even whatever the
+    tokens per expert, and the down phase's task holds every slot of its columns, so it also sums them: 3
+    phases a layer as the dense FFN. Measured on the 8-expert bench model (tools/make_moe_bench_models.py,
+    2-core machine under load): decode 77-79 tok/s at best, where (expert, range) tasks and a summing phase (5
+    phases) gave 73.6 and the op-by-op path 70-74.
+    """
+    (routers, emats, etypes, efamilies, mdims, logits, ids, weights, starts, active, pos, wg, xg, gate, up, act,
+     ys) = moe
+    n_expert, k, normalize, n_ff_exp = mdims[0], mdims[1], mdims[2] != 0, mdims[3]
+    n, d = h.shape
+    base = layer * 3 * n_expert
+    # p: the router's logits (each row by the op-by-op path's compiled loop: a few thousand multiply-adds a token,
+    # not worth a phase of their own), each row's experts and weights, the (token, slot) pairs grouped by expert
+    # (ascending within one, as kernels/moe.py by_expert orders them) and their inputs gathered
+    if _one_task(ctl, p):
+        router = routers[layer]
+        for r in range(n):
+            router_row(router, h, r, logits)
+            route_row(logits, r, k, normalize, ids, weights)
+        starts[:] = 0
+        for s in range(n * k):
+            starts[ids[s // k, s % k] + 1] += 1
+        active[0] = 0
+        for e in range(n_expert):
+            if starts[e + 1] > 0:
+                active[0] += 1
+                active[active[0]] = e
+            starts[e + 1] += starts[e]
+        fill = starts[:n_expert].copy()
+        for s in range(n * k):
+            e = ids[s // k, s % k]
+            g = fill[e]
+            fill[e] += 1
+            pos[s] = g
+            wg[g] = weights[s // k, s % k]
+            xg[g] = h[s // k]
+        task_done(ctl, p)
+    wait_phase(ctl, p, 1)
+    # p + 1: gate and up of every chosen expert over its rows, in column ranges (whole blocks of 32, as the dense
+    # activation phase cuts them), and the activation of those columns
+    if any_left(ctl, p + 1, tasks):
+        acts = quantize_activations(xg, efamilies[3 * layer] | efamilies[3 * layer + 1])
+        while True:
+            t = next_task(ctl, p + 1, tasks)
+            if t < 0:
+                break
+            lo, hi = task_bounds(t, tasks, n_ff_exp, 32)
+            if lo < hi:
+                for a in range(1, active[0] + 1):
+                    e = active[a]
+                    g0, g1 = starts[e], starts[e + 1]
+                    _expert_rows(emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
+                    _expert_rows(emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo, hi)
+                    gated_activation(gate[g0:g1, lo:hi], up[g0:g1, lo:hi], act_kind, act[g0:g1, lo:hi])
+            task_done(ctl, p + 1)
+    wait_phase(ctl, p + 1, tasks)
+    # p + 2: down of every chosen expert over its rows, in row ranges of the weight (columns of the output), each
+    # result row times its weight; then each token's k slots of those columns summed in rank order
+    if any_left(ctl, p + 2, tasks):
+        acts = quantize_activations(act, efamilies[3 * layer + 2])
+        while True:
+            t = next_task(ctl, p + 2, tasks)
+            if t < 0:
+                break
+            lo, hi = task_bounds(t, tasks, d, 1)
+            if lo < hi:
+                for a in range(1, active[0] + 1):
+                    e = active[a]
+                    g0, g1 = starts[e], starts[e + 1]
+                    _expert_rows(emats[base + 2 * n_expert + e], etypes[3 * layer + 2], acts, ys, g0, g1, lo, hi)
+                    for g in range(g0, g1):
+                        for c in range(lo, hi):
+                            ys[g, c] *= wg[g]
+                for r in range(n):
+                    for c in range(lo, hi):
+                        acc = ys[pos[r * k], c]
+                        for j in range(1, k):
+                            acc += ys[pos[r * k + j], c]
+                        dn[r, c] = acc
+            task_done(ctl, p + 2)
+    wait_phase(ctl, p + 2, tasks)
+
+
+@njit(cache=True)
 def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k, kv_ks,
             kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
-            positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits):
+            positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
+    """One thread's walk through the step's phases. `moe` None (a dense model: Numba prunes the mixture-of-experts
+    branch, so dense models compile exactly their own code) or the experts (_moe_ffn) in place of the dense FFN."""
     n_layers, n_head, n_kv, head_dim, value_dim, rope_dim = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
     neox, qk_norm, post_norms, act_kind = flags[0] != 0, flags[1] != 0, flags[2] != 0, flags[3]
     n = x.shape[0]
@@ -170,6 +286,9 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
             rms_norm_rows(x, vecs[vb + 1], eps, h)
             task_done(ctl, p + 5)
         wait_phase(ctl, p + 5, 1)
+        if moe is not None:
+            _moe_ffn(ctl, p + 6, tasks, layer, act_kind, h, dn, moe)
+            continue
         # 6: gate and up
         _products(ctl, p + 6, tasks, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
         wait_phase(ctl, p + 6, tasks)
@@ -211,11 +330,12 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
 @njit(parallel=True, cache=True)
 def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
             kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
-            positions, cos, sin, x, out_rows):
+            positions, cos, sin, x, out_rows, moe):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
     logits (len(out_rows), vocab) of the rows `out_rows`. The rows are the new tokens of one or more sequences of
     one KV pool, sequence s owning rows seg_bounds[s]..seg_bounds[s + 1] with block tables tables[s] and first
-    blocks first_blocks[s]; every cache must have reserved its tokens."""
+    blocks first_blocks[s]; every cache must have reserved its tokens. `moe`: None, or a mixture of experts'
+    weights and buffers (_moe_ffn)."""
     n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
     n_embd, n_ff, vocab = dims[6], dims[7], dims[8]
     n = x.shape[0]
@@ -235,10 +355,10 @@ def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, ma
     for _ in prange(threads):
         _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
                 kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
-                positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits)
+                positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe)
     return logits
 
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks)])
+                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels)])

@@ -253,11 +253,9 @@ class Transformer:
         self._layer_window = np.array(self.layer_window, np.int64)
         # The backend's override of the same forward for one sequence (decode, speculative verify, prompt
         # chunks), called as fused(tokens, cache, output_rows) -> logits: on the CPU one compiled call per step,
-        # bitwise the op-by-op forward's logits. None or `.available` False: the op-by-op forward.
-        #
-        # Not for a mixture of experts: the CPU's fused kernel has no MoE block (routing, per-expert row groups), so
-        # such a model runs op by op on every backend.
-        self.fused = None if c.n_expert else b.whole_forward(self)
+        # bitwise the op-by-op forward's logits, a mixture of experts' FFN included. None or `.available` False:
+        # the op-by-op forward.
+        self.fused = b.whole_forward(self)
 
     @property
     def fused_available(self) -> bool:

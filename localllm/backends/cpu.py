@@ -162,10 +162,13 @@ class _WholeForward:
             [[L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down] for L in model.layers], model.output,
             [[L.attn_norm, L.ffn_norm, L.bq, L.bk, L.bv, L.q_norm, L.k_norm, L.attn_post_norm, L.ffn_post_norm]
              for L in model.layers], model.output_norm,
-            (c.n_layers, c.n_head, c.n_head_kv, c.head_dim, c.value_dim, c.rope_dim, c.n_embd, c.n_ff,
-             c.vocab_size),
+            # n_ff 0 with experts: no dense FFN buffers
+            (c.n_layers, c.n_head, c.n_head_kv, c.head_dim, c.value_dim, c.rope_dim, c.n_embd,
+             0 if c.n_expert else c.n_ff, c.vocab_size),
             (tr.rope_style == "neox", tr.qk_norm, tr.post_norms, ops.GATES[tr.activation]), c.rms_eps,
-            c.attention_scale, c.attn_softcap)
+            c.attention_scale, c.attn_softcap,
+            experts=[L.experts for L in model.layers] if c.n_expert else None, n_used=c.n_expert_used,
+            normalize=c.expert_weights_norm)
         self.available = self.kernel.available
 
     def __call__(self, tokens, cache, output_rows) -> np.ndarray:
