@@ -303,34 +303,47 @@ def accept_token(p: tuple[np.ndarray, np.ndarray], d: int, q: tuple[np.ndarray, 
 
 
 class _LineFit:
-    """Wall time of a forward of n tokens as a line, t(n) = mean + slope (n - mean n), least squares over the
-    observations with forgetting. Before two sizes were measured: the mean size's mean time, with a prior slope
-    relative to a one-token forward."""
+    """Wall time of a forward of n tokens as a line, t(n) = a + b (n - 1), fitted by least squares through the
+    mean time measured at each size n (a forgetting average per size, so that a size measured long ago keeps
+    its point: the fit never falls back to the prior once two sizes were measured, however long one size is
+    then repeated). Before two sizes were measured: the one measured size's time, with a prior slope relative to
+    a one-token forward."""
 
     def __init__(self, decay: float, prior_slope: float):
         self.decay, self.prior_slope = decay, prior_slope
-        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+        self.at: dict[int, list[float]] = {}  # n -> [forgetting count, forgetting sum of seconds]
+        self._line: tuple[float, float] | None = None  # (t(1), slope), refitted after each observation
 
     @property
     def measured(self) -> bool:
-        return self.w > 0
+        return bool(self.at)
+
+    @property
+    def sizes(self) -> set[int]:
+        """The sizes measured so far."""
+        return set(self.at)
 
     def observe(self, n: int, seconds: float) -> None:
-        d = self.decay
-        self.w, self.sn, self.snn = d * self.w + 1.0, d * self.sn + n, d * self.snn + n * n
-        self.st, self.snt = d * self.st + seconds, d * self.snt + n * seconds
+        s = self.at.setdefault(n, [0.0, 0.0])
+        s[0], s[1] = self.decay * s[0] + 1.0, self.decay * s[1] + seconds
+        means = [(size, t / w) for size, (w, t) in self.at.items()]
+        if len(means) < 2:
+            size, t = means[0]
+            base = t / (1 + self.prior_slope * (size - 1))
+            self._line = (base, self.prior_slope * base)
+            return
+        # Each size counts once: the line is what the sizes say, not what the most repeated one says.
+        mn = sum(size for size, _ in means) / len(means)
+        mt = sum(t for _, t in means) / len(means)
+        var = sum((size - mn) ** 2 for size, _ in means)
+        slope = max(sum((size - mn) * (t - mt) for size, t in means) / var, 0.0)
+        self._line = (mt - slope * (mn - 1), slope)
 
     def __call__(self, n: float) -> float:
-        w = self.w
-        if w == 0:
+        if self._line is None:
             return 1.0 + self.prior_slope * (n - 1)
-        mean_n, mean_t = self.sn / w, self.st / w
-        var = self.snn / w - mean_n ** 2
-        if var < 0.05:  # one size measured so far: its mean, with the prior slope
-            base = mean_t / (1 + self.prior_slope * (mean_n - 1))
-            return base * (1 + self.prior_slope * (n - 1))
-        slope = max((self.snt / w - mean_n * mean_t) / var, 0.0)
-        return max(mean_t + slope * (n - mean_n), 1e-6)
+        t1, slope = self._line
+        return max(t1 + slope * (n - 1), 1e-6)
 
 
 class Controller:
@@ -346,7 +359,7 @@ class Controller:
 
     DECAY = 0.95  # forgetting per observation
     PRIOR_WEIGHT = 2.0  # the prior acceptance counts as this many tested tokens
-    PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, before two sizes were measured
+    PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, until two sizes were measured (see _explore)
     PROBE_EVERY = 4  # a switched-off draft model probes after this many rounds off
     MAX_FRUITLESS = 2  # and stops after this many probes that left speculation off
 
@@ -445,6 +458,8 @@ class Controller:
             return limit
         extra = 0.0 if free else self.catchup(lag, room)
         k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free, extra if k else 0.0))
+        if k > 0:
+            k = self._explore(k, limit)
         if not (free or self.free_drafts):
             if k == 0 and not self._draft.measured:
                 return 1  # time one draft while the draft model is still in step with the prompt: no catch-up
@@ -460,6 +475,20 @@ class Controller:
                 if self.off_rounds % self.PROBE_EVERY == 0:
                     self._probed = True
                     return 1
+        return k
+
+    def _explore(self, k: int, limit: int) -> int:
+        """Until verifies of two sizes were timed, the cost line is the prior's (verify(n) / verify(1) = 1 + 0.35
+        (n - 1)), and under it the same k always wins: the line would never be measured. So while only one size
+        was timed, a draft of that size is made at another one instead: the longest allowed, else a single
+        token. On qwen2.5-coder-0.5b (2 cores) a 9-token verify costs 2.84 one-token ones where the prior says
+        3.8: measured, the copy of an edited file drafts longer."""
+        sizes = self._verify.sizes
+        if len(sizes) != 1 or k + 1 not in sizes:
+            return k
+        for other in (limit, 1):
+            if other + 1 not in sizes:
+                return other
         return k
 
     def probe_skipped(self) -> None:
