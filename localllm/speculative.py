@@ -53,7 +53,7 @@ MODES = ("ngram", "draft")
 class SpeculationParams:
     mode: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model)
     draft_model: str | None = None  # catalog name or .gguf path, for mode "draft"
-    draft_max: int = 8  # most tokens drafted per verify
+    draft_max: int = 16  # most tokens drafted per verify (llama.cpp's default too; the controller picks less where it pays)
     adaptive: bool = True  # False: always draft draft_max tokens (tests, measurements)
     # With a draft model: also look the context up in the text so far (free), and verify that draft instead
     # when its measured acceptance makes it the better bet (a long copy). Only when adaptive.
@@ -500,8 +500,10 @@ class Controller:
 
 
 class SpeculativeRun:
-    """Speculative decoding of one `Generation` (see engine.py): `start()` after the prompt, then `round()`
-    until an event carries a finish reason. Each round is one forward of the target."""
+    """Speculative decoding of one `Generation` (see engine.py): `start()` (or, when the caller evaluated the
+    prompt, `begin(logits)`), then `round()` until an event carries a finish reason. Each round is one forward of
+    the target: `round()` runs it alone; a scheduler splits it into `plan()` (the tokens to verify), its own
+    batched forward, and `finish(rows)` (the accepted events), the same logic either way."""
 
     def __init__(self, gen, spec: SpeculationParams, drafter):
         self.gen, self.spec, self.drafter = gen, spec, drafter
@@ -514,27 +516,42 @@ class SpeculativeRun:
         self.lookup = (NGramDrafter(spec.ngram_max, spec.ngram_min)
                        if not drafter.free and spec.lookup and spec.adaptive else None)
         self.history: list[int] = []  # prompt and every token handed out (the n-gram drafter's text)
+        self._round = None  # what `plan` decided, for `finish`: (event, base, draft, shadow, start time)
 
     def start(self) -> None:
         """Prompt processing for the target and the drafter; picks the first token."""
         gen = self.gen
         t0 = time.perf_counter()
-        new = gen.start_prefill()
-        logits = self.engine.evaluate(self.seq, new)
+        logits = self.engine.evaluate(self.seq, gen.start_prefill())
+        self.begin(logits)
+        gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+
+    def begin(self, logits: np.ndarray) -> None:
+        """After the target read the prompt (`Generation.start_prefill`'s tokens; `logits`: its last
+        position's): the drafter reads it too, and the first token is picked."""
+        gen = self.gen
         self.drafter.prefill(gen.tokens)
         if self.lookup is not None:
             self.lookup.prefill(gen.tokens)
         gen.end_prefill()
-        gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
         self.history = list(gen.tokens)
         self.pending = gen.step(logits)
 
     def round(self) -> list:
+        """One round alone: its verify is one forward of this sequence."""
+        tokens = self.plan()
+        rows = None if tokens is None else self.engine.evaluate(self.seq, tokens, logit_positions=range(len(tokens)))
+        return self.finish(rows)
+
+    def plan(self) -> list[int] | None:
+        """The round's tokens for the target to evaluate, with logits at every one of them: the pending token
+        and the draft. None when the pending token ends the generation (`finish(None)` hands it out). A
+        scheduler evaluates them with other sequences' tokens in one batched forward (bitwise the logits this
+        sequence alone gets), then calls `finish`."""
         gen, seq, ctl, timings = self.gen, self.seq, self.controller, self.gen.timings
         event = self.pending
         if event.finish_reason is not None:
-            gen.record(event)
-            return [event]
+            return None
         s, base = event.token, len(seq.tokens)
         context = self.history + [s]
         # Never draft past max_tokens, nor so far that the context limit (a shift, or "length") would fall inside
@@ -577,12 +594,24 @@ class SpeculativeRun:
             # A draft token the grammar rejects can never be accepted (the target's distribution is masked):
             # verify only the prefix it allows.
             draft = draft.cut(grammar.valid_prefix(draft.tokens))
-        t1 = time.perf_counter()
+        self._round = (event, base, draft, shadow, time.perf_counter())
+        return [s] + draft.tokens
+
+    def finish(self, rows: np.ndarray | None) -> list:
+        """The round's events, from the logits of every token `plan` gave (rows, in order; None when it gave
+        none): the pending token, each draft token the target accepts, and the next pending token is chosen
+        (not handed out yet) unless generation ended."""
+        gen, seq, ctl, timings = self.gen, self.seq, self.controller, self.gen.timings
+        if rows is None:
+            event = self.pending
+            gen.record(event)
+            return [event]
+        event, base, draft, shadow, t1 = self._round
+        self._round = None
         n = len(draft.tokens) + 1
-        rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))
         gen.record(event)
         out = [event]
-        self.history.append(s)
+        self.history.append(event.token)
         accepted = 0
         for i, d in enumerate(draft.tokens):
             n_past = base + 1 + i
@@ -603,7 +632,8 @@ class SpeculativeRun:
             self.history.append(d)
         else:
             self.pending = gen.step(rows[n - 1])
-        # The verify's cost: its forward, and the sampling and acceptance at each position it walked.
+        # The verify's cost: its forward (in a server, the step's batched forward it was part of), and the
+        # sampling and acceptance at each position it walked.
         ctl.observe_verify(n, time.perf_counter() - t1)
         if draft.tokens:
             timings.draft_n += len(draft.tokens)
