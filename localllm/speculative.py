@@ -303,15 +303,22 @@ def accept_token(p: tuple[np.ndarray, np.ndarray], d: int, q: tuple[np.ndarray, 
 
 
 class _LineFit:
-    """Wall time of a forward of n tokens as a line, t(n) = a + b (n - 1), fitted by least squares through the
-    mean time measured at each size n (a forgetting average per size, so that a size measured long ago keeps
-    its point: the fit never falls back to the prior once two sizes were measured, however long one size is
-    then repeated). Before two sizes were measured: the one measured size's time, with a prior slope relative to
-    a one-token forward."""
+    """Wall time of a forward of n tokens as a line, t(n) = a + b (n - 1), fitted by least squares through one
+    time per size n measured (so that a size measured long ago keeps its point: the fit never falls back to the
+    prior once two sizes were measured, however long one size is then repeated). Before two sizes were
+    measured: the one measured size's time, with a prior slope relative to a one-token forward.
 
-    def __init__(self, decay: float, prior_slope: float):
-        self.decay, self.prior_slope = decay, prior_slope
-        self.at: dict[int, list[float]] = {}  # n -> [forgetting count, forgetting sum of seconds]
+    A size's time falls at once to a faster observation and rises slowly (RISE of the way) to a slower one: on a
+    shared machine a forward now and then takes twice its time (another process got the cores), and a size
+    measured once, slowly, would otherwise keep the controller away from it for good (seen on
+    qwen2.5-coder-1.5b: one 17-token verify timed at 8 one-token ones kept drafts at 1 token)."""
+
+    RISE = 0.1
+
+    def __init__(self, prior_slope: float):
+        self.prior_slope = prior_slope
+        self.at: dict[int, float] = {}  # n -> its time
+        self.counts: dict[int, int] = {}  # n -> how many times it was measured
         self._line: tuple[float, float] | None = None  # (t(1), slope), refitted after each observation
 
     @property
@@ -324,9 +331,10 @@ class _LineFit:
         return set(self.at)
 
     def observe(self, n: int, seconds: float) -> None:
-        s = self.at.setdefault(n, [0.0, 0.0])
-        s[0], s[1] = self.decay * s[0] + 1.0, self.decay * s[1] + seconds
-        means = [(size, t / w) for size, (w, t) in self.at.items()]
+        t = self.at.get(n)
+        self.at[n] = seconds if t is None or seconds < t else t + self.RISE * (seconds - t)
+        self.counts[n] = self.counts.get(n, 0) + 1
+        means = list(self.at.items())
         if len(means) < 2:
             size, t = means[0]
             base = t / (1 + self.prior_slope * (size - 1))
@@ -360,6 +368,7 @@ class Controller:
     DECAY = 0.95  # forgetting per observation
     PRIOR_WEIGHT = 2.0  # the prior acceptance counts as this many tested tokens
     PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, until two sizes were measured (see _explore)
+    EXPLORE_TIMES = 3  # verifies timed at each of two sizes before the line is trusted (see _explore)
     PROBE_EVERY = 4  # a switched-off draft model probes after this many rounds off
     MAX_FRUITLESS = 2  # and stops after this many probes that left speculation off
 
@@ -371,8 +380,8 @@ class Controller:
         # one-token forward reads every weight once).
         self.draft_ratio = draft_ratio
         self._seen: dict[int, list[float]] = {}  # per draft kind: forgetting sums of tokens accepted, tested
-        self._verify = _LineFit(self.DECAY, self.PRIOR_SLOPE)
-        self._draft = _LineFit(self.DECAY, self.PRIOR_SLOPE)  # a draft model's forward of n tokens
+        self._verify = _LineFit(self.PRIOR_SLOPE)
+        self._draft = _LineFit(self.PRIOR_SLOPE)  # a draft model's forward of n tokens
         self.off_rounds = 0
         self.fruitless_probes = 0  # probes after which speculation stayed off
         self._probed = False
@@ -458,7 +467,7 @@ class Controller:
             return limit
         extra = 0.0 if free else self.catchup(lag, room)
         k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free, extra if k else 0.0))
-        if k > 0:
+        if k > 0 and (free or self.free_drafts):  # a draft model's tokens cost too much to explore with
             k = self._explore(k, limit)
         if not (free or self.free_drafts):
             if k == 0 and not self._draft.measured:
@@ -478,17 +487,22 @@ class Controller:
         return k
 
     def _explore(self, k: int, limit: int) -> int:
-        """Until verifies of two sizes were timed, the cost line is the prior's (verify(n) / verify(1) = 1 + 0.35
-        (n - 1)), and under it the same k always wins: the line would never be measured. So while only one size
-        was timed, a draft of that size is made at another one instead: the longest allowed, else a single
-        token. On qwen2.5-coder-0.5b (2 cores) a 9-token verify costs 2.84 one-token ones where the prior says
-        3.8: measured, the copy of an edited file drafts longer."""
-        sizes = self._verify.sizes
-        if len(sizes) != 1 or k + 1 not in sizes:
+        """Until verifies of two sizes were timed EXPLORE_TIMES times each, the cost line is the prior's
+        (verify(n) / verify(1) = 1 + 0.35 (n - 1)) or rests on one timing, and under it the same k always wins:
+        the line would never be measured (or a slow first timing never corrected). So a free draft is verified
+        at another size instead: one timed too few times (the longest), else, with no other size timed, the
+        longest draft allowed, else a single token. On qwen2.5-coder-0.5b (2 cores) a 9-token verify costs
+        2.84 one-token ones where the prior says 3.8: measured, the copy of an edited file drafts longer."""
+        counts = self._verify.counts
+        if k + 1 not in counts or sum(c >= self.EXPLORE_TIMES for c in counts.values()) >= 2:
             return k
-        for other in (limit, 1):
-            if other + 1 not in sizes:
-                return other
+        few = [n for n, c in counts.items() if n != k + 1 and c < self.EXPLORE_TIMES and n - 1 <= limit]
+        if few:
+            return max(few) - 1
+        if len(counts) == 1:
+            for other in (limit, 1):
+                if other + 1 not in counts:
+                    return other
         return k
 
     def probe_skipped(self) -> None:

@@ -141,7 +141,7 @@ def test_controller_switches_speculation_off_where_it_cannot_pay():
     assert 0 < _controller(accept=0.7, slope=0.35, draft_step=0.05).choose(8) < 8  # in between: a short draft
 
 
-def _fed_controller(accept: float, cost, rounds: int = 6) -> tuple[Controller, list[int]]:
+def _fed_controller(accept: float, cost, rounds: int = 12) -> tuple[Controller, list[int]]:
     """A fresh controller whose acceptance is `accept` (over 100 tested tokens, evenly spread), then `rounds`
     verifies of the size it chooses, each timed at cost(n) seconds for n tokens: the ks it chose."""
     c = Controller(draft_max=16)
@@ -162,14 +162,28 @@ def test_controller_times_a_second_draft_size_then_follows_the_measured_verify_c
     dear = lambda n: 0.1 * (1 + 0.9 * (n - 1))  # noqa: E731
     c, ks = _fed_controller(0.95, cheap)
     assert ks[0] < 16 and ks[1] == 16  # the prior's choice, then the longest draft allowed
-    assert all(k >= 10 for k in ks[2:]), ks
+    assert all(k >= 10 for k in ks[-4:]), ks
     c, ks = _fed_controller(0.95, dear)
     assert ks[0] == _fed_controller(0.95, cheap)[1][0]  # the same first guess, the prior's
-    assert all(1 <= k <= 4 for k in ks[2:]), ks
+    assert all(1 <= k <= 4 for k in ks[-4:]), ks
     # The measured line, not the prior, once two sizes were timed, however long one size is repeated after.
     for _ in range(300):
         c.observe_verify(ks[-1] + 1, dear(ks[-1] + 1))
     assert abs(c.verify_cost(17) - dear(17)) < 1e-9 and c.choose(16) == ks[-1]
+
+
+def test_a_long_verify_timed_slowly_once_is_timed_again_before_the_line_is_trusted():
+    """On a shared machine a forward now and then takes far longer (another process had the cores): the first
+    17-token verify timed at 4 times its cost must not keep drafts short for good."""
+    slow = {17: 1}
+
+    def cost(n):
+        factor = 4.0 if slow.get(n) else 1.0
+        slow[n] = 0
+        return 0.1 * (1 + 0.23 * (n - 1)) * factor
+
+    c, ks = _fed_controller(0.95, cost)
+    assert ks[1] == 16 and ks.count(16) >= 3 and all(k >= 10 for k in ks[-4:]), ks
 
 
 def test_controller_drafts_shorter_as_fewer_drafts_are_right():
