@@ -17,7 +17,8 @@ Pieces, each small:
 * `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (a forgetting average
   per draft kind, for the n-gram drafter per matched length, started from a prior worth two tokens, with a free
   "shadow" measurement while speculation is off: would its guess have been the token that came?), the wall
-  time of a verify of n tokens with its sampling (a line a + b (n - 1), fitted with forgetting) and, for a
+  time of a verify of n tokens with its sampling (a line a + b (n - 1) through one time per size timed; free
+  drafts are verified at a second size early on, so the line is measured rather than assumed) and, for a
   draft model, the wall time of its forwards the same way (before any is timed: the ratio of the two models'
   weights). It picks the k in 0..draft_max maximizing expected tokens per second,
   (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step + catch-up); k = 0 is plain decoding, so
@@ -27,7 +28,8 @@ Pieces, each small:
   catch-up it causes. While off, a draft model probes with one token a few rounds after switching off (the
   catch-up is still short), twice at most unless a probe turns speculation back on.
 * `SpeculativeRun`: drives a `Generation` (engine.py) round by round. A round evaluates the pending token and
-  k draft tokens in one forward (logits for every position), walks the draft with `Generation.step` (so the
+  k draft tokens in one forward (logits for every position; in the server, one segment of the scheduler's
+  batched step: `plan` / `finish`), walks the draft with `Generation.step` (so the
   sampler's history, the detokenizer, stop strings, max_tokens, EOS and the context limit act exactly as in
   plain decoding), truncates the KV cache to what was accepted, and returns the round's events. In draft-model
   mode each round also looks the context up (free) and verifies that draft instead when the controller expects
