@@ -331,11 +331,9 @@ class Engine:
 
     def generate_speculative(self, gen: "Generation") -> Iterator[TokenEvent]:
         """generate() with speculative decoding: each round is one forward that verifies a draft and hands out
-        every token it accepted (speculative.py). Instead of the Generation protocol (prefill, step, record), a
-        scheduler may drive a speculative request with this iterator: the forward of a round runs when the first
-        event of the round is asked for; closing the iterator releases the draft model's sequence."""
-        spec = gen.params.speculation.validated()
-        run = SpeculativeRun(gen, spec, make_drafter(self, spec, gen.sampler.seed))
+        every token it accepted (speculative.py). A scheduler drives a `speculative_run` itself instead, its
+        verifies part of its batched forwards."""
+        run = self.speculative_run(gen)
         try:
             run.start()
             while True:
@@ -346,22 +344,39 @@ class Engine:
         finally:
             run.close()
 
-    def evaluate_batch(self, items: list[tuple[Sequence, list[int]]]) -> list[np.ndarray]:
-        """Append tokens to several sequences in one forward (each weight read once for all of them); returns
-        each one's last logits. Each sequence's result is bitwise what `evaluate` alone gives it (batch
-        invariance: an answer never depends on which other requests share its step)."""
-        segments = []
-        for seq, tokens in items:
+    def speculative_run(self, gen: "Generation") -> SpeculativeRun:
+        """The speculative decoding of `gen` (its params.speculation), with its drafter (a draft model is
+        loaded on first use)."""
+        spec = gen.params.speculation.validated()
+        return SpeculativeRun(gen, spec, make_drafter(self, spec, gen.sampler.seed))
+
+    def evaluate_batch(self, items: list[tuple]) -> list[np.ndarray]:
+        """Append tokens to several sequences in one forward (each weight read once for all of them). Items are
+        (seq, tokens), whose result is the last token's logits, or (seq, tokens, logit_positions) (indices into
+        tokens, ascending: a speculative verify's draft), whose result is a (len(logit_positions), vocab) array.
+        Each sequence's result is bitwise what `evaluate` alone gives it (batch invariance: an answer never
+        depends on which other requests share its step)."""
+        segments, wanted, heads = [], [], []
+        for seq, tokens, *rest in items:
+            positions = np.asarray(rest[0] if rest else [len(tokens) - 1], dtype=np.int64)
+            head = None
             if len(tokens) > PROMPT_CHUNK:  # a long prompt goes ahead alone, its last chunk joins the batch
                 cut = (len(tokens) - 1) // PROMPT_CHUNK * PROMPT_CHUNK
-                self.evaluate(seq, tokens[:cut], logit_positions=[])
-                tokens = tokens[cut:]
-            segments.append((tokens, seq.cache, None))
+                head = self.evaluate(seq, tokens[:cut], logit_positions=positions[positions < cut])
+                tokens, positions = tokens[cut:], positions[positions >= cut] - cut
+            segments.append((tokens, seq.cache, positions if rest else None))
+            wanted.append(bool(rest))
+            heads.append(head)
         logits = self.model.forward_batch(segments)
-        for (seq, _), (tokens, _, _) in zip(items, segments):
+        out = []
+        for (seq, *_), (tokens, _, _), rows, full, head in zip(items, segments, logits, wanted, heads):
             seq.tokens.extend(tokens)
             seq.cache.remember(seq.tokens)
-        return [row[0] for row in logits]
+            if not full:
+                out.append(rows[0])
+            else:
+                out.append(rows if head is None or not len(head) else np.concatenate([head, rows]))
+        return out
 
     # ---- scoring ---------------------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ Pieces, each small:
 * `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (a forgetting average
   per draft kind, for the n-gram drafter per matched length, started from a prior worth two tokens, with a free
   "shadow" measurement while speculation is off: would its guess have been the token that came?), the wall
-  time of a verify of n tokens with its sampling (a line a + b (n - 1), fitted with forgetting) and, for a
+  time of a verify of n tokens with its sampling (a line a + b (n - 1) through one time per size timed; free
+  drafts are verified at a second size early on, so the line is measured rather than assumed) and, for a
   draft model, the wall time of its forwards the same way (before any is timed: the ratio of the two models'
   weights). It picks the k in 0..draft_max maximizing expected tokens per second,
   (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step + catch-up); k = 0 is plain decoding, so
@@ -27,7 +28,8 @@ Pieces, each small:
   catch-up it causes. While off, a draft model probes with one token a few rounds after switching off (the
   catch-up is still short), twice at most unless a probe turns speculation back on.
 * `SpeculativeRun`: drives a `Generation` (engine.py) round by round. A round evaluates the pending token and
-  k draft tokens in one forward (logits for every position), walks the draft with `Generation.step` (so the
+  k draft tokens in one forward (logits for every position; in the server, one segment of the scheduler's
+  batched step: `plan` / `finish`), walks the draft with `Generation.step` (so the
   sampler's history, the detokenizer, stop strings, max_tokens, EOS and the context limit act exactly as in
   plain decoding), truncates the KV cache to what was accepted, and returns the round's events. In draft-model
   mode each round also looks the context up (free) and verifies that draft instead when the controller expects
@@ -53,7 +55,9 @@ MODES = ("ngram", "draft")
 class SpeculationParams:
     mode: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model)
     draft_model: str | None = None  # catalog name or .gguf path, for mode "draft"
-    draft_max: int = 8  # most tokens drafted per verify
+    # Most tokens drafted per verify. 8, not llama.cpp's 16: on the edit workload (qwen2.5-coder-0.5b, 2 busy cores)
+    # 16 gave 1.84x and 1.61x where 8 gave 1.85x twice; a long verify's time varies more when the cores are shared.
+    draft_max: int = 8
     adaptive: bool = True  # False: always draft draft_max tokens (tests, measurements)
     # With a draft model: also look the context up in the text so far (free), and verify that draft instead
     # when its measured acceptance makes it the better bet (a long copy). Only when adaptive.
@@ -303,34 +307,55 @@ def accept_token(p: tuple[np.ndarray, np.ndarray], d: int, q: tuple[np.ndarray, 
 
 
 class _LineFit:
-    """Wall time of a forward of n tokens as a line, t(n) = mean + slope (n - mean n), least squares over the
-    observations with forgetting. Before two sizes were measured: the mean size's mean time, with a prior slope
-    relative to a one-token forward."""
+    """Wall time of a forward of n tokens as a line, t(n) = a + b (n - 1), fitted by least squares through one
+    time per size n measured (so that a size measured long ago keeps its point: the fit never falls back to the
+    prior once two sizes were measured, however long one size is then repeated). Before two sizes were
+    measured: the one measured size's time, with a prior slope relative to a one-token forward.
 
-    def __init__(self, decay: float, prior_slope: float):
-        self.decay, self.prior_slope = decay, prior_slope
-        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+    A size's time falls at once to a faster observation and rises slowly (RISE of the way) to a slower one: on a
+    shared machine a forward now and then takes twice its time (another process got the cores), and a size
+    measured once, slowly, would otherwise keep the controller away from it for good (seen on
+    qwen2.5-coder-1.5b: one 17-token verify timed at 8 one-token ones kept drafts at 1 token)."""
+
+    RISE = 0.1
+
+    def __init__(self, prior_slope: float):
+        self.prior_slope = prior_slope
+        self.at: dict[int, float] = {}  # n -> its time
+        self.counts: dict[int, int] = {}  # n -> how many times it was measured
+        self._line: tuple[float, float] | None = None  # (t(1), slope), refitted after each observation
 
     @property
     def measured(self) -> bool:
-        return self.w > 0
+        return bool(self.at)
+
+    @property
+    def sizes(self) -> set[int]:
+        """The sizes measured so far."""
+        return set(self.at)
 
     def observe(self, n: int, seconds: float) -> None:
-        d = self.decay
-        self.w, self.sn, self.snn = d * self.w + 1.0, d * self.sn + n, d * self.snn + n * n
-        self.st, self.snt = d * self.st + seconds, d * self.snt + n * seconds
+        t = self.at.get(n)
+        self.at[n] = seconds if t is None or seconds < t else t + self.RISE * (seconds - t)
+        self.counts[n] = self.counts.get(n, 0) + 1
+        means = list(self.at.items())
+        if len(means) < 2:
+            size, t = means[0]
+            base = t / (1 + self.prior_slope * (size - 1))
+            self._line = (base, self.prior_slope * base)
+            return
+        # Each size counts once: the line is what the sizes say, not what the most repeated one says.
+        mn = sum(size for size, _ in means) / len(means)
+        mt = sum(t for _, t in means) / len(means)
+        var = sum((size - mn) ** 2 for size, _ in means)
+        slope = max(sum((size - mn) * (t - mt) for size, t in means) / var, 0.0)
+        self._line = (mt - slope * (mn - 1), slope)
 
     def __call__(self, n: float) -> float:
-        w = self.w
-        if w == 0:
+        if self._line is None:
             return 1.0 + self.prior_slope * (n - 1)
-        mean_n, mean_t = self.sn / w, self.st / w
-        var = self.snn / w - mean_n ** 2
-        if var < 0.05:  # one size measured so far: its mean, with the prior slope
-            base = mean_t / (1 + self.prior_slope * (mean_n - 1))
-            return base * (1 + self.prior_slope * (n - 1))
-        slope = max((self.snt / w - mean_n * mean_t) / var, 0.0)
-        return max(mean_t + slope * (n - mean_n), 1e-6)
+        t1, slope = self._line
+        return max(t1 + slope * (n - 1), 1e-6)
 
 
 class Controller:
@@ -346,7 +371,8 @@ class Controller:
 
     DECAY = 0.95  # forgetting per observation
     PRIOR_WEIGHT = 2.0  # the prior acceptance counts as this many tested tokens
-    PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, before two sizes were measured
+    PRIOR_SLOPE = 0.35  # verify(n) / verify(1) - 1 per extra token, until two sizes were measured (see _explore)
+    EXPLORE_TIMES = 3  # verifies timed at each of two sizes before the line is trusted (see _explore)
     PROBE_EVERY = 4  # a switched-off draft model probes after this many rounds off
     MAX_FRUITLESS = 2  # and stops after this many probes that left speculation off
 
@@ -358,8 +384,8 @@ class Controller:
         # one-token forward reads every weight once).
         self.draft_ratio = draft_ratio
         self._seen: dict[int, list[float]] = {}  # per draft kind: forgetting sums of tokens accepted, tested
-        self._verify = _LineFit(self.DECAY, self.PRIOR_SLOPE)
-        self._draft = _LineFit(self.DECAY, self.PRIOR_SLOPE)  # a draft model's forward of n tokens
+        self._verify = _LineFit(self.PRIOR_SLOPE)
+        self._draft = _LineFit(self.PRIOR_SLOPE)  # a draft model's forward of n tokens
         self.off_rounds = 0
         self.fruitless_probes = 0  # probes after which speculation stayed off
         self._probed = False
@@ -445,6 +471,8 @@ class Controller:
             return limit
         extra = 0.0 if free else self.catchup(lag, room)
         k = max(range(limit + 1), key=lambda k: self.expected_rate(k, kind, free, extra if k else 0.0))
+        if k > 0 and (free or self.free_drafts):  # a draft model's tokens cost too much to explore with
+            k = self._explore(k, limit)
         if not (free or self.free_drafts):
             if k == 0 and not self._draft.measured:
                 return 1  # time one draft while the draft model is still in step with the prompt: no catch-up
@@ -462,6 +490,25 @@ class Controller:
                     return 1
         return k
 
+    def _explore(self, k: int, limit: int) -> int:
+        """Until verifies of two sizes were timed EXPLORE_TIMES times each, the cost line is the prior's
+        (verify(n) / verify(1) = 1 + 0.35 (n - 1)) or rests on one timing, and under it the same k always wins:
+        the line would never be measured (or a slow first timing never corrected). So a free draft is verified
+        at another size instead: one timed too few times (the longest), else, with no other size timed, the
+        longest draft allowed, else a single token. On qwen2.5-coder-0.5b (2 cores) a 9-token verify costs
+        2.84 one-token ones where the prior says 3.8: measured, the copy of an edited file drafts longer."""
+        counts = self._verify.counts
+        if k + 1 not in counts or sum(c >= self.EXPLORE_TIMES for c in counts.values()) >= 2:
+            return k
+        few = [n for n, c in counts.items() if n != k + 1 and c < self.EXPLORE_TIMES and n - 1 <= limit]
+        if few:
+            return max(few) - 1
+        if len(counts) == 1:
+            for other in (limit, 1):
+                if other + 1 not in counts:
+                    return other
+        return k
+
     def probe_skipped(self) -> None:
         """The probe `choose` asked for was not made (a lookup draft was verified instead): it proved nothing."""
         self._probed = False
@@ -471,8 +518,10 @@ class Controller:
 
 
 class SpeculativeRun:
-    """Speculative decoding of one `Generation` (see engine.py): `start()` after the prompt, then `round()`
-    until an event carries a finish reason. Each round is one forward of the target."""
+    """Speculative decoding of one `Generation` (see engine.py): `start()` (or, when the caller evaluated the
+    prompt, `begin(logits)`), then `round()` until an event carries a finish reason. Each round is one forward of
+    the target: `round()` runs it alone; a scheduler splits it into `plan()` (the tokens to verify), its own
+    batched forward, and `finish(rows)` (the accepted events), the same logic either way."""
 
     def __init__(self, gen, spec: SpeculationParams, drafter):
         self.gen, self.spec, self.drafter = gen, spec, drafter
@@ -485,27 +534,42 @@ class SpeculativeRun:
         self.lookup = (NGramDrafter(spec.ngram_max, spec.ngram_min)
                        if not drafter.free and spec.lookup and spec.adaptive else None)
         self.history: list[int] = []  # prompt and every token handed out (the n-gram drafter's text)
+        self._round = None  # what `plan` decided, for `finish`: (event, base, draft, shadow, start time)
 
     def start(self) -> None:
         """Prompt processing for the target and the drafter; picks the first token."""
         gen = self.gen
         t0 = time.perf_counter()
-        new = gen.start_prefill()
-        logits = self.engine.evaluate(self.seq, new)
+        logits = self.engine.evaluate(self.seq, gen.start_prefill())
+        self.begin(logits)
+        gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
+
+    def begin(self, logits: np.ndarray) -> None:
+        """After the target read the prompt (`Generation.start_prefill`'s tokens; `logits`: its last
+        position's): the drafter reads it too, and the first token is picked."""
+        gen = self.gen
         self.drafter.prefill(gen.tokens)
         if self.lookup is not None:
             self.lookup.prefill(gen.tokens)
         gen.end_prefill()
-        gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
         self.history = list(gen.tokens)
         self.pending = gen.step(logits)
 
     def round(self) -> list:
+        """One round alone: its verify is one forward of this sequence."""
+        tokens = self.plan()
+        rows = None if tokens is None else self.engine.evaluate(self.seq, tokens, logit_positions=range(len(tokens)))
+        return self.finish(rows)
+
+    def plan(self) -> list[int] | None:
+        """The round's tokens for the target to evaluate, with logits at every one of them: the pending token
+        and the draft. None when the pending token ends the generation (`finish(None)` hands it out). A
+        scheduler evaluates them with other sequences' tokens in one batched forward (bitwise the logits this
+        sequence alone gets), then calls `finish`."""
         gen, seq, ctl, timings = self.gen, self.seq, self.controller, self.gen.timings
         event = self.pending
         if event.finish_reason is not None:
-            gen.record(event)
-            return [event]
+            return None
         s, base = event.token, len(seq.tokens)
         context = self.history + [s]
         # Never draft past max_tokens, nor so far that the context limit (a shift, or "length") would fall inside
@@ -548,12 +612,24 @@ class SpeculativeRun:
             # A draft token the grammar rejects can never be accepted (the target's distribution is masked):
             # verify only the prefix it allows.
             draft = draft.cut(grammar.valid_prefix(draft.tokens))
-        t1 = time.perf_counter()
+        self._round = (event, base, draft, shadow, time.perf_counter())
+        return [s] + draft.tokens
+
+    def finish(self, rows: np.ndarray | None) -> list:
+        """The round's events, from the logits of every token `plan` gave (rows, in order; None when it gave
+        none): the pending token, each draft token the target accepts, and the next pending token is chosen
+        (not handed out yet) unless generation ended."""
+        gen, seq, ctl, timings = self.gen, self.seq, self.controller, self.gen.timings
+        if rows is None:
+            event = self.pending
+            gen.record(event)
+            return [event]
+        event, base, draft, shadow, t1 = self._round
+        self._round = None
         n = len(draft.tokens) + 1
-        rows = self.engine.evaluate(seq, [s] + draft.tokens, logit_positions=range(n))
         gen.record(event)
         out = [event]
-        self.history.append(s)
+        self.history.append(event.token)
         accepted = 0
         for i, d in enumerate(draft.tokens):
             n_past = base + 1 + i
@@ -574,7 +650,8 @@ class SpeculativeRun:
             self.history.append(d)
         else:
             self.pending = gen.step(rows[n - 1])
-        # The verify's cost: its forward, and the sampling and acceptance at each position it walked.
+        # The verify's cost: its forward (in a server, the step's batched forward it was part of), and the
+        # sampling and acceptance at each position it walked.
         ctl.observe_verify(n, time.perf_counter() - t1)
         if draft.tokens:
             timings.draft_n += len(draft.tokens)

@@ -370,3 +370,26 @@ def test_a_batched_step_gives_each_sequence_bitwise_its_own_logits():
     for got, want, seq, p in zip(batched, alone, seqs, prompts):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
         assert seq.tokens == p
+
+
+def test_a_batched_step_gives_a_verify_its_logits_at_every_draft_position_bitwise():
+    """A speculative verify in the server's step: (seq, tokens, logit_positions) beside plain one-token items
+    gets a row per position, each bitwise what evaluating that sequence alone gives."""
+    e = engine()
+    prompts = [text_tokens(e, n, seed=40 + n) for n in (30, 75, 12)]
+    fresh_pool(e)
+    alone = []
+    for i, p in enumerate(prompts):
+        seq = e.new_sequence()
+        e.evaluate(seq, p[:-6])
+        alone.append(e.evaluate(seq, p[-6:], logit_positions=range(6)) if i == 1 else e.evaluate(seq, p[-6:]))
+        seq.close()
+    fresh_pool(e)
+    seqs = [e.new_sequence() for _ in prompts]
+    for seq, p in zip(seqs, prompts):
+        e.evaluate(seq, p[:-6])
+    items = [(seqs[0], prompts[0][-6:]), (seqs[1], prompts[1][-6:], range(6)), (seqs[2], prompts[2][-6:])]
+    batched = e.evaluate_batch(items)
+    assert batched[1].shape == (6, e.config.vocab_size) and batched[0].ndim == 1
+    for got, want in zip(batched, alone):
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -232,3 +232,48 @@ def test_speculative_requests_give_the_plain_answer_and_count_their_drafts(engin
     m = sched.metrics
     assert m.verifies > 0 and 0 < m.draft_accepted <= m.draft_tokens
     assert results[0][1].timings["n_verifies"] > 0 and sched.live_sequences == 0
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_a_speculative_request_verifies_in_the_shared_batched_step_and_both_answers_are_the_ones_alone(
+        engine, monkeypatch, mode):
+    """One client speculates (its own params), one decodes plainly: each step's one evaluate_batch carries the
+    plain request's next token and the speculative one's pending token and draft (logits at each), and both get
+    token for token what they get alone (the engine is batch invariant)."""
+    from dataclasses import replace
+
+    from localllm.speculative import SpeculationParams
+
+    # A draft model of the same vocabulary: the model itself (it drafts what the target picks).
+    spec = SpeculationParams(mode=mode, draft_model=str(model_file(MODEL)) if mode == "draft" else None,
+                             draft_max=6, adaptive=False)
+    repetitive = engine.tokenize_prompt("one two three four five six seven eight one two three four five six")
+    requests = [(repetitive, replace(greedy(32), speculation=spec)), (prompts(engine)[1], greedy(32))]
+    alone = [[e.token for e in engine.generate(p, params)] for p, params in requests]
+    assert alone[0] == [e.token for e in engine.generate(repetitive, greedy(32))]  # lossless, alone
+    batches = []
+    real = engine.evaluate_batch
+
+    def spy(items):
+        batches.append([(len(item[1]), len(item) == 3) for item in items])
+        return real(items)
+
+    monkeypatch.setattr(engine, "evaluate_batch", spy)
+    sched = Scheduler(engine, parallel=2)
+    sched.start()
+    try:
+        async def run():
+            handles = [sched.submit(Request(p, params)) for p, params in requests]
+            return await asyncio.gather(*(drain(h) for h in handles))
+
+        results = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert [tokens for tokens, _ in results] == alone
+    shared = [b for b in batches if (1, False) in b and any(n > 1 and rows for n, rows in b)]
+    assert shared, batches  # a plain token and a multi-token verify in one forward
+    # Every generation step is one forward: no verify runs apart from the step's batched call.
+    assert all(len(b) <= 2 for b in batches) and len(batches) < 32 + 4, batches
+    t = results[0][1].timings
+    assert t["n_verifies"] > 0 and t["draft_n_accepted"] > 0 and results[1][1].timings["n_verifies"] == 0
+    assert engine.kv_pool.blocks_held() == 0 and sched.live_sequences == 0

@@ -141,6 +141,57 @@ def test_controller_switches_speculation_off_where_it_cannot_pay():
     assert 0 < _controller(accept=0.7, slope=0.35, draft_step=0.05).choose(8) < 8  # in between: a short draft
 
 
+def _fed_controller(accept: float, cost, rounds: int = 12) -> tuple[Controller, list[int]]:
+    """A fresh controller whose acceptance is `accept` (over 100 tested tokens, evenly spread), then `rounds`
+    verifies of the size it chooses, each timed at cost(n) seconds for n tokens: the ks it chose."""
+    c = Controller(draft_max=16)
+    for i in range(100):
+        c.observe_acceptance(1, int(np.floor((i + 1) * accept + 1e-9) > np.floor(i * accept + 1e-9)))
+    ks = []
+    for _ in range(rounds):
+        ks.append(c.choose(16))
+        c.observe_verify(ks[-1] + 1, cost(ks[-1] + 1))
+    return c, ks
+
+
+def test_controller_times_a_second_draft_size_then_follows_the_measured_verify_cost():
+    """Under the prior cost line one k always wins, so the line would never be measured: the second verify is
+    made at another size, and from then on k follows the measured line. Cheap long verifies (qwen2.5-coder-0.5b
+    on 2 cores: a 9-token verify costs 2.84 one-token ones) give long drafts, dear ones short drafts."""
+    cheap = lambda n: 0.1 * (1 + 0.23 * (n - 1))  # noqa: E731
+    dear = lambda n: 0.1 * (1 + 0.9 * (n - 1))  # noqa: E731
+    c, ks = _fed_controller(0.95, cheap)
+    assert ks[0] < 16 and ks[1] == 16  # the prior's choice, then the longest draft allowed
+    assert all(k >= 10 for k in ks[-4:]), ks
+    c, ks = _fed_controller(0.95, dear)
+    assert ks[0] == _fed_controller(0.95, cheap)[1][0]  # the same first guess, the prior's
+    assert all(1 <= k <= 4 for k in ks[-4:]), ks
+    # The measured line, not the prior, once two sizes were timed, however long one size is repeated after.
+    for _ in range(300):
+        c.observe_verify(ks[-1] + 1, dear(ks[-1] + 1))
+    assert abs(c.verify_cost(17) - dear(17)) < 1e-9 and c.choose(16) == ks[-1]
+
+
+def test_a_long_verify_timed_slowly_once_is_timed_again_before_the_line_is_trusted():
+    """On a shared machine a forward now and then takes far longer (another process had the cores): the first
+    17-token verify timed at 4 times its cost must not keep drafts short for good."""
+    slow = {17: 1}
+
+    def cost(n):
+        factor = 4.0 if slow.get(n) else 1.0
+        slow[n] = 0
+        return 0.1 * (1 + 0.23 * (n - 1)) * factor
+
+    c, ks = _fed_controller(0.95, cost)
+    assert ks[1] == 16 and ks.count(16) >= 3 and all(k >= 10 for k in ks[-4:]), ks
+
+
+def test_controller_drafts_shorter_as_fewer_drafts_are_right():
+    cheap = lambda n: 0.1 * (1 + 0.23 * (n - 1))  # noqa: E731
+    ks = [_fed_controller(accept, cheap)[1][-1] for accept in (0.98, 0.9, 0.75, 0.5, 0.2)]
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 12 and ks[-1] == 0, ks
+
+
 def test_controller_keeps_a_rate_per_draft_kind():
     c = _controller(accept=0.1, slope=0.35)
     for _ in range(100):

@@ -8,10 +8,13 @@ The engine is not thread-safe, so it lives in one dedicated thread. HTTP handler
      sequence is closed at once, so its KV blocks go back to the pool, still cached for prefix reuse);
   2. admits queued requests while fewer than `parallel` run: each gets a fresh `Sequence` whose prompt reuses
      the longest cached prefix (`Generation.start_prefill`);
-  3. samples the next token of every decoding request (`Generation.step`) and evaluates all of them, plus
-     a bounded chunk of the prompts still being prefilled, in ONE `Engine.evaluate_batch` call, so running
+  3. samples the next token of every decoding request (`Generation.step`), drafts for every speculative one
+     (`SpeculativeRun.plan`: its pending token and draft, logits wanted at each), and evaluates all of them,
+     plus a bounded chunk of the prompts still being prefilled, in ONE `Engine.evaluate_batch` call, so running
      streams keep flowing while a long prompt is read in;
-  4. delivers the events; finished requests leave the batch and close their sequence.
+  4. walks each speculative request's draft (`SpeculativeRun.finish`: the tokens the target accepts; the same
+     code as speculation alone, so its answer is the one it gets alone), delivers the events; finished
+     requests leave the batch and close their sequence.
 
 A request's error (a prompt that does not fit, a token id the model does not have, a sampler that has nothing
 left to sample) ends that request only, and so does an unexpected exception while admitting it, sampling for it
@@ -29,12 +32,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from localllm.engine import Engine, Generation, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError, ModelFileError
 from localllm.server.metrics import Metrics
-from localllm.speculative import SpeculationParams
+from localllm.speculative import SpeculationParams, SpeculativeRun
 
 log = logging.getLogger("localllm.server")
 
@@ -124,9 +126,9 @@ class _Running:
     t_prefill: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
-    # A speculative request (`serve --spec`) runs its own forwards, one verify per round, through this iterator
-    # (Engine.generate_speculative); it hands out one event per scheduler step, so the others keep their turn.
-    spec: Iterator[TokenEvent] | None = None
+    # A speculative request (`serve --spec`, or its own params): its prompt is prefilled as any other's, then
+    # each step verifies its draft in the step's batched forward and hands out every token accepted.
+    spec: SpeculativeRun | None = None
 
 
 class Scheduler:
@@ -287,19 +289,20 @@ class Scheduler:
             params = handle.request.params
             if self.speculation is not None and params.speculation is None and params.max_tokens != 0:
                 params = dataclasses.replace(params, speculation=self.speculation)
+            spec = None
             try:
                 gen = Generation(self.engine, handle.request.tokens, params, seq)
-                if params.speculation is not None:
-                    self._running.append(_Running(handle, gen, [], spec=self.engine.generate_speculative(gen)))
-                    continue
+                spec = self.engine.speculative_run(gen) if params.speculation is not None else None
                 prefill = gen.start_prefill()
             except Exception as e:  # this request only: the others are admitted as usual
+                if spec is not None:
+                    spec.close()  # the draft model's sequence
                 seq.close()
                 self.live_sequences -= 1
                 self.metrics.requests_failed += 1
                 handle._put(_failure(e))
                 continue
-            self._running.append(_Running(handle, gen, prefill))
+            self._running.append(_Running(handle, gen, prefill, spec=spec))
 
     def _step(self) -> None:
         # Cancelled requests leave first: their blocks are back in the pool before anything else runs.
@@ -316,10 +319,9 @@ class Scheduler:
 
         items: list = []
         decoding: list[tuple[_Running, TokenEvent]] = []
+        verifying: list[_Running] = []
         prefilling: list[tuple[_Running, int]] = []
         done: list[tuple[_Running, TokenEvent]] = []
-        for r in [r for r in self._running if r.spec is not None]:
-            self._step_speculative(r)
         for r in self._running:
             if r.spec is not None or r.prefill or r.logits is None:
                 continue
@@ -333,6 +335,19 @@ class Scheduler:
                 decoding.append((r, event))
             else:
                 done.append((r, event))
+        for r in self._running:
+            if r.spec is None or r.prefill or r.spec.pending is None:
+                continue
+            try:
+                tokens = r.spec.plan()
+            except Exception as e:
+                done.append((r, _failure(e)))
+                continue
+            if tokens is None:  # its pending token ends it (a round never hands out its final event itself)
+                done.append((r, r.spec.pending))
+                continue
+            items.append((r.gen.seq, tokens, range(len(tokens))))
+            verifying.append(r)
         budget = PREFILL_BUDGET
         for r in self._running:
             if r.prefill and budget > 0:
@@ -341,7 +356,7 @@ class Scheduler:
                 items.append((r.gen.seq, chunk))
                 prefilling.append((r, len(chunk)))
 
-        logits = self._evaluate(items, [r for r, _ in decoding + prefilling], done)
+        logits = self._evaluate(items, [r for r, _ in decoding] + verifying + [r for r, _ in prefilling], done)
 
         now = time.perf_counter()
         warmed: list[_Running] = []
@@ -351,15 +366,32 @@ class Scheduler:
             r.logits = lg
             r.gen.record(event)
             self._deliver(r, event, now)
-        for (r, n), lg in zip(prefilling, logits[len(decoding):]):
+        for r, rows in zip(verifying, logits[len(decoding): len(decoding) + len(verifying)]):
+            if rows is None:
+                continue
+            try:
+                events = r.spec.finish(rows)
+            except Exception as e:
+                done.append((r, _failure(e)))
+                continue
+            for event in events:  # none is final: the next step's plan() finds that
+                self._deliver(r, event, now)
+        for (r, n), lg in zip(prefilling, logits[len(decoding) + len(verifying):]):
             if lg is None:
                 continue
             r.prefill = r.prefill[n:]
             self.metrics.prompt_tokens += n
             if not r.prefill:
-                r.gen.end_prefill()
-                r.gen.timings.prompt_ms = 1000 * (now - r.t_prefill)
-                r.logits = lg
+                if r.spec is not None:
+                    try:  # the drafter reads the prompt (a draft model: its own forward), the first token is picked
+                        r.spec.begin(lg)
+                    except Exception as e:
+                        done.append((r, _failure(e)))
+                        continue
+                else:
+                    r.gen.end_prefill()
+                    r.logits = lg
+                r.gen.timings.prompt_ms = 1000 * (time.perf_counter() - r.t_prefill)
                 if r.gen.params.max_tokens == 0:
                     warmed.append(r)
         for r in warmed:
@@ -375,6 +407,11 @@ class Scheduler:
                 r.gen.record(outcome)
                 self._deliver(r, outcome, now)
                 t = r.gen.timings
+                if r.spec is not None:
+                    m = self.metrics
+                    m.draft_tokens += t.draft_n
+                    m.draft_accepted += t.draft_n_accepted
+                    m.verifies += t.n_verifies
                 matched = r.gen.stops.matched if r.gen.stops.stopped else None
                 final = Final(outcome.finish_reason, len(r.gen.tokens), t.predicted_n, t.cache_n, matched,
                               t.to_dict())
@@ -390,48 +427,23 @@ class Scheduler:
         and their failure joins `done`."""
         if not items:
             return []
-        lengths = [len(seq.tokens) for seq, _ in items]
+        lengths = [len(seq.tokens) for seq, *_ in items]
         try:
             return self.engine.evaluate_batch(items)
         except Exception:
             log.warning("a batched forward of %d requests failed; running them one by one", len(items),
                         exc_info=True)
         out = []
-        for (seq, tokens), n, r in zip(items, lengths, owners):
+        for item, n, r in zip(items, lengths, owners):
+            seq = item[0]
             try:
                 if len(seq.tokens) != n:
                     seq.truncate(n)
-                out.append(self.engine.evaluate_batch([(seq, tokens)])[0])
+                out.append(self.engine.evaluate_batch([item])[0])
             except Exception as e:
                 done.append((r, _failure(e)))
                 out.append(None)
         return out
-
-    def _step_speculative(self, r: _Running) -> None:
-        """One event of a speculative request: the first of a round runs its verify forward, the others are
-        already computed."""
-        try:
-            event = next(r.spec)
-        except Exception as e:
-            self._running.remove(r)
-            self.metrics.requests_failed += 1
-            self._finish(r, _failure(e))
-            return
-        now = time.perf_counter()
-        if r.t_first is None:
-            self.metrics.prompt_tokens += r.gen.timings.prompt_n
-        self._deliver(r, event, now)
-        if event.finish_reason is not None:
-            self._running.remove(r)
-            t = r.gen.timings
-            m = self.metrics
-            m.draft_tokens += t.draft_n
-            m.draft_accepted += t.draft_n_accepted
-            m.verifies += t.n_verifies
-            matched = r.gen.stops.matched if r.gen.stops.stopped else None
-            m.requests_done += 1
-            self._finish(r, Final(event.finish_reason, len(r.gen.tokens), t.predicted_n, t.cache_n, matched,
-                                  t.to_dict()))
 
     def _deliver(self, r: _Running, event: TokenEvent, now: float) -> None:
         m = self.metrics
