@@ -241,7 +241,8 @@ def cmd_devices(args) -> int:
                 optional.append(f"integer dot ({caps['integer_dot']})")
             print(f"opencl  {d['platform']}: {d['name']} ({d['type']}, {human_size(d['global_mem_bytes'])}, "
                   f"{d['opencl_c_version']}; local memory {d['local_mem_bytes'] // 1024} KiB, work-groups up to "
-                  f"{d['max_work_group_size']}; optional: {', '.join(optional) or 'none (fp16, subgroups, integer dot)'})")
+                  f"{d['max_work_group_size']}; optional: {', '.join(optional) or 'none (fp16, subgroups, integer dot)'})"
+                  + (f"; cannot build kernels here: {d['compiler_problem']}" if d.get("compiler_problem") else ""))
     if found["opencl_error"]:
         print(f"opencl  none: {found['opencl_error']}")
     return 0
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("devices", help="list the CPU and the OpenCL devices the kernels could run on",
                        description="List the CPU and every OpenCL device (platform, name, type, global memory, "
                                    "OpenCL C version, and which of fp16, subgroups and integer dot products it "
-                                   "offers), or why no OpenCL runtime was found.")
+                                   "offers, and whether its compiler builds kernels on this machine), or why no OpenCL runtime was found.")
     p.add_argument("--json", action="store_true", help='print {"devices": [...], "opencl_error": null or a reason}')
     p.set_defaults(func=cmd_devices)
 

@@ -29,11 +29,13 @@ def cpu_device() -> dict:
 
 
 def opencl_devices() -> tuple[list[dict], str | None]:
-    """(devices as JSON objects, None) or ([], why there are none)."""
-    from localllm.kernels.opencl.device import OpenCLUnavailable, list_devices
+    """(devices as JSON objects, None) or ([], why there are none). Each says whether its compiler builds here
+    (`compiler_problem`: None, or the compiler's reason: PoCL lists its device on CPUs its LLVM cannot compile
+    for), from a one-line kernel built on it."""
+    from localllm.kernels.opencl.device import OpenCLUnavailable, compiler_problem, list_devices
 
     try:
-        return [d.to_json() for d in list_devices()], None
+        return [{**d.to_json(), "compiler_problem": compiler_problem(d.spec)} for d in list_devices()], None
     except OpenCLUnavailable as err:
         return [], str(err)
 

@@ -1027,6 +1027,13 @@ def test_devices_command_lists_the_cpu_and_the_opencl_devices(base_dev, capsys):
     text = capsys.readouterr().out
     assert text.startswith("cpu ") and opencl[0]["name"] in text and "OpenCL C" in text
     assert f"local memory {caps['local_mem_bytes'] // 1024} KiB" in text and "optional: " in text
+    # each device says whether its compiler builds here: the test device's does; PoCL's reason where it does not
+    by_spec = {f"{d['platform']}:{d['name']}": d for d in opencl}
+    assert by_spec[base_dev.info.spec]["compiler_problem"] is None
+    for spec, d in by_spec.items():
+        if spec.startswith(POCL_SPEC):
+            assert d["compiler_problem"] == pocl_problem()
+            assert (f"cannot build kernels here: {pocl_problem()}" in text) == bool(pocl_problem())
 
 
 def test_devices_command_without_an_opencl_runtime_says_so_in_one_line():

@@ -305,8 +305,12 @@ def compiler_problem(spec: str | None = None) -> str | None:
 
 
 def _probe(cl, context) -> str | None:
+    import warnings
+
     try:
-        cl.Program(context, PROBE_KERNEL).build()
+        with warnings.catch_warnings():  # a compiler's remarks on a one-line kernel are nobody's business
+            warnings.simplefilter("ignore")
+            cl.Program(context, PROBE_KERNEL).build()
     except cl.Error as err:
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
         said = [ln for ln in lines if "error" in ln.lower() and "clBuildProgram" not in ln]
