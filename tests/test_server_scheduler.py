@@ -38,6 +38,19 @@ async def drain(handle) -> tuple[list[int], Final]:
     raise AssertionError("no Final")
 
 
+def decode_together(sched, requests: list) -> list[tuple[list[int], Final]]:
+    """Start `sched`, submit every (prompt, params) at once, drain them all concurrently, stop it."""
+    sched.start()
+    try:
+        async def run():
+            handles = [sched.submit(Request(p, params)) for p, params in requests]
+            return await asyncio.gather(*(drain(h) for h in handles))
+
+        return asyncio.run(run())
+    finally:
+        sched.stop()
+
+
 def test_requests_are_decoded_together_and_match_alone(engine, monkeypatch):
     lengths = [4, 12, 12, 12]
     alone = [[e.token for e in engine.generate(p, greedy(n))] for p, n in zip(prompts(engine), lengths)]
@@ -50,15 +63,7 @@ def test_requests_are_decoded_together_and_match_alone(engine, monkeypatch):
 
     monkeypatch.setattr(engine, "evaluate_batch", spy)
     sched = Scheduler(engine, parallel=3)
-    sched.start()
-    try:
-        async def run():
-            handles = [sched.submit(Request(p, greedy(n))) for p, n in zip(prompts(engine), lengths)]
-            return await asyncio.gather(*(drain(h) for h in handles))
-
-        results = asyncio.run(run())
-    finally:
-        sched.stop()
+    results = decode_together(sched, [(p, greedy(n)) for p, n in zip(prompts(engine), lengths)])
     assert [tokens for tokens, _ in results] == alone
     assert [final.completion_tokens for _, final in results] == lengths
     # Three decode in one call per step (parallel=3); the fourth waits, and joins as soon as the short first
@@ -219,15 +224,7 @@ def test_speculative_requests_give_the_plain_answer_and_count_their_drafts(engin
     requests = [(repetitive, greedy(24)), (prompts(engine)[0], greedy(8))]
     alone = [[e.token for e in engine.generate(p, params)] for p, params in requests]
     sched = Scheduler(engine, parallel=2, speculation=SpeculationParams(mode="ngram", adaptive=False))
-    sched.start()
-    try:
-        async def run():
-            handles = [sched.submit(Request(p, params)) for p, params in requests]
-            return await asyncio.gather(*(drain(h) for h in handles))
-
-        results = asyncio.run(run())
-    finally:
-        sched.stop()
+    results = decode_together(sched, requests)
     assert [tokens for tokens, _ in results] == alone
     m = sched.metrics
     assert m.verifies > 0 and 0 < m.draft_accepted <= m.draft_tokens
@@ -260,15 +257,7 @@ def test_a_speculative_request_verifies_in_the_shared_batched_step_and_both_answ
 
     monkeypatch.setattr(engine, "evaluate_batch", spy)
     sched = Scheduler(engine, parallel=2)
-    sched.start()
-    try:
-        async def run():
-            handles = [sched.submit(Request(p, params)) for p, params in requests]
-            return await asyncio.gather(*(drain(h) for h in handles))
-
-        results = asyncio.run(run())
-    finally:
-        sched.stop()
+    results = decode_together(sched, requests)
     assert [tokens for tokens, _ in results] == alone
     shared = [b for b in batches if (1, False) in b and any(n > 1 and rows for n, rows in b)]
     assert shared, batches  # a plain token and a multi-token verify in one forward
