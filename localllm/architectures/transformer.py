@@ -251,10 +251,10 @@ class Transformer:
         self._ropes = list(self._rope.values())
         self._layer_rope_index = np.array([self._ropes.index(t) for t in self.layer_rope], np.int64)
         self._layer_window = np.array(self.layer_window, np.int64)
-        # The backend's override of the same forward for one sequence (decode, speculative verify, prompt
-        # chunks), called as fused(tokens, cache, output_rows) -> logits: on the CPU one compiled call per step,
-        # bitwise the op-by-op forward's logits, a mixture of experts' FFN included. None or `.available` False:
-        # the op-by-op forward.
+        # The backend's override of the same forward (decode, speculative verify, prompt chunks; with `batch`, the
+        # server's step over several sequences), called as fused(tokens, cache, output_rows) -> logits: on the CPU
+        # one compiled call per step, bitwise the op-by-op forward's logits, a mixture of experts' FFN included.
+        # None or `.available` False: the op-by-op forward.
         self.fused = b.whole_forward(self)
 
     @property

@@ -150,7 +150,8 @@ class Backend(ABC):
 
     # -- life cycle ---------------------------------------------------------------------------------------
     def whole_forward(self, model) -> Callable | None:
-        """An optional override of the op-by-op forward for one sequence (None: none)."""
+        """An optional override of the op-by-op forward (None: none): called as fused(tokens, cache, output_rows)
+        for one sequence; where it has `batch(segments)`, that runs a step over several sequences too."""
         return None
 
     def warm_up_calls(self, weights, kv_type: str | None = None) -> list[tuple[str, Callable[[], None]]]:
