@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 from localllm.kernels.cpu import attention as _attention
 from localllm.kernels.cpu import runtime as _runtime
 from localllm.kernels.cpu import blocks as _blocks
+from localllm.kernels.cpu.format_set import FormatSet
 from localllm.kernels.cpu.formats import FORMATS, CpuFormat, format_of
 from localllm.kernels.cpu.typed_lists import length, typed_list
 from localllm.kernels.formats import row_range
@@ -384,6 +385,9 @@ class FusedForward:
         kinds = [w if w is not None else first for mats in layer_mats for w in mats] + [output]
         self.mats = typed_list(mats)
         self.mat_types = np.array([int(w.qtype) for w in kinds], np.int64)
+        # what the compiled forward dispatches on: one compile (and cache entry) per set of formats
+        self.formats = FormatSet({w.qtype for w in everything} | {w.qtype for layer in stacked for mats in layer
+                                                                   for w in mats})
         self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in kinds], np.int64)
         self.moe = None
         if experts is not None:
@@ -404,6 +408,7 @@ class FusedForward:
         self.flags = np.array(flags, np.int64)
         self.eps, self.scale = float(eps), np.float32(attention_scale)
         self.softcap = np.float32(attention_softcap)  # gemma2's attention logit soft-cap; 0: none
+        self._workers: dict = {}
 
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
@@ -429,12 +434,18 @@ class FusedForward:
                 or len(out_rows) and not 0 <= out_rows.min() <= out_rows.max() < len(x)):
             raise ValueError("fused forward: the model, its cache and the inputs do not match")
         threads = _threads[0]
-        return _fused.forward(threads, FUSED_TASKS_PER_THREAD * threads, self.dims, self.flags, self.eps,
-                              self.scale, self.softcap, self.mats, self.mat_types, self.mat_families, self.vecs,
-                              kv[0], kv[1],
-                              kv[2], kv[3], layer_group, layer_window, layer_rope, tables, first_blocks,
-                              seg_bounds.astype(np.int64), write_cols, positions, cos, sin, x, out_rows,
-                              self._moe_step(len(x)))
+        i64, f32 = np.int64, _F32
+        args = (FUSED_TASKS_PER_THREAD * threads, self.formats, self.dims, self.flags, self.eps, self.scale,
+                self.softcap, self.mats, self.mat_types, self.mat_families, self.vecs, kv[0], kv[1], kv[2], kv[3],
+                _plain(layer_group, i64), _plain(layer_window, i64), _plain(layer_rope, i64), _plain(tables, i64),
+                _plain(first_blocks, i64), _plain(seg_bounds, i64), _plain(write_cols, i64), _plain(positions, i64),
+                _plain(cos, f32), _plain(sin, f32), _plain(x, f32), _plain(out_rows, i64), self._moe_step(len(x)))
+        # the compiled worker, by the types of what varies between calls (the KV lists' element types)
+        key = tuple(lst._list_type for lst in kv)
+        worker = self._workers.get(key)
+        if worker is None:
+            worker = self._workers[key] = _fused.worker_for(args)
+        return _fused.forward(threads, worker, *args)
 
     def _moe_step(self, n: int):
         """The experts' weights and this step's buffers for n tokens (fused_forward._moe_ffn), or None."""
@@ -448,6 +459,14 @@ class FusedForward:
                            np.empty(rows, np.int64), np.empty(rows, _F32), np.empty((rows, d), _F32),
                            np.empty((rows, n_ff_exp), _F32), np.empty((rows, n_ff_exp), _F32),
                            np.empty((rows, n_ff_exp), _F32), np.empty((rows, d), _F32))
+
+
+def _plain(a: np.ndarray, dtype) -> np.ndarray:
+    """a as a writable C-ordered array of dtype (itself when it is one): the one type per argument that the
+    fused forward's compiled worker takes."""
+    if a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, dtype, order="C")
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -213,3 +213,32 @@ def test_typed_lists_from_cached_code_equal_numbas_own_and_count_the_same():
             assert a.dtype == b.dtype and np.array_equal(a, want) and np.array_equal(b, want)
     with pytest.raises(ValueError, match="at least one"):
         typed_list([])
+
+
+def test_the_products_compiled_for_a_format_set_hold_only_its_formats_kernels():
+    # A model's fused forward is compiled for its formats (kernels/cpu/format_set.py): the other formats' row
+    # kernels and activation quantizers are pruned before typing, so they cost no compile time.
+    from gguf import GGMLQuantizationType as Q
+
+    from localllm.kernels.cpu.format_set import FormatSet
+    from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2
+
+    @njit
+    def product(formats, raw, qtype, x, out):
+        rows_avx2(formats, raw, qtype, quantize_activations(formats, x, 1 | 2 | 4), out, 0, raw.shape[0])
+
+    from gguf.quants import quantize
+
+    w = ops.Weight(quantize(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), Q.Q8_0), Q.Q8_0)
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    out = np.zeros((3, 8), np.float32)
+    product(FormatSet({Q.Q8_0}), w.raw, int(Q.Q8_0), x, out)
+    np.testing.assert_array_equal(out, ops.matmul(w, x))  # the quant_dot driver's bits
+    ir = product.inspect_llvm(product.signatures[0])
+    assert "_rows_32_avx2" in ir and "quantize_q8_0" in ir
+    for absent in ("_rows_q4_k_avx2", "_rows_q6_k_avx2", "_rows_q2_k_avx2", "quantize_q8_K", "quantize_q8_1"):
+        assert absent not in ir
+    # a format outside the set is not dispatched: out keeps what it had
+    out[:] = 7
+    product(FormatSet({Q.Q8_0}), w.raw, int(Q.Q4_K), x, out)
+    assert (out == 7).all()

@@ -238,14 +238,14 @@ def _warm_up_labels(monkeypatch, **load_kwargs) -> list[str]:
     return seen
 
 
-def test_a_first_token_load_compiles_only_the_whole_forward_of_its_kv_type(monkeypatch):
+def test_a_first_token_load_compiles_only_the_whole_forward_of_its_formats_and_kv_type(monkeypatch):
     # run, chat and bench: one sequence at a time, through the fused forward; the op-by-op kernels (most of a
-    # cold start's compile time) are left to their first use.
-    assert _warm_up_labels(monkeypatch, warm="first-token") == ["whole forward f32"]
-    assert _warm_up_labels(monkeypatch, warm="first-token", kv_type="q8_0") == ["whole forward q8_0"]
+    # cold start's compile time) are left to their first use. smollm2's weights are Q4_1 and Q8_0 (its embedding).
+    assert _warm_up_labels(monkeypatch, warm="first-token") == ["whole forward Q4_1-Q8_0 f32"]
+    assert _warm_up_labels(monkeypatch, warm="first-token", kv_type="q8_0") == ["whole forward Q4_1-Q8_0 q8_0"]
 
 
 def test_a_full_load_compiles_the_op_by_op_kernels_too_for_its_kv_type_only(monkeypatch):
     labels = _warm_up_labels(monkeypatch, kv_type="q8_0")  # warm="all", the default (serve, embed, perplexity)
     assert "attention q8_0" in labels and "attention f32" not in labels
-    assert "norm and rope" in labels and "Q8_0 decode" in labels and labels[-1] == "whole forward q8_0"
+    assert "norm and rope" in labels and "Q8_0 decode" in labels and labels[-1] == "whole forward Q4_1-Q8_0 q8_0"

@@ -38,9 +38,10 @@ column, and attention runs per sequence over its own blocks.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, typeof, types
 
-from localllm.kernels.cpu import attention, blocks, forget_stale_cache, moe as moe_kernels, quant_dot, simd, team
+from localllm.kernels.cpu import attention, blocks, forget_stale_cache, format_set, quant_dot, simd, team
+from localllm.kernels.cpu import moe as moe_kernels
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
 from localllm.kernels.cpu.moe import route_row, router_row
@@ -60,7 +61,7 @@ def _one_task(ctl, p):
 
 
 @njit(cache=True)
-def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, outs_a, outs_b, outs_c,
+def _products(ctl, p, tasks, formats, mats, mat_types, mat_families, first, count, xin, outs_a, outs_b, outs_c,
               vecs, bias_first):
     """Phase p: out_j = xin @ mats[first + j].T for j < count (1..3 weights, rows laid end to end and cut into
     `tasks` ranges), plus bias vecs[bias_first + j] where it is non-empty (bias_first < 0: none)."""
@@ -71,7 +72,7 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
     for j in range(count):
         families |= mat_families[first + j]
         total += mats[first + j].shape[0]
-    q0, d0, q1, d1, s1, qk, dk, bk = quantize_activations(xin, families)
+    q0, d0, q1, d1, s1, qk, dk, bk = quantize_activations(formats, xin, families)
     n = xin.shape[0]
     while True:
         t = next_task(ctl, p, tasks)
@@ -91,7 +92,7 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
                     i1 = min(i0 + PASS, n)
                     part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1],
                             bk[i0:i1])
-                    rows_avx2(raw, mat_types[first + j], part, out[i0:i1], r0, r1)
+                    rows_avx2(formats, raw, mat_types[first + j], part, out[i0:i1], r0, r1)
                 if bias_first >= 0:
                     b = vecs[bias_first + j]
                     if b.shape[0] > 0:
@@ -103,17 +104,17 @@ def _products(ctl, p, tasks, mats, mat_types, mat_families, first, count, xin, o
 
 
 @njit(cache=True)
-def _expert_rows(raw, qtype, acts, out, g0, g1, r0, r1):
+def _expert_rows(formats, raw, qtype, acts, out, g0, g1, r0, r1):
     """out[g0:g1, r0:r1] = x[g0:g1] @ W[r0:r1].T (x given quantized, `acts`), in passes of PASS rows."""
     q0, d0, q1, d1, s1, qk, dk, bk = acts
     for i0 in range(g0, g1, PASS):
         i1 = min(i0 + PASS, g1)
         part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1], bk[i0:i1])
-        rows_avx2(raw, qtype, part, out[i0:i1], r0, r1)
+        rows_avx2(formats, raw, qtype, part, out[i0:i1], r0, r1)
 
 
 @njit(cache=True)
-def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
+def _moe_ffn(ctl, p, tasks, formats, layer, act_kind, h, dn, moe):
     """Phases p, p + 1, p + 2 (the dense FFN's three): dn = the mixture of experts' FFN of h, as kernels/ops.py
     moe_ffn computes it (the same router and routing kernels, the same products of each chosen expert over the
     rows routed to it, the weighted slots summed in rank order), so bitwise the same rows.
@@ -168,7 +169,7 @@ def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
     # p + 1: gate and up of every chosen expert over its rows, in column ranges (whole blocks of 32, as the dense
     # activation phase cuts them), and the activation of those columns
     if any_left(ctl, p + 1, tasks):
-        acts = quantize_activations(xg, efamilies[3 * layer] | efamilies[3 * layer + 1])
+        acts = quantize_activations(formats, xg, efamilies[3 * layer] | efamilies[3 * layer + 1])
         while True:
             t = next_task(ctl, p + 1, tasks)
             if t < 0:
@@ -178,15 +179,16 @@ def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
                 for a in range(1, active[0] + 1):
                     e = active[a]
                     g0, g1 = starts[e], starts[e + 1]
-                    _expert_rows(emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
-                    _expert_rows(emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo, hi)
+                    _expert_rows(formats, emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
+                    _expert_rows(formats, emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo,
+                                 hi)
                     gated_activation(gate[g0:g1, lo:hi], up[g0:g1, lo:hi], act_kind, act[g0:g1, lo:hi])
             task_done(ctl, p + 1)
     wait_phase(ctl, p + 1, tasks)
     # p + 2: down of every chosen expert over its rows, in row ranges of the weight (columns of the output), each
     # result row times its weight; then each token's k slots of those columns summed in rank order
     if any_left(ctl, p + 2, tasks):
-        acts = quantize_activations(act, efamilies[3 * layer + 2])
+        acts = quantize_activations(formats, act, efamilies[3 * layer + 2])
         while True:
             t = next_task(ctl, p + 2, tasks)
             if t < 0:
@@ -196,7 +198,8 @@ def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
                 for a in range(1, active[0] + 1):
                     e = active[a]
                     g0, g1 = starts[e], starts[e + 1]
-                    _expert_rows(emats[base + 2 * n_expert + e], etypes[3 * layer + 2], acts, ys, g0, g1, lo, hi)
+                    _expert_rows(formats, emats[base + 2 * n_expert + e], etypes[3 * layer + 2], acts, ys, g0, g1,
+                                 lo, hi)
                     for g in range(g0, g1):
                         for c in range(lo, hi):
                             ys[g, c] *= wg[g]
@@ -211,8 +214,8 @@ def _moe_ffn(ctl, p, tasks, layer, act_kind, h, dn, moe):
 
 
 @njit(cache=True)
-def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k, kv_ks,
-            kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
+def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
+            kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
             positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
     """One thread's walk through the step's phases. `moe` None (a dense model: Numba prunes the mixture-of-experts
     branch, so dense models compile exactly their own code) or the experts (_moe_ffn) in place of the dense FFN."""
@@ -238,7 +241,7 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
             task_done(ctl, p)
         wait_phase(ctl, p, 1)
         # 1: Q, K, V (+ biases)
-        _products(ctl, p + 1, tasks, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2)
+        _products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2)
         wait_phase(ctl, p + 1, tasks)
         # 2: Q/K norms, RoPE, the new keys and values into the cache
         g = layer_group[layer]
@@ -276,7 +279,7 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
-        _products(ctl, p + 4, tasks, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs, -1)
+        _products(ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs, -1)
         wait_phase(ctl, p + 4, tasks)
         # 5: residual; the FFN's input norm
         if _one_task(ctl, p + 5):
@@ -287,10 +290,10 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
             task_done(ctl, p + 5)
         wait_phase(ctl, p + 5, 1)
         if moe is not None:
-            _moe_ffn(ctl, p + 6, tasks, layer, act_kind, h, dn, moe)
+            _moe_ffn(ctl, p + 6, tasks, formats, layer, act_kind, h, dn, moe)
             continue
         # 6: gate and up
-        _products(ctl, p + 6, tasks, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
+        _products(ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
         wait_phase(ctl, p + 6, tasks)
         # 7: act(gate) * up, in column ranges
         while True:
@@ -303,7 +306,7 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
             task_done(ctl, p + 7)
         wait_phase(ctl, p + 7, tasks)
         # 8: down
-        _products(ctl, p + 8, tasks, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
+        _products(ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
         wait_phase(ctl, p + 8, tasks)
     # the last FFN output, the output norm of the rows that want logits, the output head
     p = PHASES_PER_LAYER * n_layers
@@ -318,8 +321,8 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
         task_done(ctl, p)
     wait_phase(ctl, p, 1)
     if out_rows.shape[0] > 0:
-        _products(ctl, p + 1, tasks, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1, xo, logits,
-                  logits, logits, vecs, -1)
+        _products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1, xo,
+                  logits, logits, logits, vecs, -1)
     else:
         for t in range(tasks):
             if next_task(ctl, p + 1, tasks) >= 0:
@@ -327,15 +330,55 @@ def _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_ty
     wait_phase(ctl, p + 1, tasks)
 
 
+class Worker(types.WrapperAddressProtocol):
+    """`_worker` compiled for one set of argument types, handed to `forward` by its address.
+
+    Why by address: forward's parallel loop becomes a gufunc and two wrappers, and Numba links a callee's code into
+    every library that calls it, where it is optimized and compiled to machine code again. With `_worker` called
+    directly, every kernel of the step went through that six times (_products, _worker, the gufunc, its two
+    wrappers, forward): 21 s of smollm2's 55 s cold compile (2-core Zen 5). By address it is compiled once, and a
+    step pays one indirect call per thread."""
+
+    def __init__(self, argtypes: tuple):
+        self._sig = types.void(*argtypes)
+        _worker.compile(argtypes)
+        cres = _worker.overloads[argtypes]
+        self._address = cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
+
+    def __wrapper_address__(self) -> int:
+        return self._address
+
+    def signature(self):
+        return self._sig
+
+
+_BUFFER = types.Array(types.float32, 2, "C")  # what forward's np.empty buffers are
+_workers: dict = {}
+
+
+def worker_for(args: tuple) -> Worker:
+    """The worker for forward's arguments after `worker` (tasks ... moe), compiled (or loaded from the kernel
+    cache) on first use. Every array must be as forward will see it (dtype, dimensions, C order, writable)."""
+    t = tuple(typeof(a) for a in args)
+    tasks_to_x, out_rows, moe = t[:-2], t[-2], t[-1]
+    argtypes = (types.Array(types.int64, 1, "C"),) + tasks_to_x + (_BUFFER,) * 10 + (out_rows, _BUFFER, _BUFFER, moe)
+    found = _workers.get(argtypes)
+    if found is None:
+        found = _workers[argtypes] = Worker(argtypes)
+    return found
+
+
 @njit(parallel=True, cache=True)
-def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
-            kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
-            positions, cos, sin, x, out_rows, moe):
+def forward(threads, worker, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
+            kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
+            write_cols, positions, cos, sin, x, out_rows, moe):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
     logits (len(out_rows), vocab) of the rows `out_rows`. The rows are the new tokens of one or more sequences of
     one KV pool, sequence s owning rows seg_bounds[s]..seg_bounds[s + 1] with block tables tables[s] and first
-    blocks first_blocks[s]; every cache must have reserved its tokens. `moe`: None, or a mixture of experts'
-    weights and buffers (_moe_ffn)."""
+    blocks first_blocks[s]; every cache must have reserved its tokens. `worker`: worker_for(the arguments after
+    it). `formats`: the FormatSet of every weight
+    (kernels/cpu/format_set.py; the compiled code holds those formats' kernels only). `moe`: None, or a mixture of
+    experts' weights and buffers (_moe_ffn)."""
     n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
     n_embd, n_ff, vocab = dims[6], dims[7], dims[8]
     n = x.shape[0]
@@ -353,12 +396,12 @@ def forward(threads, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, ma
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
     ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
-        _worker(ctl, tasks, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
-                kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
-                positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe)
+        worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
+                kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
+                write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe)
     return logits
 
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels)])
+                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels, format_set)])

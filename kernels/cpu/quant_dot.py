@@ -35,8 +35,10 @@ import functools
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_num_threads, literally, njit, prange
+from numba.extending import overload
 
 from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu.format_set import FormatSetType
 from localllm.kernels.cpu.simd import (
     HAVE_AVX2,
     add_epi8,
@@ -1253,10 +1255,11 @@ def _matmul_q6_k_avx2_multi(raws, x, outs, threads):
     _matmul_k_avx2_multi(raws, 14, x, outs, threads)
 
 
-# Row ranges of any supported format, for callers that split the work themselves (the fused forward,
-# kernels/cpu/fused_forward.py): activations are quantized once per step into an `Activations` bundle (every
-# family a layer's weights need), and `rows_avx2` computes out[:, r0:r1] with the same row functions as the
-# drivers above, so results are bitwise theirs.
+# Row ranges of the formats a model uses, for callers that split the work themselves (the fused forward,
+# kernels/cpu/fused_forward.py): activations are quantized once per step (every family a layer's weights need),
+# and `rows_avx2` computes out[:, r0:r1] with the same row functions as the drivers above, so results are bitwise
+# theirs. Both take the model's `FormatSet` (kernels/cpu/format_set.py) first: their compiled code has branches
+# for its formats only (smollm2's cold compile of the fused forward: 55 s with all ten formats, 37 s with its two).
 
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 1, 2, 4  # activation families, as bits of a mask
 
@@ -1269,48 +1272,90 @@ def activation_family(qtype) -> int:
     return ACT_Q8_0 if qtype in _KIND_32 else ACT_Q8_K
 
 
-@njit(cache=True)
-def quantize_activations(x, families):
-    """x quantized for every family in the mask `families`; missing ones are empty arrays of the right types.
-    Returns (q8_0 quants, scales, q8_1 quants, scales, sums, q8_K quants, scales, 16-sums)."""
-    n = x.shape[0]
-    q0, d0 = np.empty((n, 0), np.int8), np.empty((n, 0), np.float32)
-    q1, d1, s1 = q0, d0, d0
-    qk, dk, bk = q0, d0, np.empty((n, 0), np.int16)
-    if families & ACT_Q8_0:
-        q0, d0 = quantize_q8_0(x)
-    if families & ACT_Q8_1:
-        q1, d1, s1 = quantize_q8_1(x)
-    if families & ACT_Q8_K:
-        qk, dk, bk = quantize_q8_K(x)
-    return q0, d0, q1, d1, s1, qk, dk, bk
+def quantize_activations(formats, x, families):
+    """x quantized for every family in the mask `families` (of those `formats` can need); missing ones are empty
+    arrays of the right types. Returns (q8_0 quants, scales, q8_1 quants, scales, sums, q8_K quants, scales,
+    16-sums). Jitted code only."""
+    raise TypeError("quantize_activations is called from compiled code only")
 
 
-@njit(cache=True)
-def rows_avx2(raw, qtype, acts, out, r0, r1):
-    """out[:, r0:r1] = x @ W[r0:r1].T for W = raw in format `qtype` (GGML type id), x given as `acts`
-    (quantize_activations with this format's family)."""
-    q0, d0, q1, d1, s1, qk, dk, bk = acts
-    if qtype == 8:  # Q8_0
-        _rows_32_avx2(raw, 0, 34, q0, d0, d0, out, r0, r1)
-    elif qtype == 2:  # Q4_0
-        _rows_32_avx2(raw, 1, 18, q0, d0, d0, out, r0, r1)
-    elif qtype == 3:  # Q4_1
-        _rows_32_avx2(raw, 2, 20, q1, d1, s1, out, r0, r1)
-    elif qtype == 6:  # Q5_0
-        _rows_32_avx2(raw, 3, 22, q0, d0, d0, out, r0, r1)
-    elif qtype == 7:  # Q5_1
-        _rows_32_avx2(raw, 4, 24, q1, d1, s1, out, r0, r1)
-    elif qtype == 12:  # Q4_K
-        _rows_q4_k_avx2(raw, qk, dk, bk, out, r0, r1)
-    elif qtype == 13:  # Q5_K
-        _rows_q5_k_avx2(raw, qk, dk, bk, out, r0, r1)
-    elif qtype == 14:  # Q6_K
-        _rows_q6_k_avx2(raw, qk, dk, bk, out, r0, r1)
-    elif qtype == 11:  # Q3_K
-        _rows_q3_k_avx2(raw, qk, dk, bk, out, r0, r1)
-    else:  # Q2_K
-        _rows_q2_k_avx2(raw, qk, dk, bk, out, r0, r1)
+@overload(quantize_activations)
+def _quantize_activations_for(formats, x, families):
+    if not isinstance(formats, FormatSetType):
+        return None
+    needed = 0
+    for qtype in SUPPORTED:
+        if formats.has(qtype):
+            needed |= activation_family(qtype)
+    # Constants of the closure: Numba prunes the branches they rule out before typing them.
+    a0, a1, ak = bool(needed & ACT_Q8_0), bool(needed & ACT_Q8_1), bool(needed & ACT_Q8_K)
+
+    def impl(formats, x, families):
+        n = x.shape[0]
+        q0, d0 = np.empty((n, 0), np.int8), np.empty((n, 0), np.float32)
+        q1, d1, s1 = q0, d0, d0
+        qk, dk, bk = q0, d0, np.empty((n, 0), np.int16)
+        if a0:
+            if families & ACT_Q8_0:
+                q0, d0 = quantize_q8_0(x)
+        if a1:
+            if families & ACT_Q8_1:
+                q1, d1, s1 = quantize_q8_1(x)
+        if ak:
+            if families & ACT_Q8_K:
+                qk, dk, bk = quantize_q8_K(x)
+        return q0, d0, q1, d1, s1, qk, dk, bk
+
+    return impl
+
+
+def rows_avx2(formats, raw, qtype, acts, out, r0, r1):
+    """out[:, r0:r1] = x @ W[r0:r1].T for W = raw in format `qtype` (GGML type id, one of `formats`), x given as
+    `acts` (quantize_activations with this format's family). Jitted code only."""
+    raise TypeError("rows_avx2 is called from compiled code only")
+
+
+@overload(rows_avx2)
+def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
+    if not isinstance(formats, FormatSetType):
+        return None
+    q8_0, q4_0, q4_1, q5_0, q5_1 = (formats.has(q) for q in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1))
+    q2_k, q3_k, q4_k, q5_k, q6_k = (formats.has(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+
+    def impl(formats, raw, qtype, acts, out, r0, r1):
+        q0, d0, q1, d1, s1, qk, dk, bk = acts
+        if q8_0:
+            if qtype == 8:
+                _rows_32_avx2(raw, 0, 34, q0, d0, d0, out, r0, r1)
+        if q4_0:
+            if qtype == 2:
+                _rows_32_avx2(raw, 1, 18, q0, d0, d0, out, r0, r1)
+        if q4_1:
+            if qtype == 3:
+                _rows_32_avx2(raw, 2, 20, q1, d1, s1, out, r0, r1)
+        if q5_0:
+            if qtype == 6:
+                _rows_32_avx2(raw, 3, 22, q0, d0, d0, out, r0, r1)
+        if q5_1:
+            if qtype == 7:
+                _rows_32_avx2(raw, 4, 24, q1, d1, s1, out, r0, r1)
+        if q4_k:
+            if qtype == 12:
+                _rows_q4_k_avx2(raw, qk, dk, bk, out, r0, r1)
+        if q5_k:
+            if qtype == 13:
+                _rows_q5_k_avx2(raw, qk, dk, bk, out, r0, r1)
+        if q6_k:
+            if qtype == 14:
+                _rows_q6_k_avx2(raw, qk, dk, bk, out, r0, r1)
+        if q3_k:
+            if qtype == 11:
+                _rows_q3_k_avx2(raw, qk, dk, bk, out, r0, r1)
+        if q2_k:
+            if qtype == 10:
+                _rows_q2_k_avx2(raw, qk, dk, bk, out, r0, r1)
+
+    return impl
 
 
 # Built with simd.py's intrinsics: recompile when that file changes (see kernels.cpu.forget_stale_cache).

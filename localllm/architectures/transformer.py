@@ -284,9 +284,10 @@ class Transformer:
         return total * (c.n_expert - c.n_expert_used) // c.n_expert
 
     def warm_up_calls(self, kv_type: str) -> list:
-        """(label, thunk) compiling the fused forward for this KV type (one compile serves every model), or, for a
-        backend without one, its remaining kernels (norms, RoPE, attention...) by a decode step and a 9-token
-        step (the tiled products' path; labelled with the backend and the weights' formats)."""
+        """(label, thunk) compiling the fused forward for this KV type and these weight formats (one compile serves
+        every model with them), or, for a backend without one, its remaining kernels (norms, RoPE, attention...) by
+        a decode step and a 9-token step (the tiled products' path; labelled with the backend and the formats)."""
+        formats = "-".join(sorted({w.qtype.name for w in self.weights()}))
         if not self.fused_available:
             if self.backend.name == "cpu" and not self.config.n_expert:
                 return []  # the CPU's op-by-op kernels are its warm_up_calls' (Numba compiles each once)
@@ -296,13 +297,12 @@ class Transformer:
                 self.forward([0], cache)
                 self.forward([0] * 9, cache)
 
-            formats = "-".join(sorted({w.qtype.name for w in self.weights()}))
             return [(f"{self.backend.name} forward {self.config.architecture} {formats} {kv_type}", steps)]
 
         def run():
             self.forward([0], self.new_pool(kv_type=kv_type).new_cache(4))
 
-        return [(f"whole forward {kv_type}", run)]
+        return [(f"whole forward {formats} {kv_type}", run)]  # one compile per set of formats
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""
