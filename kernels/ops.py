@@ -408,7 +408,7 @@ class FusedForward:
         self.flags = np.array(flags, np.int64)
         self.eps, self.scale = float(eps), np.float32(attention_scale)
         self.softcap = np.float32(attention_softcap)  # gemma2's attention logit soft-cap; 0: none
-        self._workers: dict = {}
+        self._compiled: dict = {}
 
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
@@ -442,10 +442,10 @@ class FusedForward:
                 _plain(cos, f32), _plain(sin, f32), _plain(x, f32), _plain(out_rows, i64), self._moe_step(len(x)))
         # the compiled worker, by the types of what varies between calls (the KV lists' element types)
         key = tuple(lst._list_type for lst in kv)
-        worker = self._workers.get(key)
-        if worker is None:
-            worker = self._workers[key] = _fused.worker_for(args)
-        return _fused.forward(threads, worker, *args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = _fused.compiled(args)
+        return _fused.forward(threads, *compiled, *args)
 
     def _moe_step(self, n: int):
         """The experts' weights and this step's buffers for n tokens (fused_forward._moe_ffn), or None."""

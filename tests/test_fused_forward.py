@@ -242,3 +242,28 @@ def test_the_products_compiled_for_a_format_set_hold_only_its_formats_kernels():
     out[:] = 7
     product(FormatSet({Q.Q8_0}), w.raw, int(Q.Q4_K), x, out)
     assert (out == 7).all()
+
+
+def test_a_kernel_compiled_in_a_child_process_is_loaded_from_the_cache_not_compiled_again(tmp_path):
+    # A cold start compiles the products in a second process while this one compiles the worker
+    # (fused_forward.compiled); what the child compiled must come from the kernel cache.
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import numba
+from numba import types
+from localllm.kernels.cpu import fused_forward as m
+argtypes = (types.Array(types.int64, 1, "C"), types.int64)
+assert not m._load_cached(m._one_task, argtypes)   # an empty cache
+child = m._compile_in_child("_one_task", argtypes)
+assert child.wait(timeout=120) == 0
+assert m._load_cached(m._one_task, argtypes)
+print(sum(m._one_task.stats.cache_misses.values()), m._one_task(__import__("numpy").zeros(4, "int64"), 0))
+"""
+    env = dict(os.environ, LOCALLLM_CACHE=str(tmp_path))
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "True"]  # nothing compiled here, and it runs

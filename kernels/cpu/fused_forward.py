@@ -37,8 +37,16 @@ column, and attention runs per sequence over its own blocks.
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+
 import numpy as np
 from numba import njit, prange, typeof, types
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.errors import NumbaExperimentalFeatureWarning
 
 from localllm.kernels.cpu import attention, blocks, forget_stale_cache, format_set, quant_dot, simd, team
 from localllm.kernels.cpu import moe as moe_kernels
@@ -214,7 +222,7 @@ def _moe_ffn(ctl, p, tasks, formats, layer, act_kind, h, dn, moe):
 
 
 @njit(cache=True)
-def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
+def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
             kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
             positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
     """One thread's walk through the step's phases. `moe` None (a dense model: Numba prunes the mixture-of-experts
@@ -241,7 +249,7 @@ def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mat
             task_done(ctl, p)
         wait_phase(ctl, p, 1)
         # 1: Q, K, V (+ biases)
-        _products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2)
+        products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2)
         wait_phase(ctl, p + 1, tasks)
         # 2: Q/K norms, RoPE, the new keys and values into the cache
         g = layer_group[layer]
@@ -279,7 +287,7 @@ def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mat
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
-        _products(ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs, -1)
+        products(ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs, -1)
         wait_phase(ctl, p + 4, tasks)
         # 5: residual; the FFN's input norm
         if _one_task(ctl, p + 5):
@@ -293,7 +301,7 @@ def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mat
             _moe_ffn(ctl, p + 6, tasks, formats, layer, act_kind, h, dn, moe)
             continue
         # 6: gate and up
-        _products(ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
+        products(ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
         wait_phase(ctl, p + 6, tasks)
         # 7: act(gate) * up, in column ranges
         while True:
@@ -306,7 +314,7 @@ def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mat
             task_done(ctl, p + 7)
         wait_phase(ctl, p + 7, tasks)
         # 8: down
-        _products(ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
+        products(ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
         wait_phase(ctl, p + 8, tasks)
     # the last FFN output, the output norm of the rows that want logits, the output head
     p = PHASES_PER_LAYER * n_layers
@@ -321,7 +329,7 @@ def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mat
         task_done(ctl, p)
     wait_phase(ctl, p, 1)
     if out_rows.shape[0] > 0:
-        _products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1, xo,
+        products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1, xo,
                   logits, logits, logits, vecs, -1)
     else:
         for t in range(tasks):
@@ -330,19 +338,20 @@ def _worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mat
     wait_phase(ctl, p + 1, tasks)
 
 
-class Worker(types.WrapperAddressProtocol):
-    """`_worker` compiled for one set of argument types, handed to `forward` by its address.
+class Compiled(types.WrapperAddressProtocol):
+    """A jitted function compiled for one signature and called by its address (a first-class function).
 
-    Why by address: forward's parallel loop becomes a gufunc and two wrappers, and Numba links a callee's code into
-    every library that calls it, where it is optimized and compiled to machine code again. With `_worker` called
-    directly, every kernel of the step went through that six times (_products, _worker, the gufunc, its two
-    wrappers, forward): 21 s of smollm2's 55 s cold compile (2-core Zen 5). By address it is compiled once, and a
-    step pays one indirect call per thread."""
+    Why: Numba links a callee's code into every library that calls it, where it is optimized and compiled to
+    machine code again. forward's parallel loop becomes a gufunc and two wrappers, so with `_worker` and
+    `_products` called directly, every kernel of the step went through that six times (_products, _worker, the
+    gufunc, its two wrappers, forward): 21 s of smollm2's 55 s cold compile (2-core Zen 5). By address each is
+    compiled once, on its own (so the two can compile in two processes at once: `compiled`); a step pays one
+    indirect call per thread and per product phase."""
 
-    def __init__(self, argtypes: tuple):
+    def __init__(self, dispatcher, argtypes: tuple):
         self._sig = types.void(*argtypes)
-        _worker.compile(argtypes)
-        cres = _worker.overloads[argtypes]
+        dispatcher.compile(argtypes)
+        cres = dispatcher.overloads[argtypes]
         self._address = cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
 
     def __wrapper_address__(self) -> int:
@@ -352,31 +361,87 @@ class Worker(types.WrapperAddressProtocol):
         return self._sig
 
 
+# Numba calls first-class functions experimental and warns where they are compiled; these two are tested here
+# (tests/test_fused_forward.py) and users have nothing to do about it.
+warnings.filterwarnings("ignore", message="First-class function type feature is experimental",
+                        category=NumbaExperimentalFeatureWarning)
+
 _BUFFER = types.Array(types.float32, 2, "C")  # what forward's np.empty buffers are
-_workers: dict = {}
+_INT = types.int64
+_compiled: dict = {}
 
 
-def worker_for(args: tuple) -> Worker:
-    """The worker for forward's arguments after `worker` (tasks ... moe), compiled (or loaded from the kernel
-    cache) on first use. Every array must be as forward will see it (dtype, dimensions, C order, writable)."""
+def compiled(args: tuple) -> tuple[Compiled, Compiled]:
+    """(worker, products) for forward's arguments after them (tasks ... moe), compiled or loaded from the kernel
+    cache on first use. Every array must be as forward will see it (dtype, dimensions, C order, writable).
+
+    On a cold start with more than one core the products (every format's row kernels) compile in a child process
+    while this one compiles the worker (attention, norms, RoPE): smollm2's fused forward then compiles in 14 s on
+    2 cores (Zen 5) where one process took 24."""
     t = tuple(typeof(a) for a in args)
-    tasks_to_x, out_rows, moe = t[:-2], t[-2], t[-1]
-    argtypes = (types.Array(types.int64, 1, "C"),) + tasks_to_x + (_BUFFER,) * 10 + (out_rows, _BUFFER, _BUFFER, moe)
-    found = _workers.get(argtypes)
+    tasks, formats, mats, mat_types, mat_families, vecs = t[0], t[1], t[7], t[8], t[9], t[10]
+    product_types = (types.Array(types.int64, 1, "C"), _INT, tasks, formats, mats, mat_types, mat_families, _INT,
+                     _INT, _BUFFER, _BUFFER, _BUFFER, _BUFFER, vecs, _INT)
+    worker_types = ((types.FunctionType(types.void(*product_types)), types.Array(types.int64, 1, "C")) + t[:-2]
+                    + (_BUFFER,) * 10 + (t[-2], _BUFFER, _BUFFER, t[-1]))
+    found = _compiled.get(worker_types)
     if found is None:
-        found = _workers[argtypes] = Worker(argtypes)
+        child = None
+        if (os.cpu_count() or 1) > 1 and not _load_cached(_products, product_types) \
+                and not _load_cached(_worker, worker_types):
+            child = _compile_in_child("_products", product_types)
+        worker = Compiled(_worker, worker_types)
+        if child is not None:
+            try:
+                child.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            _load_cached(_products, product_types)  # what the child compiled; else it compiles here
+        found = _compiled[worker_types] = (worker, Compiled(_products, product_types))
     return found
 
 
+def _load_cached(dispatcher, argtypes: tuple) -> bool:
+    """Whether `dispatcher` has `argtypes` compiled, loading them from the kernel cache where they are there (as
+    Dispatcher.compile does, without compiling when they are not)."""
+    with global_compiler_lock:
+        if argtypes in dispatcher.overloads:
+            return True
+        cres = dispatcher._cache.load_overload(argtypes, dispatcher.targetctx)
+        if cres is None:
+            return False
+        dispatcher.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
+        dispatcher.add_overload(cres)
+        return True
+
+
+def _compile_in_child(name: str, argtypes: tuple) -> subprocess.Popen | None:
+    """A process that compiles this module's `name` for `argtypes` into the kernel cache (this process loads it
+    when it is done), or None where one cannot start."""
+    try:
+        child = subprocess.Popen([sys.executable, "-c", f"import {__name__} as m; m._compile_from_stdin()"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        child.stdin.write(pickle.dumps((name, argtypes)))
+        child.stdin.close()
+        return child
+    except OSError:
+        return None
+
+
+def _compile_from_stdin() -> None:
+    name, argtypes = pickle.loads(sys.stdin.buffer.read())
+    globals()[name].compile(argtypes)
+
+
 @njit(parallel=True, cache=True)
-def forward(threads, worker, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
+def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
             kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
             write_cols, positions, cos, sin, x, out_rows, moe):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
     logits (len(out_rows), vocab) of the rows `out_rows`. The rows are the new tokens of one or more sequences of
     one KV pool, sequence s owning rows seg_bounds[s]..seg_bounds[s + 1] with block tables tables[s] and first
-    blocks first_blocks[s]; every cache must have reserved its tokens. `worker`: worker_for(the arguments after
-    it). `formats`: the FormatSet of every weight
+    blocks first_blocks[s]; every cache must have reserved its tokens. `worker`, `products`: compiled(the arguments
+    after them). `formats`: the FormatSet of every weight
     (kernels/cpu/format_set.py; the compiled code holds those formats' kernels only). `moe`: None, or a mixture of
     experts' weights and buffers (_moe_ffn)."""
     n_layers, n_head, n_kv, head_dim, value_dim = dims[0], dims[1], dims[2], dims[3], dims[4]
@@ -396,7 +461,7 @@ def forward(threads, worker, tasks, formats, dims, flags, eps, attn_scale, attn_
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
     ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
-        worker(ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
+        worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
                 kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
                 write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe)
     return logits
