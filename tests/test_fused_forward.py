@@ -267,3 +267,33 @@ print(sum(m._one_task.stats.cache_misses.values()), m._one_task(__import__("nump
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "True"]  # nothing compiled here, and it runs
+
+
+def test_a_function_called_by_address_gets_its_arguments_and_other_types_are_refused_at_compile_time():
+    # kernels/cpu/by_address.py: the fused forward's worker and products are called this way
+    from numba import types
+    from numba.core.errors import TypingError
+
+    from localllm.kernels.cpu.by_address import Compiled, call
+
+    @njit
+    def store(a, i, value):
+        a[i] = value
+
+    target = Compiled(store, (types.Array(types.float64, 1, "C"), types.int64, types.float64))
+
+    @njit
+    def caller(target, a):
+        for i in range(a.shape[0]):
+            call(target, (a, i, 2.5 * i))
+
+    a = np.zeros(4)
+    caller(target, a)
+    np.testing.assert_array_equal(a, [0, 2.5, 5, 7.5])
+
+    @njit
+    def wrong(target, a):
+        call(target, (a, 1.5, 2.0))  # a float index
+
+    with pytest.raises(TypingError, match="do not match"):
+        wrong(target, a)

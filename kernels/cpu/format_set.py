@@ -19,12 +19,13 @@ from numba.extending import NativeValue, models, register_model, typeof_impl, un
 class FormatSet:
     """The GGML type ids a fused forward multiplies, as one argument of its compiled signature."""
 
-    __slots__ = ("mask",)
+    __slots__ = ("mask", "numba_type")
 
     def __init__(self, qtypes):
         self.mask = 0
         for q in qtypes:
             self.mask |= 1 << int(q)
+        self.numba_type = FormatSetType(self.mask)  # made once: typeof runs on every call
 
     def __contains__(self, qtype) -> bool:
         return bool(self.mask >> int(qtype) & 1)
@@ -44,7 +45,7 @@ class FormatSetType(types.Type):
 
 @typeof_impl.register(FormatSet)
 def _typeof_format_set(val, c):
-    return FormatSetType(val.mask)
+    return val.numba_type
 
 
 register_model(FormatSetType)(models.OpaqueModel)

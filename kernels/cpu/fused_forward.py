@@ -41,15 +41,14 @@ import os
 import pickle
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 from numba import njit, prange, typeof, types
 from numba.core.compiler_lock import global_compiler_lock
-from numba.core.errors import NumbaExperimentalFeatureWarning
 
-from localllm.kernels.cpu import attention, blocks, forget_stale_cache, format_set, quant_dot, simd, team
+from localllm.kernels.cpu import attention, blocks, by_address, forget_stale_cache, format_set, quant_dot, simd, team
 from localllm.kernels.cpu import moe as moe_kernels
+from localllm.kernels.cpu.by_address import AddressType, Compiled, call
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
 from localllm.kernels.cpu.moe import route_row, router_row
@@ -222,9 +221,9 @@ def _moe_ffn(ctl, p, tasks, formats, layer, act_kind, h, dn, moe):
 
 
 @njit(cache=True)
-def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs, kv_k,
-            kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds, write_cols,
-            positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
+def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families,
+            vecs, kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
+            write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
     """One thread's walk through the step's phases. `moe` None (a dense model: Numba prunes the mixture-of-experts
     branch, so dense models compile exactly their own code) or the experts (_moe_ffn) in place of the dense FFN."""
     n_layers, n_head, n_kv, head_dim, value_dim, rope_dim = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]
@@ -249,7 +248,7 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
             task_done(ctl, p)
         wait_phase(ctl, p, 1)
         # 1: Q, K, V (+ biases)
-        products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2)
+        call(products, (ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2))
         wait_phase(ctl, p + 1, tasks)
         # 2: Q/K norms, RoPE, the new keys and values into the cache
         g = layer_group[layer]
@@ -287,7 +286,8 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
-        products(ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs, -1)
+        call(products, (ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs,
+                        -1))
         wait_phase(ctl, p + 4, tasks)
         # 5: residual; the FFN's input norm
         if _one_task(ctl, p + 5):
@@ -301,7 +301,8 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
             _moe_ffn(ctl, p + 6, tasks, formats, layer, act_kind, h, dn, moe)
             continue
         # 6: gate and up
-        products(ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs, -1)
+        call(products, (ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs,
+                        -1))
         wait_phase(ctl, p + 6, tasks)
         # 7: act(gate) * up, in column ranges
         while True:
@@ -314,7 +315,8 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
             task_done(ctl, p + 7)
         wait_phase(ctl, p + 7, tasks)
         # 8: down
-        products(ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs, -1)
+        call(products, (ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs,
+                        -1))
         wait_phase(ctl, p + 8, tasks)
     # the last FFN output, the output norm of the rows that want logits, the output head
     p = PHASES_PER_LAYER * n_layers
@@ -329,42 +331,14 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
         task_done(ctl, p)
     wait_phase(ctl, p, 1)
     if out_rows.shape[0] > 0:
-        products(ctl, p + 1, tasks, formats, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1, xo,
-                  logits, logits, logits, vecs, -1)
+        call(products, (ctl, p + 1, tasks, formats, mats, mat_types, mat_families, MATS_PER_LAYER * n_layers, 1,
+                        xo, logits, logits, logits, vecs, -1))
     else:
         for t in range(tasks):
             if next_task(ctl, p + 1, tasks) >= 0:
                 task_done(ctl, p + 1)
     wait_phase(ctl, p + 1, tasks)
 
-
-class Compiled(types.WrapperAddressProtocol):
-    """A jitted function compiled for one signature and called by its address (a first-class function).
-
-    Why: Numba links a callee's code into every library that calls it, where it is optimized and compiled to
-    machine code again. forward's parallel loop becomes a gufunc and two wrappers, so with `_worker` and
-    `_products` called directly, every kernel of the step went through that six times (_products, _worker, the
-    gufunc, its two wrappers, forward): 21 s of smollm2's 55 s cold compile (2-core Zen 5). By address each is
-    compiled once, on its own (so the two can compile in two processes at once: `compiled`); a step pays one
-    indirect call per thread and per product phase."""
-
-    def __init__(self, dispatcher, argtypes: tuple):
-        self._sig = types.void(*argtypes)
-        dispatcher.compile(argtypes)
-        cres = dispatcher.overloads[argtypes]
-        self._address = cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
-
-    def __wrapper_address__(self) -> int:
-        return self._address
-
-    def signature(self):
-        return self._sig
-
-
-# Numba calls first-class functions experimental and warns where they are compiled; these two are tested here
-# (tests/test_fused_forward.py) and users have nothing to do about it.
-warnings.filterwarnings("ignore", message="First-class function type feature is experimental",
-                        category=NumbaExperimentalFeatureWarning)
 
 _BUFFER = types.Array(types.float32, 2, "C")  # what forward's np.empty buffers are
 _INT = types.int64
@@ -373,7 +347,9 @@ _compiled: dict = {}
 
 def compiled(args: tuple) -> tuple[Compiled, Compiled]:
     """(worker, products) for forward's arguments after them (tasks ... moe), compiled or loaded from the kernel
-    cache on first use. Every array must be as forward will see it (dtype, dimensions, C order, writable).
+    cache on first use, each called by address (kernels/cpu/by_address.py: compiled once each, not re-optimized
+    into every library that calls them). Every array must be as forward will see it (dtype, dimensions, C order,
+    writable).
 
     On a cold start with more than one core the products (every format's row kernels) compile in a child process
     while this one compiles the worker (attention, norms, RoPE): smollm2's fused forward then compiles in 14 s on
@@ -382,7 +358,7 @@ def compiled(args: tuple) -> tuple[Compiled, Compiled]:
     tasks, formats, mats, mat_types, mat_families, vecs = t[0], t[1], t[7], t[8], t[9], t[10]
     product_types = (types.Array(types.int64, 1, "C"), _INT, tasks, formats, mats, mat_types, mat_families, _INT,
                      _INT, _BUFFER, _BUFFER, _BUFFER, _BUFFER, vecs, _INT)
-    worker_types = ((types.FunctionType(types.void(*product_types)), types.Array(types.int64, 1, "C")) + t[:-2]
+    worker_types = ((AddressType(types.void(*product_types)), types.Array(types.int64, 1, "C")) + t[:-2]
                     + (_BUFFER,) * 10 + (t[-2], _BUFFER, _BUFFER, t[-1]))
     found = _compiled.get(worker_types)
     if found is None:
@@ -461,12 +437,13 @@ def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_sc
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
     ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
-        worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
-                kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
-                write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe)
+        call(worker, (products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types,
+                      mat_families, vecs, kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables,
+                      first_blocks, seg_bounds, write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act,
+                      dn, out_rows, xo, logits, moe))
     return logits
 
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels, format_set)])
+                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels, format_set, by_address)])
