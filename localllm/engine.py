@@ -174,13 +174,13 @@ class Engine:
         of the compile time (smollm2 on 2 cores: ~12 of the 16 compile items), and a one-sequence session never
         calls them; anything else compiles on its first use."""
         self.path = Path(path)
+        device = backends.get(backend)  # first: its start-up work (the CPU's load probe) overlaps reading the file
         self.gguf = GGUFFile(self.path)
         meta = self.gguf.metadata
         # Every hyperparameter, tensor shape and type and the tokenizer's arrays, before any kernel sees them.
         self.config = load_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.template = ChatTemplate.from_metadata(meta, model_name=self.path.stem)
-        device = backends.get(backend)
         if kv_type not in device.kv_storage().kv_types:
             raise LocalLLMError(f"KV cache type {kv_type!r} is not available on {device.name} "
                                 f"(it has: {', '.join(device.kv_storage().kv_types)})")

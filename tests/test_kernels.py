@@ -277,3 +277,20 @@ def quant_dot_has_avx2() -> bool:
     from localllm.kernels.cpu import quant_dot
 
     return quant_dot.USES_AVX2
+
+
+def test_the_load_probe_counts_other_processes_cpu_time_not_this_ones(monkeypatch):
+    # kernels/cpu/runtime.py: the window opens at import and the engine reads the model file meanwhile; that
+    # reading is this process's CPU time and must not read as a busy machine.
+    from localllm.kernels.cpu import runtime
+
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(runtime.time, "sleep", lambda s: None)
+    monkeypatch.setattr(runtime.time, "monotonic", lambda: 10.1)
+    # 0.1 s: 20 ticks of 2 CPUs, 10 idle (one CPU's worth busy), and this process used 0.1 s of CPU
+    monkeypatch.setattr(runtime, "_window_start", (10.0, 5.0, 1000, 800))
+    monkeypatch.setattr(runtime, "_snapshot", lambda: (10.1, 5.1, 1020, 810))
+    assert runtime.cores_busy_elsewhere() == pytest.approx(0.0)
+    # the same ticks while this process slept: another process held a core
+    monkeypatch.setattr(runtime, "_snapshot", lambda: (10.1, 5.0, 1020, 810))
+    assert runtime.cores_busy_elsewhere() == pytest.approx(1.0)

@@ -32,23 +32,42 @@ _lock = threading.Lock()
 _done = False
 
 
+def _snapshot() -> tuple[float, float, int, int]:
+    """(monotonic time, this process's CPU time, /proc/stat's all ticks, its idle + iowait ticks)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return time.monotonic(), time.process_time(), sum(ticks), ticks[3] + ticks[4]
+
+
+# The window over which other processes' CPU use is measured opens when the CPU backend is imported, which the
+# engine does before it reads the model file: reading it covers the 50 ms the measure needs (a warm start slept
+# them: 5% of smollm2's first second).
+try:
+    _window_start: tuple | None = _snapshot()
+except (OSError, ValueError, IndexError):  # no /proc (macOS, BSD)
+    _window_start = None
+_MIN_WINDOW, _MAX_WINDOW = 0.05, 2.0  # seconds
+
+
 def cores_busy_elsewhere() -> float:
-    """Cores' worth of CPU time other processes used over the last 50 ms (we sleep meanwhile)."""
-
-    def snapshot() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
-
+    """Cores' worth of CPU time other processes used since the window opened (at least 50 ms, slept if need be;
+    a window older than 2 s starts anew), this process's own CPU time taken out."""
     try:
-        total0, idle0 = snapshot()
-        time.sleep(0.05)
-        total1, idle1 = snapshot()
-    except (OSError, ValueError, IndexError):  # no /proc (macOS, BSD): the load average is all there is
+        start = _window_start
+        if start is None or time.monotonic() - start[0] > _MAX_WINDOW:
+            start = _snapshot()
+        wait = _MIN_WINDOW - (time.monotonic() - start[0])
+        if wait > 0:
+            time.sleep(wait)
+        now = _snapshot()
+    except (OSError, ValueError, IndexError):  # no /proc: the load average is all there is
         return os.getloadavg()[0]
-    if total1 <= total0:
+    ticks = now[2] - start[2]
+    if ticks <= 0:
         return 0.0
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+    busy = (1 - (now[3] - start[3]) / ticks) * (os.cpu_count() or 1)
+    ours = (now[1] - start[1]) / max(now[0] - start[0], 1e-9)
+    return max(0.0, busy - ours)
 
 
 def configure() -> None:
