@@ -294,3 +294,28 @@ def test_the_load_probe_counts_other_processes_cpu_time_not_this_ones(monkeypatc
     # the same ticks while this process slept: another process held a core
     monkeypatch.setattr(runtime, "_snapshot", lambda: (10.1, 5.0, 1020, 810))
     assert runtime.cores_busy_elsewhere() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
+    # kernels/cpu/quant_dot.py: on AVX-512 CPUs the Q4_K/Q6_K rows multiply two 32-chunks per instruction and two
+    # weight rows per activation read, folding to the AVX2 kernel's int32 lanes (exact) before its float steps.
+    from localllm.kernels.cpu import quant_dot, simd
+
+    from test_backend_ops import random_blocks
+
+    if not simd.HAVE_AVX512:
+        pytest.skip("this CPU has no AVX-512 (F, BW, VL): its K-quant rows run the AVX2 kernels, tested elsewhere")
+    avx2, avx512 = {T.Q4_K: (quant_dot._rows_q4_k_avx2, quant_dot._rows_q4_k_avx512),
+                    T.Q6_K: (quant_dot._rows_q6_k_avx2, quant_dot._rows_q6_k_avx512)}[qtype]
+    raw = random_blocks(qtype, 37, 1024, seed=3).reshape(37, -1)  # extreme scales too: any finite fp16
+    raw.flags.writeable = False
+    rng = np.random.default_rng(4)
+    # up to 32 x-rows of these 4 blocks stay in L1 (rows one at a time); 40 take weight rows in pairs
+    for n, (r0, r1) in [(1, (0, 37)), (3, (5, 36)), (16, (1, 2)), (17, (0, 37)), (40, (0, 37)), (33, (3, 36))]:
+        xq, xd, bsums = quant_dot.quantize_q8_K((rng.standard_normal((n, 1024)) * 3).astype(np.float32))
+        want = np.full((n, 37), 7, np.float32)
+        got = want.copy()
+        avx2(raw, xq, xd, bsums, want, r0, r1)
+        avx512(raw, xq, xd, bsums, got, r0, r1)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -41,6 +41,14 @@ from localllm.kernels.cpu import forget_stale_cache, simd
 from localllm.kernels.cpu.format_set import FormatSetType
 from localllm.kernels.cpu.simd import (
     HAVE_AVX2,
+    HAVE_AVX512,
+    add_epi32_512,
+    concat_si256,
+    fold_epi32_512,
+    loadu_si512,
+    madd_epi16_512,
+    maddubs_epi16_512,
+    sub_epi16_512,
     add_epi8,
     add_epi32,
     address_of,
@@ -755,6 +763,123 @@ def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
             out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes_avx2(acc_m, i)
 
 
+# Activations larger than this (x-rows x blocks x 256 bytes) do not stay in L1 while a weight row streams past
+# them: the AVX-512 K-quant kernels then take weight rows in pairs, so each activation block read from L2 serves
+# two rows. Below it pairs measured slower (qwen2.5-coder-1.5b's Q6_K output head, 1536 columns, 1 x-row: 22 ms
+# in pairs, 7 ms one row at a time); above it faster (its 8960-column ffn_down, 16 x-rows: 2.95 ms against 4.5).
+_L1_ACTIVATION_BYTES = 32 * 1024
+
+
+@njit(cache=True, inline="always")
+def _q4_k_decode_avx512(blk, m4):
+    """A Q4_K block as four zmm of weights (sub-blocks 2j | 2j+1), four of their scales, the paired mins, d, dmin."""
+    wd, wdmin = load_halves(blk)
+    scales_mins = _scales_mins_k4_avx2(blk)
+    bits0, bits1 = loadu_si256(blk + 16), loadu_si256(blk + 48)
+    bits2, bits3 = loadu_si256(blk + 80), loadu_si256(blk + 112)
+    qs = (concat_si256(and_si256(bits0, m4), and_si256(srli_epi16(bits0, 4), m4)),
+          concat_si256(and_si256(bits1, m4), and_si256(srli_epi16(bits1, 4), m4)),
+          concat_si256(and_si256(bits2, m4), and_si256(srli_epi16(bits2, 4), m4)),
+          concat_si256(and_si256(bits3, m4), and_si256(srli_epi16(bits3, 4), m4)))
+    ss = (concat_si256(shuffle_epi16_halves(scales_mins, 0, 0), shuffle_epi16_halves(scales_mins, 1, 1)),
+          concat_si256(shuffle_epi16_halves(scales_mins, 2, 2), shuffle_epi16_halves(scales_mins, 3, 3)),
+          concat_si256(shuffle_epi16_halves(scales_mins, 4, 4), shuffle_epi16_halves(scales_mins, 5, 5)),
+          concat_si256(shuffle_epi16_halves(scales_mins, 6, 6), shuffle_epi16_halves(scales_mins, 7, 7)))
+    return qs, ss, duplicate_high_epi16(scales_mins), wd, wdmin
+
+
+@njit(cache=True, inline="always")
+def _q4_k_step_avx512(qs, ss, mins_paired, wd, wdmin, y, yd, bs, acc_address, min_address):
+    """One x-row's step of one decoded Q4_K block, as _rows_q4_k_avx2 takes it: the min term, then the products
+    (two sub-blocks per maddubs/madd, folded to its 8 int32 lanes: exact sums)."""
+    prod = add_adjacent_epi32(madd_epi16(loadu_si256(bs), mins_paired))
+    _accumulate_avx2(min_address, -yd * wdmin, prod)
+    p = add_epi32_512(
+        add_epi32_512(madd_epi16_512(ss[0], maddubs_epi16_512(qs[0], loadu_si512(y))),
+                      madd_epi16_512(ss[1], maddubs_epi16_512(qs[1], loadu_si512(y + 64)))),
+        add_epi32_512(madd_epi16_512(ss[2], maddubs_epi16_512(qs[2], loadu_si512(y + 128))),
+                      madd_epi16_512(ss[3], maddubs_epi16_512(qs[3], loadu_si512(y + 192)))),
+    )
+    _accumulate_avx2(acc_address, yd * wd, fold_epi32_512(p))
+
+
+@njit(cache=True)
+def _rows_q4_k_avx512(raw, xq, xd, bsums, out, r0, r1):
+    """_rows_q4_k_avx2 on zmm (as _rows_q6_k_avx512, in pairs of weight rows past _L1_ACTIVATION_BYTES): bitwise
+    its results. Measured on one core of a Zen 5 (qwen2.5-coder-1.5b's 8960x1536 ffn_gate): 1.06x the AVX2
+    kernel for 1 x-row, 1.34x for 16. (Decoding each row once into scratch with 4 x-rows' accumulators in
+    registers, as _group_32_avx2 does, measured no faster: 1.01x for 16.)"""
+    n, blocks = xd.shape
+    if n * blocks * 256 > _L1_ACTIVATION_BYTES:
+        _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1)
+        return
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
+    acc = np.zeros((n, 8), np.float32)
+    acc_m = np.zeros((n, 8), np.float32)
+    abase, mbase = address_of(acc), address_of(acc_m)
+    m4 = set1_epi8(0xF)
+    for r in range(r0, r1):
+        acc[:] = _F0
+        acc_m[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            qs, ss, mins, wd, wdmin = _q4_k_decode_avx512(w + 144 * b, m4)
+            for i in range(n):
+                _q4_k_step_avx512(qs, ss, mins, wd, wdmin, xbase + i * xstride + 256 * b,
+                                  load_f32(dbase + 4 * (i * blocks + b)), bbase + i * bstride + 32 * b,
+                                  abase + 32 * i, mbase + 32 * i)
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes_avx2(acc_m, i)
+
+
+@njit(cache=True)
+def _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1):
+    """_rows_q4_k_avx512 two weight rows at a time (each activation block read serves both)."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
+    acc = np.zeros((2, n, 8), np.float32)
+    acc_m = np.zeros((2, n, 8), np.float32)
+    acc0, acc1, acc_m0, acc_m1 = acc[0], acc[1], acc_m[0], acc_m[1]
+    abase, mbase = address_of(acc), address_of(acc_m)
+    other = 32 * n  # acc[1] from acc[0]
+    m4 = set1_epi8(0xF)
+    zero = setzero_ps()
+    for r in range(r0, r1, 2):
+        two = r + 1 < r1
+        for i in range(2 * n):  # (see _rows_q6_k_avx512)
+            storeu_ps(abase + 32 * i, zero)
+            storeu_ps(mbase + 32 * i, zero)
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk = w + 144 * b
+            qs, ss, mins, wd, wdmin = _q4_k_decode_avx512(blk, m4)
+            if two:
+                qs2, ss2, mins2, wd2, wdmin2 = _q4_k_decode_avx512(blk + wstride, m4)
+                for i in range(n):
+                    y, bs = xbase + i * xstride + 256 * b, bbase + i * bstride + 32 * b
+                    yd = load_f32(dbase + 4 * (i * blocks + b))
+                    _q4_k_step_avx512(qs, ss, mins, wd, wdmin, y, yd, bs, abase + 32 * i, mbase + 32 * i)
+                    _q4_k_step_avx512(qs2, ss2, mins2, wd2, wdmin2, y, yd, bs, abase + other + 32 * i,
+                                      mbase + other + 32 * i)
+            else:
+                for i in range(n):
+                    y, bs = xbase + i * xstride + 256 * b, bbase + i * bstride + 32 * b
+                    yd = load_f32(dbase + 4 * (i * blocks + b))
+                    _q4_k_step_avx512(qs, ss, mins, wd, wdmin, y, yd, bs, abase + 32 * i, mbase + 32 * i)
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc0, i) + _finish_min_lanes_avx2(acc_m0, i)
+            if two:
+                out[i, r + 1] = _hsum_float_8(acc1, i) + _finish_min_lanes_avx2(acc_m1, i)
+
+
+# The Q4_K row kernel this CPU runs (the AVX-512 one gives the AVX2 one's bits).
+_rows_q4_k = _rows_q4_k_avx512 if HAVE_AVX512 else _rows_q4_k_avx2
+
+
 @njit(cache=True, inline="always")
 def _q5_k_chunk(bits, hbits, bit):
     """32 five-bit weights: 4 low bits from a nibble, the 5th from bit `bit` of each qh byte, shifted to 16."""
@@ -873,6 +998,117 @@ def _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1):
                 _accumulate_avx2(abase + 32 * i, load_f32(dbase + 4 * (i * blocks + b)) * wd, sumi)
         for i in range(n):
             out[i, r] = _hsum_float_8(acc, i)
+
+
+@njit(cache=True, inline="always")
+def _q6_k_decode_avx512(blk, m4, m2):
+    """A Q6_K block's 6-bit weights as four zmm (32-chunks 2j | 2j+1) and their 16-element scales likewise."""
+    scales = load_cvtepi8_epi16(blk + 192)
+    low_a0, low_b0, high0 = loadu_si256(blk), loadu_si256(blk + 32), loadu_si256(blk + 128)
+    low_a1, low_b1, high1 = loadu_si256(blk + 64), loadu_si256(blk + 96), loadu_si256(blk + 160)
+    q0 = or_si256(and_si256(low_a0, m4), slli_epi16(and_si256(high0, m2), 4))
+    q1 = or_si256(and_si256(low_b0, m4), slli_epi16(and_si256(srli_epi16(high0, 2), m2), 4))
+    q2 = or_si256(and_si256(srli_epi16(low_a0, 4), m4), slli_epi16(and_si256(srli_epi16(high0, 4), m2), 4))
+    q3 = or_si256(and_si256(srli_epi16(low_b0, 4), m4), slli_epi16(and_si256(srli_epi16(high0, 6), m2), 4))
+    q4 = or_si256(and_si256(low_a1, m4), slli_epi16(and_si256(high1, m2), 4))
+    q5 = or_si256(and_si256(low_b1, m4), slli_epi16(and_si256(srli_epi16(high1, 2), m2), 4))
+    q6 = or_si256(and_si256(srli_epi16(low_a1, 4), m4), slli_epi16(and_si256(srli_epi16(high1, 4), m2), 4))
+    q7 = or_si256(and_si256(srli_epi16(low_b1, 4), m4), slli_epi16(and_si256(srli_epi16(high1, 6), m2), 4))
+    qs = (concat_si256(q0, q1), concat_si256(q2, q3), concat_si256(q4, q5), concat_si256(q6, q7))
+    ss = (concat_si256(shuffle_epi16_halves(scales, 0, 1), shuffle_epi16_halves(scales, 2, 3)),
+          concat_si256(shuffle_epi16_halves(scales, 4, 5), shuffle_epi16_halves(scales, 6, 7)),
+          concat_si256(shuffle_epi16_halves(scales, 8, 9), shuffle_epi16_halves(scales, 10, 11)),
+          concat_si256(shuffle_epi16_halves(scales, 12, 13), shuffle_epi16_halves(scales, 14, 15)))
+    return qs, ss
+
+
+@njit(cache=True, inline="always")
+def _q6_k_sum_avx512(qs, ss, y, k32):
+    """One x-row's int32 sums of a decoded Q6_K block, folded to the AVX2 kernel's 8 lanes: for each 32-chunk,
+    (maddubs(q, y) - maddubs(32, y)) madd scales, as _q6_k_product computes it (exact integers)."""
+    y0, y1, y2, y3 = loadu_si512(y), loadu_si512(y + 64), loadu_si512(y + 128), loadu_si512(y + 192)
+    p0 = madd_epi16_512(ss[0], sub_epi16_512(maddubs_epi16_512(qs[0], y0), maddubs_epi16_512(k32, y0)))
+    p1 = madd_epi16_512(ss[1], sub_epi16_512(maddubs_epi16_512(qs[1], y1), maddubs_epi16_512(k32, y1)))
+    p2 = madd_epi16_512(ss[2], sub_epi16_512(maddubs_epi16_512(qs[2], y2), maddubs_epi16_512(k32, y2)))
+    p3 = madd_epi16_512(ss[3], sub_epi16_512(maddubs_epi16_512(qs[3], y3), maddubs_epi16_512(k32, y3)))
+    return fold_epi32_512(add_epi32_512(add_epi32_512(p0, p1), add_epi32_512(p2, p3)))
+
+
+@njit(cache=True)
+def _rows_q6_k_avx512(raw, xq, xd, bsums, out, r0, r1):
+    """_rows_q6_k_avx2 on zmm: each x-row's products take two 32-chunks per instruction and are folded to the
+    AVX2 kernel's 8 int32 lanes (exact sums) before its float step, so the results are bitwise its own. Weight
+    rows one at a time, or in pairs where the activations outgrow L1 (_L1_ACTIVATION_BYTES)."""
+    n, blocks = xd.shape
+    if n * blocks * 256 > _L1_ACTIVATION_BYTES:
+        _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1)
+        return
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    dbase = address_of(xd)
+    acc = np.zeros((n, 8), np.float32)
+    abase = address_of(acc)
+    m4, m2 = set1_epi8(0xF), set1_epi8(3)
+    k32 = concat_si256(set1_epi8(32), set1_epi8(32))
+    for r in range(r0, r1):
+        acc[:] = _F0
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk = w + 210 * b
+            wd = load_halves(blk + 206)[1]  # the block's last word: scales[14:16], then d
+            qs, ss = _q6_k_decode_avx512(blk, m4, m2)
+            for i in range(n):
+                y = xbase + i * xstride + 256 * b
+                _accumulate_avx2(abase + 32 * i, load_f32(dbase + 4 * (i * blocks + b)) * wd,
+                                 _q6_k_sum_avx512(qs, ss, y, k32))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc, i)
+
+
+@njit(cache=True)
+def _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1):
+    """_rows_q6_k_avx512 two weight rows at a time (each activation block read serves both)."""
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    xbase, xstride = address_of(xq), xq.strides[0]
+    dbase = address_of(xd)
+    acc = np.zeros((2, n, 8), np.float32)
+    acc0, acc1 = acc[0], acc[1]
+    abase = address_of(acc)
+    other = 32 * n  # acc[1] from acc[0]
+    m4, m2 = set1_epi8(0xF), set1_epi8(3)
+    k32 = concat_si256(set1_epi8(32), set1_epi8(32))
+    zero = setzero_ps()
+    for r in range(r0, r1, 2):
+        two = r + 1 < r1
+        for i in range(2 * n):  # (a slice assignment of the 3-d array cost ~100 ns a row pair: 3x the kernel)
+            storeu_ps(abase + 32 * i, zero)
+        w = wbase + r * wstride
+        for b in range(blocks):
+            blk = w + 210 * b
+            wd = load_halves(blk + 206)[1]  # the block's last word: scales[14:16], then d
+            qs, ss = _q6_k_decode_avx512(blk, m4, m2)
+            if two:
+                wd2 = load_halves(blk + wstride + 206)[1]
+                qs2, ss2 = _q6_k_decode_avx512(blk + wstride, m4, m2)
+                for i in range(n):
+                    y = xbase + i * xstride + 256 * b
+                    yd = load_f32(dbase + 4 * (i * blocks + b))
+                    _accumulate_avx2(abase + 32 * i, yd * wd, _q6_k_sum_avx512(qs, ss, y, k32))
+                    _accumulate_avx2(abase + other + 32 * i, yd * wd2, _q6_k_sum_avx512(qs2, ss2, y, k32))
+            else:
+                for i in range(n):
+                    y = xbase + i * xstride + 256 * b
+                    yd = load_f32(dbase + 4 * (i * blocks + b))
+                    _accumulate_avx2(abase + 32 * i, yd * wd, _q6_k_sum_avx512(qs, ss, y, k32))
+        for i in range(n):
+            out[i, r] = _hsum_float_8(acc0, i)
+            if two:
+                out[i, r + 1] = _hsum_float_8(acc1, i)
+
+
+# The Q6_K row kernel this CPU runs (the AVX-512 one gives the AVX2 one's bits).
+_rows_q6_k = _rows_q6_k_avx512 if HAVE_AVX512 else _rows_q6_k_avx2
 
 
 @njit(cache=True, inline="always")
@@ -1086,11 +1322,11 @@ def _matmul_q4_k_avx2(raw, x, out, threads):
     rows = raw.shape[0]
     chunks = _n_chunks(rows, x.shape[1], threads)
     if chunks == 1:
-        _rows_q4_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        _rows_q4_k(raw, xq, xd, bsums, out, 0, rows)
         return
     for c in prange(chunks):
         r0, r1 = _chunk_bounds(c, chunks, rows)
-        _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+        _rows_q4_k(raw, xq, xd, bsums, out, r0, r1)
 
 
 @njit(parallel=True, cache=True)
@@ -1112,11 +1348,11 @@ def _matmul_q6_k_avx2(raw, x, out, threads):
     rows = raw.shape[0]
     chunks = _n_chunks(rows, x.shape[1], threads)
     if chunks == 1:
-        _rows_q6_k_avx2(raw, xq, xd, bsums, out, 0, rows)
+        _rows_q6_k(raw, xq, xd, bsums, out, 0, rows)
         return
     for c in prange(chunks):
         r0, r1 = _chunk_bounds(c, chunks, rows)
-        _rows_q6_k_avx2(raw, xq, xd, bsums, out, r0, r1)
+        _rows_q6_k(raw, xq, xd, bsums, out, r0, r1)
 
 
 @njit(parallel=True, cache=True)
@@ -1192,11 +1428,11 @@ def _matmul_k_avx2_multi(raws, qtype, x, outs, threads):
         ranges, _ = _multi_ranges(raws, c, chunks)
         for w, r0, r1 in ranges:
             if qtype == 12:  # Q4_K
-                _rows_q4_k_avx2(raws[w], xq, xd, bsums, outs[w], r0, r1)
+                _rows_q4_k(raws[w], xq, xd, bsums, outs[w], r0, r1)
             elif qtype == 13:  # Q5_K
                 _rows_q5_k_avx2(raws[w], xq, xd, bsums, outs[w], r0, r1)
             elif qtype == 14:  # Q6_K
-                _rows_q6_k_avx2(raws[w], xq, xd, bsums, outs[w], r0, r1)
+                _rows_q6_k(raws[w], xq, xd, bsums, outs[w], r0, r1)
             elif qtype == 11:  # Q3_K
                 _rows_q3_k_avx2(raws[w], xq, xd, bsums, outs[w], r0, r1)
             else:  # Q2_K
@@ -1341,13 +1577,13 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
                 _rows_32_avx2(raw, 4, 24, q1, d1, s1, out, r0, r1)
         if q4_k:
             if qtype == 12:
-                _rows_q4_k_avx2(raw, qk, dk, bk, out, r0, r1)
+                _rows_q4_k(raw, qk, dk, bk, out, r0, r1)
         if q5_k:
             if qtype == 13:
                 _rows_q5_k_avx2(raw, qk, dk, bk, out, r0, r1)
         if q6_k:
             if qtype == 14:
-                _rows_q6_k_avx2(raw, qk, dk, bk, out, r0, r1)
+                _rows_q6_k(raw, qk, dk, bk, out, r0, r1)
         if q3_k:
             if qtype == 11:
                 _rows_q3_k_avx2(raw, qk, dk, bk, out, r0, r1)

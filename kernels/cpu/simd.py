@@ -654,6 +654,139 @@ def cvtepu8_epi16_words(typingctx, w0, w1, w2, w3):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# AVX-512 (F, BW, VL): two 256-bit halves at once
+# ---------------------------------------------------------------------------------------------------------------
+#
+# The K-quant row kernels spend their time in the integer products of each x-row with each decoded block
+# (maddubs, then madd with the sub-blocks' scales). On a CPU with AVX-512 those run on two 32-weight chunks per
+# instruction; their int32 lanes are then folded to the 8 lanes of the AVX2 kernel (low half + high half), and
+# as integer sums are exact, every float operation after that sees the AVX2 kernel's values: the results are
+# bitwise the AVX2 kernel's (tests/test_kernels.py).
+
+I8x64 = ir.VectorType(_I8, 64)
+I16x32 = ir.VectorType(_I16, 32)
+I32x16 = ir.VectorType(_I32, 16)
+I64x8 = ir.VectorType(_I64, 8)
+
+
+def _detect_avx512() -> bool:
+    if os.environ.get("LOCALLLM_NO_SIMD") or os.environ.get("LOCALLLM_NO_AVX512"):
+        return False
+    return HAVE_AVX2 and {"avx512f", "avx512bw", "avx512vl"} <= _target_features()
+
+
+HAVE_AVX512: bool = _detect_avx512()
+
+
+class M512i(types.Type):
+    """512 integer bits in one zmm register (C's `__m512i`)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="m512i")
+
+
+m512i = M512i()
+
+
+@register_model(M512i)
+class _M512iModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, I64x8)
+
+
+@intrinsic(prefer_literal=True)
+def loadu_si512(typingctx, address):
+    """64 bytes at `address`, unaligned (`_mm512_loadu_si512`)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.load(_ptr(builder, args[0], I64x8), align=1)
+
+    return m512i(address), codegen
+
+
+@intrinsic(prefer_literal=True)
+def concat_si256(typingctx, low, high):
+    """One zmm of two ymm: `low` in bits 0-255, `high` in 256-511 (`_mm512_inserti64x4(castsi256, high, 1)`)."""
+    if low != m256i or high != m256i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
+
+    return m512i(low, high), codegen
+
+
+@intrinsic(prefer_literal=True)
+def maddubs_epi16_512(typingctx, a, b):
+    """`vpmaddubsw` on zmm: unsigned bytes of a times signed bytes of b, pairs summed with int16 saturation."""
+    if a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (builder.bitcast(v, I8x64) for v in args)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx512.pmaddubs.w.512", I16x32, [x, y]), I64x8)
+
+    return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def madd_epi16_512(typingctx, a, b):
+    """`vpmaddwd` on zmm: int16 lanes multiplied, adjacent pairs summed into int32."""
+    if a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (builder.bitcast(v, I16x32) for v in args)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx512.pmaddw.d.512", I32x16, [x, y]), I64x8)
+
+    return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def add_epi32_512(typingctx, a, b):
+    """Wrapping int32 add on zmm (`_mm512_add_epi32`)."""
+    if a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (builder.bitcast(v, I32x16) for v in args)
+        return builder.bitcast(builder.add(x, y), I64x8)
+
+    return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def sub_epi16_512(typingctx, a, b):
+    """Wrapping int16 subtract on zmm (`_mm512_sub_epi16`)."""
+    if a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (builder.bitcast(v, I16x32) for v in args)
+        return builder.bitcast(builder.sub(x, y), I64x8)
+
+    return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def fold_epi32_512(typingctx, a):
+    """The int32 lanes of the low 256 bits plus those of the high 256 bits, as one ymm."""
+    if a != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I32x16)
+        undef = ir.Constant(I32x16, ir.Undefined)
+        low = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
+        high = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 8), list(range(8, 16))))
+        return builder.bitcast(builder.add(low, high), I64x4)
+
+    return m256i(a), codegen
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ggml's composite helpers (arch/x86/quants.c), built from the primitives above
 # ---------------------------------------------------------------------------------------------------------------
 
