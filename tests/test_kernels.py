@@ -319,3 +319,32 @@ def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
         avx2(raw, xq, xd, bsums, want, r0, r1)
         avx512(raw, xq, xd, bsums, got, r0, r1)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
+def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
+    # kernels/cpu/quant_dot.py _rows_32_avx512: two blocks per VNNI product, each block's float step as before
+    from localllm.kernels.cpu import quant_dot, simd
+
+    from test_backend_ops import random_blocks
+
+    if not simd.HAVE_AVX512_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: its 32-block rows run the AVX2 kernels, tested elsewhere")
+    kind = quant_dot._KIND_32[qtype]
+    block_bytes = FORMATS[qtype].type_size
+    rng = np.random.default_rng(5)
+    for cols in (32 * 7, 32 * 8):  # an odd last block, and pairs only
+        raw = random_blocks(qtype, 29, cols, seed=6).reshape(29, -1)
+        raw.flags.writeable = False
+        for n, (r0, r1) in [(1, (0, 29)), (4, (3, 28)), (7, (0, 29)), (16, (1, 2))]:  # VNNI from 4 x-rows
+            x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
+            if qtype in (T.Q4_1, T.Q5_1):
+                xq, xd, xs = quant_dot.quantize_q8_1(x)
+            else:
+                (xq, xd), xs = quant_dot.quantize_q8_0(x), None
+                xs = xd
+            want = np.full((n, 29), 7, np.float32)
+            got = want.copy()
+            quant_dot._rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, want, r0, r1)
+            quant_dot._rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, got, r0, r1)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

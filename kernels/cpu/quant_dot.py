@@ -46,6 +46,13 @@ from localllm.kernels.cpu.simd import (
     concat_si256,
     fold_epi32_512,
     loadu_si512,
+    HAVE_AVX512_VNNI,
+    abs_epi8_512,
+    dpbusd_epi32_512,
+    high_256,
+    low_256,
+    negate_where_negative_512,
+    zero_si512,
     madd_epi16_512,
     maddubs_epi16_512,
     sub_epi16_512,
@@ -683,6 +690,132 @@ def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, decoded)
 
 
+@njit(cache=True)
+def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+    """_rows_32_avx2 with VNNI: a row's blocks decoded once into scratch, then x-rows in groups of 4, 2, 1
+    (_group_32_avx512), two blocks per integer product. Bitwise _rows_32_avx2's results. Measured on one core
+    of a Zen 5 (qwen2.5-coder-0.5b's Q5_0 4864x896 ffn_gate): 1.15x for 4 x-rows, 1.12x for 16, 0.84x for 1
+    (the AVX2 kernel decodes in registers there): `_rows_32` takes it from 4 x-rows."""
+    literally(kind)
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    scratch = np.empty(32 * blocks, np.uint8)
+    decoded = address_of(scratch)
+    for r in range(r0, r1):
+        w = wbase + r * wstride
+        for b in range(blocks):
+            storeu_si256(decoded + 32 * b, _decode_32_avx2(w + block_bytes * b, kind))
+        i = 0
+        while n - i >= 4:
+            _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4, decoded)
+            i += 4
+        if n - i >= 2:
+            _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2, decoded)
+            i += 2
+        if n - i == 1:
+            _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, decoded)
+
+
+@njit(cache=True, inline="always")
+def _pair_sums_32_avx512(qx2, y, signed):
+    """Int32 lanes of two blocks' dots (block b in lanes 0-7, b + 1 in 8-15): mul_sum_i8_pairs /
+    mul_sum_us8_pairs's values (exact: the AVX2 pair sums never saturate, |x| <= 128, |y| <= 127)."""
+    y2 = loadu_si512(y)
+    if signed:
+        return dpbusd_epi32_512(zero_si512(), abs_epi8_512(qx2), negate_where_negative_512(y2, qx2))
+    return dpbusd_epi32_512(zero_si512(), qx2, y2)
+
+
+@njit(cache=True, inline="always")
+def _pair_step_32_avx512(qx2, wd, wd2, y, d, a, signed):
+    """One x-row's float steps for blocks b and b + 1 (y, d: its activations and scales at block b)."""
+    p = _pair_sums_32_avx512(qx2, y, signed)
+    a = fmadd_ps(set1_ps(wd * load_f32(d)), cvtepi32_ps(low_256(p)), a)
+    return fmadd_ps(set1_ps(wd2 * load_f32(d + 4)), cvtepi32_ps(high_256(p)), a)
+
+
+@njit(cache=True)
+def _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count, decoded):
+    """_group_32_avx2 over decoded blocks, two at a time: one VNNI product gives both blocks' int32 lanes, and
+    each block's float step follows as in the AVX2 kernel (block b, then b + 1), so every x-row sees the same
+    float operations on the same values. An odd last block takes the AVX2 kernel's own step."""
+    literally(kind)
+    literally(count)
+    has_min = kind == KIND_Q4_1 or kind == KIND_Q5_1
+    signed = not has_min
+    xs_row = xq.strides[0]
+    y0 = address_of(xq) + i * xs_row
+    d0 = address_of(xd) + 4 * i * blocks
+    s0 = address_of(xs) + 4 * i * blocks
+    a0, a1, a2, a3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()
+    m0, m1, m2, m3 = _F0, _F0, _F0, _F0
+    pairs = blocks // 2
+    for h in range(pairs):
+        b = 2 * h
+        qx2 = loadu_si512(decoded + 32 * b)
+        wd, wm = load_halves(w + block_bytes * b)
+        wd2, wm2 = load_halves(w + block_bytes * (b + 1))
+        if has_min:  # summs += m * s per block, in block order (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
+            m0 = (m0 + wm * load_f32(s0 + 4 * b)) + wm2 * load_f32(s0 + 4 * b + 4)
+            if count > 1:
+                m1 = (m1 + wm * load_f32(s0 + 4 * (blocks + b))) + wm2 * load_f32(s0 + 4 * (blocks + b) + 4)
+            if count > 2:
+                m2 = (m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))) + wm2 * load_f32(s0 + 4 * (2 * blocks + b) + 4)
+            if count > 3:
+                m3 = (m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))) + wm2 * load_f32(s0 + 4 * (3 * blocks + b) + 4)
+        a0 = _pair_step_32_avx512(qx2, wd, wd2, y0 + 32 * b, d0 + 4 * b, a0, signed)
+        if count > 1:
+            a1 = _pair_step_32_avx512(qx2, wd, wd2, y0 + xs_row + 32 * b, d0 + 4 * (blocks + b), a1, signed)
+        if count > 2:
+            a2 = _pair_step_32_avx512(qx2, wd, wd2, y0 + 2 * xs_row + 32 * b, d0 + 4 * (2 * blocks + b), a2,
+                                      signed)
+        if count > 3:
+            a3 = _pair_step_32_avx512(qx2, wd, wd2, y0 + 3 * xs_row + 32 * b, d0 + 4 * (3 * blocks + b), a3,
+                                      signed)
+    if blocks % 2:
+        b = blocks - 1
+        qx = loadu_si256(decoded + 32 * b)
+        wd, wm = load_halves(w + block_bytes * b)
+        if has_min:
+            m0 = m0 + wm * load_f32(s0 + 4 * b)
+            if count > 1:
+                m1 = m1 + wm * load_f32(s0 + 4 * (blocks + b))
+            if count > 2:
+                m2 = m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))
+            if count > 3:
+                m3 = m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))
+        a0 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * b)), _lanes_32_avx2(qx, y0 + 32 * b, kind), a0)
+        if count > 1:
+            a1 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (blocks + b))),
+                          _lanes_32_avx2(qx, y0 + xs_row + 32 * b, kind), a1)
+        if count > 2:
+            a2 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (2 * blocks + b))),
+                          _lanes_32_avx2(qx, y0 + 2 * xs_row + 32 * b, kind), a2)
+        if count > 3:
+            a3 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (3 * blocks + b))),
+                          _lanes_32_avx2(qx, y0 + 3 * xs_row + 32 * b, kind), a3)
+    out[i, r] = hsum_float_8(a0) + m0 if has_min else hsum_float_8(a0)
+    if count > 1:
+        out[i + 1, r] = hsum_float_8(a1) + m1 if has_min else hsum_float_8(a1)
+    if count > 2:
+        out[i + 2, r] = hsum_float_8(a2) + m2 if has_min else hsum_float_8(a2)
+    if count > 3:
+        out[i + 3, r] = hsum_float_8(a3) + m3 if has_min else hsum_float_8(a3)
+
+
+# The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits). A choice inside
+# _rows_32_avx512 that called _rows_32_avx2 crashed (both take `kind` as a literal); inlined here it does not.
+if HAVE_AVX512_VNNI:
+    @njit(cache=True, inline="always")
+    def _rows_32(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+        if xd.shape[0] >= 4:
+            _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+        else:
+            _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+else:
+    _rows_32 = _rows_32_avx2
+
+
 @njit(cache=True, inline="always")
 def _accumulate_avx2(address, d, sumi):
     """acc (8 floats at `address`) = fma(d, float(sumi), acc): one x-row's per-block step of every K-quant dot."""
@@ -1258,11 +1391,11 @@ def _matmul_32_avx2(raw, kind, block_bytes, x, out, threads):
     rows = raw.shape[0]
     chunks = _n_chunks(rows, x.shape[1], threads)
     if chunks == 1:
-        _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, 0, rows)
+        _rows_32(raw, kind, block_bytes, xq, xd, xs, out, 0, rows)
         return
     for c in prange(chunks):
         r0, r1 = _chunk_bounds(c, chunks, rows)
-        _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+        _rows_32(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
 
 
 @njit(cache=True)
@@ -1415,7 +1548,7 @@ def _matmul_32_avx2_multi(raws, kind, block_bytes, x, outs, threads):
     for c in prange(chunks):
         ranges, _ = _multi_ranges(raws, c, chunks)
         for w, r0, r1 in ranges:
-            _rows_32_avx2(raws[w], kind, block_bytes, xq, xd, xs, outs[w], r0, r1)
+            _rows_32(raws[w], kind, block_bytes, xq, xd, xs, outs[w], r0, r1)
 
 
 @njit(parallel=True, cache=True)
@@ -1562,19 +1695,19 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
         q0, d0, q1, d1, s1, qk, dk, bk = acts
         if q8_0:
             if qtype == 8:
-                _rows_32_avx2(raw, 0, 34, q0, d0, d0, out, r0, r1)
+                _rows_32(raw, 0, 34, q0, d0, d0, out, r0, r1)
         if q4_0:
             if qtype == 2:
-                _rows_32_avx2(raw, 1, 18, q0, d0, d0, out, r0, r1)
+                _rows_32(raw, 1, 18, q0, d0, d0, out, r0, r1)
         if q4_1:
             if qtype == 3:
-                _rows_32_avx2(raw, 2, 20, q1, d1, s1, out, r0, r1)
+                _rows_32(raw, 2, 20, q1, d1, s1, out, r0, r1)
         if q5_0:
             if qtype == 6:
-                _rows_32_avx2(raw, 3, 22, q0, d0, d0, out, r0, r1)
+                _rows_32(raw, 3, 22, q0, d0, d0, out, r0, r1)
         if q5_1:
             if qtype == 7:
-                _rows_32_avx2(raw, 4, 24, q1, d1, s1, out, r0, r1)
+                _rows_32(raw, 4, 24, q1, d1, s1, out, r0, r1)
         if q4_k:
             if qtype == 12:
                 _rows_q4_k(raw, qk, dk, bk, out, r0, r1)

@@ -676,6 +676,8 @@ def _detect_avx512() -> bool:
 
 
 HAVE_AVX512: bool = _detect_avx512()
+# VNNI's vpdpbusd: u8 x s8 products summed in fours into int32 lanes in one instruction (maddubs + madd before)
+HAVE_AVX512_VNNI: bool = HAVE_AVX512 and "avx512vnni" in _target_features()
 
 
 class M512i(types.Type):
@@ -768,6 +770,79 @@ def sub_epi16_512(typingctx, a, b):
         return builder.bitcast(builder.sub(x, y), I64x8)
 
     return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def abs_epi8_512(typingctx, a):
+    """|a| of each int8 lane, -128 giving 0x80 (128 read unsigned), as vpsignb(a, a) gives it on ymm."""
+    if a != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = builder.bitcast(args[0], I8x64)
+        neg = builder.icmp_signed("<", x, ir.Constant(I8x64, [0] * 64))
+        return builder.bitcast(builder.select(neg, builder.sub(ir.Constant(I8x64, [0] * 64), x), x), I64x8)
+
+    return m512i(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def negate_where_negative_512(typingctx, a, b):
+    """a negated in the int8 lanes where b < 0 (vpsignb(a, b) on ymm, except where b == 0, which it zeroes: in
+    a product with |b| that lane is 0 either way)."""
+    if a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (builder.bitcast(v, I8x64) for v in args)
+        neg = builder.icmp_signed("<", y, ir.Constant(I8x64, [0] * 64))
+        return builder.bitcast(builder.select(neg, builder.sub(ir.Constant(I8x64, [0] * 64), x), x), I64x8)
+
+    return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def dpbusd_epi32_512(typingctx, acc, a, b):
+    """acc + (unsigned bytes of a times signed bytes of b, summed in fours) per int32 lane (VNNI `vpdpbusd`)."""
+    if acc != m512i or a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y, z = (builder.bitcast(v, I32x16) for v in args)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.512", I32x16, [x, y, z]), I64x8)
+
+    return m512i(acc, a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def zero_si512(typingctx):
+    """All-zero zmm."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(I64x8, [0] * 8)
+
+    return m512i(), codegen
+
+
+def _half_256(high: bool, doc: str):
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, a):
+        if a != m512i:
+            return None
+
+        def codegen(context, builder, signature, args):
+            lanes = list(range(4, 8)) if high else list(range(4))
+            return builder.shuffle_vector(args[0], ir.Constant(I64x8, ir.Undefined),
+                                          ir.Constant(ir.VectorType(_I32, 4), lanes))
+
+        return m256i(a), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+low_256 = _half_256(False, "Bits 0-255 of a zmm as a ymm (`_mm512_castsi512_si256`).")
+high_256 = _half_256(True, "Bits 256-511 of a zmm as a ymm (`_mm512_extracti64x4_epi64(a, 1)`).")
 
 
 @intrinsic(prefer_literal=True)
