@@ -417,6 +417,10 @@ class FusedForward:
         self.eps, self.scale = float(eps), np.float32(attention_scale)
         self.softcap = np.float32(attention_softcap)  # gemma2's attention logit soft-cap; 0: none
         self._compiled: dict = {}
+        self._n_layers, self._n_embd = int(dims[0]), int(dims[6])
+        if length(self.mats) != _fused.MATS_PER_LAYER * self._n_layers + 1:
+            raise ValueError("fused forward: the weights do not match the layer count")
+        self._checked_kv, self._checked_layers, self._max_group = None, None, -1
 
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
@@ -426,20 +430,33 @@ class FusedForward:
         lists (keys, key scales, values, value scales) of the pool; the rest as in fused_forward.py. One sequence:
         tables (groups, width), first_blocks (groups), seg_bounds None; several: tables (seqs, groups, width),
         first_blocks (seqs, groups), seg_bounds their row ranges [0, n1, n1 + n2, ..., n]."""
+        n = len(x)
         if seg_bounds is None:
             tables, first_blocks = tables[None], first_blocks[None]
-            seg_bounds = np.array([0, len(x)], np.int64)
+            seg_bounds = np.array([0, n], np.int64)
+        elif seg_bounds[0] != 0 or seg_bounds[-1] != n or np.any(np.diff(seg_bounds) < 1):
+            raise ValueError("fused forward: the sequences' row ranges do not cover the rows in order")
         # Checked here because the compiled workers must not fail: one that raised would leave the others
-        # waiting for its tasks.
-        n_layers = int(self.dims[0])
+        # waiting for its tasks. What belongs to the model and its KV lists is checked once per object (a decode
+        # step of a small model is ~4 ms, and every Python operation after a step's weights went through the
+        # caches costs several times its cold-cache price).
+        n_layers = self._n_layers
+        if kv is not self._checked_kv:
+            if any(length(lst) != n_layers for lst in kv):
+                raise ValueError("fused forward: the KV lists do not have one array per layer")
+            self._checked_kv = kv
+        checked = self._checked_layers
+        if checked is None or checked[0] is not layer_group or checked[1] is not layer_window \
+                or checked[2] is not layer_rope:
+            if not len(layer_group) == len(layer_window) == len(layer_rope) == n_layers:
+                raise ValueError("fused forward: the per-layer tables do not have one entry per layer")
+            self._checked_layers = (layer_group, layer_window, layer_rope)
+            self._max_group = int(layer_group.max()) if n_layers else -1
         seqs = len(seg_bounds) - 1
-        if (length(self.mats) != _fused.MATS_PER_LAYER * n_layers + 1 or any(length(lst) != n_layers for lst in kv)
-                or not len(layer_group) == len(layer_window) == len(layer_rope) == n_layers
-                or x.shape[1] != self.dims[6] or len(positions) != len(x) or write_cols.shape[1] != len(x)
-                or seqs < 1 or seg_bounds[0] != 0 or seg_bounds[-1] != len(x) or np.any(np.diff(seg_bounds) < 1)
+        if (x.shape[1] != self._n_embd or len(positions) != n or write_cols.shape[1] != n or seqs < 1
                 or tables.ndim != 3 or tables.shape[0] != seqs or tables.shape[:2] != first_blocks.shape
-                or write_cols.shape[0] != tables.shape[1] or n_layers and layer_group.max() >= tables.shape[1]
-                or len(out_rows) and not 0 <= out_rows.min() <= out_rows.max() < len(x)):
+                or write_cols.shape[0] != tables.shape[1] or n_layers and self._max_group >= tables.shape[1]
+                or len(out_rows) and not 0 <= out_rows.min() <= out_rows.max() < n):
             raise ValueError("fused forward: the model, its cache and the inputs do not match")
         threads = _threads[0]
         i64, f32 = np.int64, _F32

@@ -172,14 +172,38 @@ class _WholeForward:
         self.available = self.kernel.available
 
     def __call__(self, tokens, cache, output_rows) -> np.ndarray:
-        return self.batch([(tokens, cache, output_rows)])[0]
+        """One sequence's step: batch() of one segment without its joining and splitting (every numpy call
+        here costs several microseconds: the step's weights have just gone through the caches)."""
+        m = self.model
+        n = len(tokens)
+        positions = np.arange(cache.length, cache.length + n)
+        rows = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
+        x = self._embedded(list(tokens))
+        if len(m._ropes) == 1:
+            cos, sin = m._ropes[0].get(positions)
+            cos, sin = cos[None], sin[None]
+        else:
+            angles = [table.get(positions) for table in m._ropes]
+            cos, sin = np.stack([a[0] for a in angles]), np.stack([a[1] for a in angles])
+        cache.reserve(n)
+        tables, firsts, cols = cache.kernel_tables()
+        logits = self.kernel(x, _STORAGE.layer_arrays(cache.pool), cache.pool.layer_group, m._layer_window,
+                             m._layer_rope_index, tables, firsts, cols, positions, cos, sin, rows.astype(np.int64))
+        cache.commit()
+        return logits
+
+    def _embedded(self, ids) -> np.ndarray:
+        m = self.model
+        x = ops.embed(m.token_embd, np.asarray(ids, dtype=np.int64))
+        if m.config.traits.scale_embeddings:
+            x *= np.float32(math.sqrt(m.config.n_embd))
+        return np.ascontiguousarray(x, dtype=np.float32)
 
     def batch(self, segments) -> list[np.ndarray]:
         """The logits of each segment (tokens, cache, output_rows or None: the last row), for sequences of one
         KV pool, in one compiled call: the server's step over several sequences, each one's logits bitwise
         those of its sequence alone."""
         m = self.model
-        c = m.config
         pool = segments[0][1].pool
         if any(cache.pool is not pool for _, cache, _ in segments):
             raise ValueError("fused forward: the sequences of one step must share a KV pool")
@@ -193,10 +217,7 @@ class _WholeForward:
             row_counts.append(len(r))
             bounds.append(bounds[-1] + n)
         positions = np.concatenate(positions)
-        x = ops.embed(m.token_embd, np.asarray(ids, dtype=np.int64))
-        if c.traits.scale_embeddings:
-            x *= np.float32(math.sqrt(c.n_embd))
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._embedded(ids)
         angles = [table.get(positions) for table in m._ropes]
         cos = np.stack([a[0] for a in angles])
         sin = np.stack([a[1] for a in angles])
