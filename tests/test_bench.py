@@ -86,3 +86,16 @@ def test_a_failing_llama_bench_is_a_clear_error(tmp_path):
     assert out.returncode != 0
     assert "llama-bench failed (exit 1): error: unknown argument: -d" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_bench_at_depth_works_on_a_sliding_window_model_past_its_window():
+    # gemma3's local layers keep 512 keys: after decoding past depth, the context's end cannot be rolled back
+    # to (`make bench` with --depth 4096 failed on it); each repetition then evaluates the context again.
+    model_file("gemma3-270m")
+    # 48 tokens past 520: the window's first kept block (32) is past where a rollback to 520 needs keys from (9)
+    out = subprocess.run([sys.executable, "-m", "localllm", "bench", "gemma3-270m", "-p", "0", "-n", "48", "-r", "2",
+                          "-d", "520", "--chat-turn", "0", "--no-k-ratio", "--no-bandwidth", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["depth"] == 520 and r["tg_depth_n"] == 48 and r["tg_depth"] > 0
