@@ -708,7 +708,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             storeu_si256(decoded + 32 * b, _decode_32_avx2(w + block_bytes * b, kind))
         i = 0
         while n - i >= 4:
-            _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4, decoded)
+            _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, decoded)
             i += 4
         # the last 1-3 x-rows (prompts pass 16 at a time) by the AVX2 groups a decode step compiles anyway: two
         # fewer specializations per format to compile on a first run
@@ -738,72 +738,52 @@ def _pair_step_32_avx512(qx2, wd, wd2, y, d, a, signed):
 
 
 @njit(cache=True)
-def _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count, decoded):
-    """_group_32_avx2 over decoded blocks, two at a time: one VNNI product gives both blocks' int32 lanes, and
-    each block's float step follows as in the AVX2 kernel (block b, then b + 1), so every x-row sees the same
-    float operations on the same values. An odd last block takes the AVX2 kernel's own step."""
+def _group_32_avx512(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, decoded):
+    """_group_32_avx2 for x-rows i .. i+3 over decoded blocks, two at a time: one VNNI product gives both blocks'
+    int32 lanes, and each block's float step follows as in the AVX2 kernel (block b, then b + 1), so every x-row
+    sees the same float operations on the same values. An odd last block takes the AVX2 kernel's own step."""
     literally(kind)
-    literally(count)
     has_min = kind == KIND_Q4_1 or kind == KIND_Q5_1
     signed = not has_min
-    xs_row = xq.strides[0]
-    y0 = address_of(xq) + i * xs_row
-    d0 = address_of(xd) + 4 * i * blocks
-    s0 = address_of(xs) + 4 * i * blocks
+    ys = xq.strides[0]
+    y = address_of(xq) + i * ys
+    d = address_of(xd) + 4 * i * blocks
+    s = address_of(xs) + 4 * i * blocks
     a0, a1, a2, a3 = setzero_ps(), setzero_ps(), setzero_ps(), setzero_ps()
     m0, m1, m2, m3 = _F0, _F0, _F0, _F0
-    pairs = blocks // 2
-    for h in range(pairs):
+    for h in range(blocks // 2):
         b = 2 * h
         qx2 = loadu_si512(decoded + 32 * b)
         wd, wm = load_halves(w + block_bytes * b)
         wd2, wm2 = load_halves(w + block_bytes * (b + 1))
         if has_min:  # summs += m * s per block, in block order (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
-            m0 = (m0 + wm * load_f32(s0 + 4 * b)) + wm2 * load_f32(s0 + 4 * b + 4)
-            if count > 1:
-                m1 = (m1 + wm * load_f32(s0 + 4 * (blocks + b))) + wm2 * load_f32(s0 + 4 * (blocks + b) + 4)
-            if count > 2:
-                m2 = (m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))) + wm2 * load_f32(s0 + 4 * (2 * blocks + b) + 4)
-            if count > 3:
-                m3 = (m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))) + wm2 * load_f32(s0 + 4 * (3 * blocks + b) + 4)
-        a0 = _pair_step_32_avx512(qx2, wd, wd2, y0 + 32 * b, d0 + 4 * b, a0, signed)
-        if count > 1:
-            a1 = _pair_step_32_avx512(qx2, wd, wd2, y0 + xs_row + 32 * b, d0 + 4 * (blocks + b), a1, signed)
-        if count > 2:
-            a2 = _pair_step_32_avx512(qx2, wd, wd2, y0 + 2 * xs_row + 32 * b, d0 + 4 * (2 * blocks + b), a2,
-                                      signed)
-        if count > 3:
-            a3 = _pair_step_32_avx512(qx2, wd, wd2, y0 + 3 * xs_row + 32 * b, d0 + 4 * (3 * blocks + b), a3,
-                                      signed)
+            m0 = (m0 + wm * load_f32(s + 4 * b)) + wm2 * load_f32(s + 4 * b + 4)
+            m1 = (m1 + wm * load_f32(s + 4 * (blocks + b))) + wm2 * load_f32(s + 4 * (blocks + b) + 4)
+            m2 = (m2 + wm * load_f32(s + 4 * (2 * blocks + b))) + wm2 * load_f32(s + 4 * (2 * blocks + b) + 4)
+            m3 = (m3 + wm * load_f32(s + 4 * (3 * blocks + b))) + wm2 * load_f32(s + 4 * (3 * blocks + b) + 4)
+        a0 = _pair_step_32_avx512(qx2, wd, wd2, y + 32 * b, d + 4 * b, a0, signed)
+        a1 = _pair_step_32_avx512(qx2, wd, wd2, y + ys + 32 * b, d + 4 * (blocks + b), a1, signed)
+        a2 = _pair_step_32_avx512(qx2, wd, wd2, y + 2 * ys + 32 * b, d + 4 * (2 * blocks + b), a2, signed)
+        a3 = _pair_step_32_avx512(qx2, wd, wd2, y + 3 * ys + 32 * b, d + 4 * (3 * blocks + b), a3, signed)
     if blocks % 2:
         b = blocks - 1
         qx = loadu_si256(decoded + 32 * b)
         wd, wm = load_halves(w + block_bytes * b)
         if has_min:
-            m0 = m0 + wm * load_f32(s0 + 4 * b)
-            if count > 1:
-                m1 = m1 + wm * load_f32(s0 + 4 * (blocks + b))
-            if count > 2:
-                m2 = m2 + wm * load_f32(s0 + 4 * (2 * blocks + b))
-            if count > 3:
-                m3 = m3 + wm * load_f32(s0 + 4 * (3 * blocks + b))
-        a0 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * b)), _lanes_32_avx2(qx, y0 + 32 * b, kind), a0)
-        if count > 1:
-            a1 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (blocks + b))),
-                          _lanes_32_avx2(qx, y0 + xs_row + 32 * b, kind), a1)
-        if count > 2:
-            a2 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (2 * blocks + b))),
-                          _lanes_32_avx2(qx, y0 + 2 * xs_row + 32 * b, kind), a2)
-        if count > 3:
-            a3 = fmadd_ps(set1_ps(wd * load_f32(d0 + 4 * (3 * blocks + b))),
-                          _lanes_32_avx2(qx, y0 + 3 * xs_row + 32 * b, kind), a3)
+            m0 = m0 + wm * load_f32(s + 4 * b)
+            m1 = m1 + wm * load_f32(s + 4 * (blocks + b))
+            m2 = m2 + wm * load_f32(s + 4 * (2 * blocks + b))
+            m3 = m3 + wm * load_f32(s + 4 * (3 * blocks + b))
+        a0 = fmadd_ps(set1_ps(wd * load_f32(d + 4 * b)), _lanes_32_avx2(qx, y + 32 * b, kind), a0)
+        a1 = fmadd_ps(set1_ps(wd * load_f32(d + 4 * (blocks + b))), _lanes_32_avx2(qx, y + ys + 32 * b, kind), a1)
+        a2 = fmadd_ps(set1_ps(wd * load_f32(d + 4 * (2 * blocks + b))),
+                      _lanes_32_avx2(qx, y + 2 * ys + 32 * b, kind), a2)
+        a3 = fmadd_ps(set1_ps(wd * load_f32(d + 4 * (3 * blocks + b))),
+                      _lanes_32_avx2(qx, y + 3 * ys + 32 * b, kind), a3)
     out[i, r] = hsum_float_8(a0) + m0 if has_min else hsum_float_8(a0)
-    if count > 1:
-        out[i + 1, r] = hsum_float_8(a1) + m1 if has_min else hsum_float_8(a1)
-    if count > 2:
-        out[i + 2, r] = hsum_float_8(a2) + m2 if has_min else hsum_float_8(a2)
-    if count > 3:
-        out[i + 3, r] = hsum_float_8(a3) + m3 if has_min else hsum_float_8(a3)
+    out[i + 1, r] = hsum_float_8(a1) + m1 if has_min else hsum_float_8(a1)
+    out[i + 2, r] = hsum_float_8(a2) + m2 if has_min else hsum_float_8(a2)
+    out[i + 3, r] = hsum_float_8(a3) + m3 if has_min else hsum_float_8(a3)
 
 
 # The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits). A choice inside
