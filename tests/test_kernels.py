@@ -323,7 +323,8 @@ def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
 def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
-    # kernels/cpu/quant_dot.py _rows_32_avx512: two blocks per VNNI product, each block's float step as before
+    # kernels/cpu/quant_dot.py _rows_32_avx512: tiles of 4 weight rows, unsigned-offset weights, two blocks per VNNI
+    # product and per float step (each half the AVX2 kernel's step for its block), column passes
     from localllm.kernels.cpu import quant_dot, simd
 
     from test_backend_ops import random_blocks
@@ -333,7 +334,7 @@ def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
     kind = quant_dot._KIND_32[qtype]
     block_bytes = FORMATS[qtype].type_size
     rng = np.random.default_rng(5)
-    for cols in (32 * 7, 32 * 8):  # an odd last block, and pairs only
+    for cols in (32 * 7, 32 * 8, 32 * 67):  # an odd last block, pairs only, three column passes and an odd block
         raw = random_blocks(qtype, 29, cols, seed=6).reshape(29, -1)
         raw.flags.writeable = False
         for n, (r0, r1) in [(1, (0, 29)), (4, (3, 28)), (7, (0, 29)), (16, (1, 2))]:  # VNNI from 4 x-rows

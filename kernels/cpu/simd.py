@@ -409,6 +409,7 @@ add_epi8 = _lanewise("add", I8x32, "Wrapping int8 add (`_mm256_add_epi8`).")
 sub_epi8 = _lanewise("sub", I8x32, "Wrapping int8 subtract (`_mm256_sub_epi8`).")
 sub_epi16 = _lanewise("sub", I16x16, "Wrapping int16 subtract (`_mm256_sub_epi16`).")
 add_epi32 = _lanewise("add", I32x8, "Wrapping int32 add (`_mm256_add_epi32`).")
+sub_epi32 = _lanewise("sub", I32x8, "Wrapping int32 subtract (`_mm256_sub_epi32`).")
 
 
 def _shift16(op: str, doc: str):
@@ -859,6 +860,211 @@ def fold_epi32_512(typingctx, a):
         return builder.bitcast(builder.add(low, high), I64x4)
 
     return m256i(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def add_ps(typingctx, a, b):
+    """a + b per float lane (`_mm256_add_ps`)."""
+    if a != m256 or b != m256:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], args[1])
+
+    return m256(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def mul_ps(typingctx, a, b):
+    """a * b per float lane (`_mm256_mul_ps`)."""
+    if a != m256 or b != m256:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fmul(args[0], args[1])
+
+    return m256(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def dpbusd_epi32_256(typingctx, acc, a, b):
+    """acc + (unsigned bytes of a times signed bytes of b, summed in fours) per int32 lane, on ymm (AVX512-VL
+    VNNI `vpdpbusd`)."""
+    if acc != m256i or a != m256i or b != m256i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y, z = (builder.bitcast(v, I32x8) for v in args)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.256", I32x8, [x, y, z]), I64x4)
+
+    return m256i(acc, a, b), codegen
+
+
+# The 32-block kernels' float steps on zmm: two blocks' 8 lanes side by side (block 2h in lanes 0-7, 2h + 1 in
+# 8-15), each half seeing exactly the AVX2 kernel's operations for its block.
+
+F32x16 = ir.VectorType(_F32, 16)
+
+
+class M512(types.Type):
+    """16 float32 lanes in one zmm register (C's `__m512`)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="m512")
+
+
+m512 = M512()
+
+
+@register_model(M512)
+class _M512Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, F32x16)
+
+
+@intrinsic(prefer_literal=True)
+def loadu_ps_512(typingctx, address):
+    """16 floats at `address`, unaligned (`_mm512_loadu_ps`)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.load(_ptr(builder, args[0], F32x16), align=1)
+
+    return m512(address), codegen
+
+
+@intrinsic(prefer_literal=True)
+def setzero_ps_512(typingctx):
+    """16 zero floats."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(F32x16, [0.0] * 16)
+
+    return m512(), codegen
+
+
+@intrinsic(prefer_literal=True)
+def cvtepi32_ps_512(typingctx, a):
+    """int32 lanes -> float32 lanes on zmm, rounding to nearest (`vcvtdq2ps`)."""
+    if a != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(builder.bitcast(args[0], I32x16), F32x16)
+
+    return m512(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def mul_ps_512(typingctx, a, b):
+    """a * b per float lane (`_mm512_mul_ps`)."""
+    if a != m512 or b != m512:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fmul(args[0], args[1])
+
+    return m512(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def fmadd_ps_512(typingctx, a, b, c):
+    """a * b + c per lane, rounded once (`_mm512_fmadd_ps`)."""
+    if a != m512 or b != m512 or c != m512:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _call_intrinsic(builder, "llvm.fma.v16f32", F32x16, list(args))
+
+    return m512(a, b, c), codegen
+
+
+@intrinsic(prefer_literal=True)
+def pair_ps_512(typingctx, address):
+    """The floats at `address` and `address + 4`, each in 8 lanes: [f0 x8 | f1 x8] (two broadcasts and a
+    128-bit lane shuffle)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = builder.load(_ptr(builder, args[0], ir.VectorType(_F32, 2)), align=1)
+        return builder.shuffle_vector(f, ir.Constant(ir.VectorType(_F32, 2), ir.Undefined),
+                                      ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+
+    return m512(address), codegen
+
+
+@intrinsic(prefer_literal=True)
+def set1_ps_512(typingctx, value):
+    """Every float lane = value."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.float32)
+        return _splat(builder, v, F32x16)
+
+    return m512(value), codegen
+
+
+@intrinsic(prefer_literal=True)
+def storeu_ps_512(typingctx, address, value):
+    """16 floats to `address`, unaligned (`_mm512_storeu_ps`)."""
+    if not isinstance(address, types.Integer) or value != m512:
+        return None
+
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _ptr(builder, args[0], F32x16), align=1)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
+@intrinsic(prefer_literal=True)
+def set1_epi8_512(typingctx, value):
+    """Every byte of a zmm = value."""
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(_splat(builder, _int_arg(builder, args[0], _I8), I8x64), I64x8)
+
+    return m512i(value), codegen
+
+
+@intrinsic(prefer_literal=True)
+def neg_epi32_512(typingctx, a):
+    """0 - a per int32 lane."""
+    if a != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = builder.bitcast(args[0], I32x16)
+        return builder.bitcast(builder.sub(ir.Constant(I32x16, [0] * 16), x), I64x8)
+
+    return m512i(a), codegen
+
+
+def _half_ps_256(high: bool, doc: str):
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, a):
+        if a != m512:
+            return None
+
+        def codegen(context, builder, signature, args):
+            lanes = list(range(8, 16)) if high else list(range(8))
+            return builder.shuffle_vector(args[0], ir.Constant(F32x16, ir.Undefined),
+                                          ir.Constant(ir.VectorType(_I32, 8), lanes))
+
+        return m256(a), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+low_ps_256 = _half_ps_256(False, "Lanes 0-7 of a float zmm (`_mm512_castps512_ps256`).")
+high_ps_256 = _half_ps_256(True, "Lanes 8-15 of a float zmm (`_mm512_extractf32x8_ps(a, 1)`).")
 
 
 # ---------------------------------------------------------------------------------------------------------------
