@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from localllm.kernels.cpu.simd import bits_to_float
+
 
 @njit(cache=True)
 def rms_norm_rows(x, weight, eps, out):
@@ -52,19 +54,46 @@ def rope_rows(x, cos, sin, rope_dim, neox):
 
 GATE_SILU, GATE_GELU_TANH = 0, 1
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+_GELU_A = np.float32(0.044715)
+_F1 = np.float32(1.0)
+
+# exp(x) for float32 in plain arithmetic (Cephes expf: x = n ln2 + r, |r| <= ln2/2, a degree-7 polynomial for e^r,
+# 2^n from the exponent bits), so that LLVM vectorizes the activation loop: np.exp/np.tanh are scalar libm calls,
+# and were 27% of gemma3-270m's prompt time (GELU, 240 of 903 ms for 512 tokens) and 8-10% of the Qwen models'
+# (SiLU). Within 2 ulp of exp over the clamped range (tests/test_blocks.py).
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MAX = np.float32(88.3762626647949)
+_EXP_MIN = np.float32(-87.3365478515625)  # e^x above the smallest normal float: 2^n stays a normal number
+_INF = np.float32(np.inf)
+_ROUND = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds a float32 below 2**22 to an integer
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
+def exp_f32(x):
+    """e^x for a float32 x: inf above 88.38, the smallest normal float (1.2e-38, not 0) below -87.34."""
+    c = min(max(x, _EXP_MIN), _EXP_MAX)
+    n = (c * _LOG2E + _ROUND) - _ROUND
+    r = (c - n * _LN2_HI) - n * _LN2_LO
+    p = ((((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * r) * r + r + _F1
+    e = p * bits_to_float((np.int32(n) + np.int32(127)) << 23)
+    return _INF if x > _EXP_MAX else e
+
+
+@njit(cache=True, error_model="numpy")  # no ZeroDivisionError branch: it kept the loop scalar
 def gated_activation(gate, up, kind, out):
-    """out = act(gate) * up elementwise (2-D float32 arrays): SiLU (kind 0) or the tanh GELU (kind 1, ggml_gelu),
-    one pass instead of numpy's four temporaries."""
+    """out = act(gate) * up elementwise (2-D float32 arrays): SiLU (kind 0, x * sigmoid(x)) or the tanh GELU
+    (kind 1, ggml_gelu: 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), computed as
+    x * sigmoid(2u), the same function), one vectorized pass instead of numpy's four temporaries."""
     rows, d = gate.shape
     for r in range(rows):
         for i in range(d):
             x = gate[r, i]
             if kind == GATE_SILU:
-                a = x / (np.float32(1.0) + np.exp(-x))
+                t = -x
             else:
-                a = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * x * (np.float32(1.0)
-                                                                                   + np.float32(0.044715) * x * x)))
-            out[r, i] = a * up[r, i]
+                t = np.float32(-2.0) * _GELU_C * x * (_F1 + _GELU_A * x * x)
+            out[r, i] = (x / (_F1 + exp_f32(t))) * up[r, i]
