@@ -87,9 +87,9 @@ def test_gated_activation_loop_is_vectorized():
 
     from localllm.kernels.cpu import blocks
 
-    options = {k: v for k, v in blocks.gated_activation.targetoptions.items() if k != "cache"}
-    fresh = njit(**options)(blocks.gated_activation.py_func)  # the kernel's code and options, compiled here
+    options = {k: v for k, v in blocks.gated_activation_part.targetoptions.items() if k != "cache"}
+    fresh = njit(**options)(blocks.gated_activation_part.py_func)  # its code and options, compiled here
     gate = np.ones((2, 64), np.float32)
-    fresh(gate, gate, 0, np.empty_like(gate))
+    fresh(gate, gate, 0, np.empty_like(gate), 0, 2, 0, 64)
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert "vdivps" in asm and "ZeroDivisionError" not in asm

@@ -50,7 +50,7 @@ from localllm.kernels.cpu import attention, blocks, by_address, forget_stale_cac
 from localllm.kernels.cpu import moe as moe_kernels
 from localllm.kernels.cpu.by_address import AddressType, Compiled, call
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
-from localllm.kernels.cpu.blocks import gated_activation, rms_norm_rows, rope_rows
+from localllm.kernels.cpu.blocks import gated_activation_part, rms_norm_rows, rope_rows
 from localllm.kernels.cpu.moe import route_row, router_row
 from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
@@ -189,7 +189,7 @@ def _moe_ffn(ctl, p, tasks, formats, layer, act_kind, h, dn, moe):
                     _expert_rows(formats, emats[base + e], etypes[3 * layer], acts, gate, g0, g1, lo, hi)
                     _expert_rows(formats, emats[base + n_expert + e], etypes[3 * layer + 1], acts, up, g0, g1, lo,
                                  hi)
-                    gated_activation(gate[g0:g1, lo:hi], up[g0:g1, lo:hi], act_kind, act[g0:g1, lo:hi])
+                    gated_activation_part(gate, up, act_kind, act, g0, g1, lo, hi)
             task_done(ctl, p + 1)
     wait_phase(ctl, p + 1, tasks)
     # p + 2: down of every chosen expert over its rows, in row ranges of the weight (columns of the output), each
@@ -311,7 +311,7 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
                 break
             lo, hi = task_bounds(t, tasks, gate.shape[1], 32)
             if lo < hi:
-                gated_activation(gate[:, lo:hi], up[:, lo:hi], act_kind, act[:, lo:hi])
+                gated_activation_part(gate, up, act_kind, act, 0, gate.shape[0], lo, hi)
             task_done(ctl, p + 7)
         wait_phase(ctl, p + 7, tasks)
         # 8: down
