@@ -299,7 +299,8 @@ def test_the_load_probe_counts_other_processes_cpu_time_not_this_ones(monkeypatc
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
 def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
     # kernels/cpu/quant_dot.py: on AVX-512 CPUs the Q4_K/Q6_K rows multiply two 32-chunks per instruction and two
-    # weight rows per activation read, folding to the AVX2 kernel's int32 lanes (exact) before its float steps.
+    # weight rows per activation read (their float steps side by side in one zmm), folding to the AVX2 kernel's
+    # int32 lanes (exact) before its float steps.
     from localllm.kernels.cpu import quant_dot, simd
 
     from test_backend_ops import random_blocks
@@ -311,7 +312,7 @@ def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
     raw = random_blocks(qtype, 37, 1024, seed=3).reshape(37, -1)  # extreme scales too: any finite fp16
     raw.flags.writeable = False
     rng = np.random.default_rng(4)
-    # up to 32 x-rows of these 4 blocks stay in L1 (rows one at a time); 40 take weight rows in pairs
+    # 1-3 x-rows: weight rows one at a time; from 4 (_PAIRS_FROM_ROWS), in pairs, an odd last row paired with itself
     for n, (r0, r1) in [(1, (0, 37)), (3, (5, 36)), (16, (1, 2)), (17, (0, 37)), (40, (0, 37)), (33, (3, 36))]:
         xq, xd, bsums = quant_dot.quantize_q8_K((rng.standard_normal((n, 1024)) * 3).astype(np.float32))
         want = np.full((n, 37), 7, np.float32)

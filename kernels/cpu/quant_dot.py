@@ -51,6 +51,11 @@ from localllm.kernels.cpu.simd import (
     high_256,
     low_256,
     zero_si512,
+    add_adjacent_epi32_512,
+    dpwssd_epi32_512,
+    fold_pair_epi32_512,
+    set1_ps_512,
+    set2_ps_512,
     add_ps,
     cvtepi32_ps_512,
     dpbusd_epi32_256,
@@ -932,6 +937,10 @@ def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
 # two rows. Below it pairs measured slower (qwen2.5-coder-1.5b's Q6_K output head, 1536 columns, 1 x-row: 22 ms
 # in pairs, 7 ms one row at a time); above it faster (its 8960-column ffn_down, 16 x-rows: 2.95 ms against 4.5).
 _L1_ACTIVATION_BYTES = 32 * 1024
+# From this many x-rows the pairs kernels run whatever the size: their two rows' float steps share a zmm, and
+# with VNNI their scale products fold into the sums. One Zen 5 core, 16 x-rows: Q4_K 1536x1536 113 -> 136-140,
+# 1536x8960 121 -> 153-158 G MAC/s; Q6_K 1536x1536 122 -> 132.
+_PAIRS_FROM_ROWS = 4
 
 
 @njit(cache=True, inline="always")
@@ -974,7 +983,7 @@ def _rows_q4_k_avx512(raw, xq, xd, bsums, out, r0, r1):
     kernel for 1 x-row, 1.34x for 16. (Decoding each row once into scratch with 4 x-rows' accumulators in
     registers, as _group_32_avx2 does, measured no faster: 1.01x for 16.)"""
     n, blocks = xd.shape
-    if n * blocks * 256 > _L1_ACTIVATION_BYTES:
+    if n >= _PAIRS_FROM_ROWS or n * blocks * 256 > _L1_ACTIVATION_BYTES:
         _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1)
         return
     wbase, wstride = address_of(raw), raw.strides[0]
@@ -998,46 +1007,67 @@ def _rows_q4_k_avx512(raw, xq, xd, bsums, out, r0, r1):
             out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes_avx2(acc_m, i)
 
 
+@njit(cache=True, inline="always")
+def _q4_k_sum_vnni(qs, ss, y0, y1, y2, y3):
+    """One x-row's int32 sums of a decoded Q4_K block (16 lanes, unfolded): maddubs then vpdpwssd with the
+    sub-blocks' scales, madd and add in one (the same integers as _q4_k_step_avx512's)."""
+    if HAVE_AVX512_VNNI:
+        a = dpwssd_epi32_512(dpwssd_epi32_512(zero_si512(), ss[0], maddubs_epi16_512(qs[0], y0)), ss[1],
+                             maddubs_epi16_512(qs[1], y1))
+        b = dpwssd_epi32_512(dpwssd_epi32_512(zero_si512(), ss[2], maddubs_epi16_512(qs[2], y2)), ss[3],
+                             maddubs_epi16_512(qs[3], y3))
+        return add_epi32_512(a, b)
+    return add_epi32_512(add_epi32_512(madd_epi16_512(ss[0], maddubs_epi16_512(qs[0], y0)),
+                                       madd_epi16_512(ss[1], maddubs_epi16_512(qs[1], y1))),
+                         add_epi32_512(madd_epi16_512(ss[2], maddubs_epi16_512(qs[2], y2)),
+                                       madd_epi16_512(ss[3], maddubs_epi16_512(qs[3], y3))))
+
+
 @njit(cache=True)
 def _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1):
-    """_rows_q4_k_avx512 two weight rows at a time (each activation block read serves both)."""
+    """_rows_q4_k_avx512 two weight rows at a time: each activation block read serves both, and the two rows'
+    float steps run side by side in one zmm (row r in lanes 0-7, r + 1 in 8-15, each half exactly the AVX2
+    kernel's 8-lane step). With VNNI the scale products fold into the sums (vpdpwssd). A lone last row pairs with
+    itself (computed twice, written once)."""
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
     dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
-    acc = np.zeros((2, n, 8), np.float32)
-    acc_m = np.zeros((2, n, 8), np.float32)
-    acc0, acc1, acc_m0, acc_m1 = acc[0], acc[1], acc_m[0], acc_m[1]
+    acc = np.zeros((n, 16), np.float32)
+    acc_m = np.zeros((n, 16), np.float32)
     abase, mbase = address_of(acc), address_of(acc_m)
-    other = 32 * n  # acc[1] from acc[0]
     m4 = set1_epi8(0xF)
-    zero = setzero_ps()
+    zero = setzero_ps_512()
     for r in range(r0, r1, 2):
         two = r + 1 < r1
-        for i in range(2 * n):  # (see _rows_q6_k_avx512)
-            storeu_ps(abase + 32 * i, zero)
-            storeu_ps(mbase + 32 * i, zero)
+        for i in range(n):  # (see _rows_q6_k_avx512)
+            storeu_ps_512(abase + 64 * i, zero)
+            storeu_ps_512(mbase + 64 * i, zero)
         w = wbase + r * wstride
+        w2 = w + wstride if two else w
         for b in range(blocks):
-            blk = w + 144 * b
-            qs, ss, mins, wd, wdmin = _q4_k_decode_avx512(blk, m4)
-            if two:
-                qs2, ss2, mins2, wd2, wdmin2 = _q4_k_decode_avx512(blk + wstride, m4)
-                for i in range(n):
-                    y, bs = xbase + i * xstride + 256 * b, bbase + i * bstride + 32 * b
-                    yd = load_f32(dbase + 4 * (i * blocks + b))
-                    _q4_k_step_avx512(qs, ss, mins, wd, wdmin, y, yd, bs, abase + 32 * i, mbase + 32 * i)
-                    _q4_k_step_avx512(qs2, ss2, mins2, wd2, wdmin2, y, yd, bs, abase + other + 32 * i,
-                                      mbase + other + 32 * i)
-            else:
-                for i in range(n):
-                    y, bs = xbase + i * xstride + 256 * b, bbase + i * bstride + 32 * b
-                    yd = load_f32(dbase + 4 * (i * blocks + b))
-                    _q4_k_step_avx512(qs, ss, mins, wd, wdmin, y, yd, bs, abase + 32 * i, mbase + 32 * i)
+            qs, ss, mins, wd, wdmin = _q4_k_decode_avx512(w + 144 * b, m4)
+            qs2, ss2, mins2, wd2, wdmin2 = _q4_k_decode_avx512(w2 + 144 * b, m4)
+            mins_both = concat_si256(mins, mins2)
+            d_both, dmin_both = set2_ps_512(wd, wd2), set2_ps_512(wdmin, wdmin2)
+            for i in range(n):
+                y = xbase + i * xstride + 256 * b
+                yd = load_f32(dbase + 4 * (i * blocks + b))
+                bs = loadu_si256(bbase + i * bstride + 32 * b)
+                prod = add_adjacent_epi32_512(madd_epi16_512(concat_si256(bs, bs), mins_both))
+                am = mbase + 64 * i
+                storeu_ps_512(am, fmadd_ps_512(mul_ps_512(set1_ps_512(-yd), dmin_both), cvtepi32_ps_512(prod),
+                                               loadu_ps_512(am)))
+                y0, y1, y2, y3 = loadu_si512(y), loadu_si512(y + 64), loadu_si512(y + 128), loadu_si512(y + 192)
+                sums = fold_pair_epi32_512(_q4_k_sum_vnni(qs, ss, y0, y1, y2, y3),
+                                           _q4_k_sum_vnni(qs2, ss2, y0, y1, y2, y3))
+                a = abase + 64 * i
+                storeu_ps_512(a, fmadd_ps_512(mul_ps_512(set1_ps_512(yd), d_both), cvtepi32_ps_512(sums),
+                                              loadu_ps_512(a)))
         for i in range(n):
-            out[i, r] = _hsum_float_8(acc0, i) + _finish_min_lanes_avx2(acc_m0, i)
+            out[i, r] = _hsum_float_8(acc[:, 0:8], i) + _finish_min_lanes_avx2(acc_m[:, 0:8], i)
             if two:
-                out[i, r + 1] = _hsum_float_8(acc1, i) + _finish_min_lanes_avx2(acc_m1, i)
+                out[i, r + 1] = _hsum_float_8(acc[:, 8:16], i) + _finish_min_lanes_avx2(acc_m[:, 8:16], i)
 
 
 # The Q4_K row kernel this CPU runs (the AVX-512 one gives the AVX2 one's bits).
@@ -1204,7 +1234,7 @@ def _rows_q6_k_avx512(raw, xq, xd, bsums, out, r0, r1):
     AVX2 kernel's 8 int32 lanes (exact sums) before its float step, so the results are bitwise its own. Weight
     rows one at a time, or in pairs where the activations outgrow L1 (_L1_ACTIVATION_BYTES)."""
     n, blocks = xd.shape
-    if n * blocks * 256 > _L1_ACTIVATION_BYTES:
+    if n >= _PAIRS_FROM_ROWS or n * blocks * 256 > _L1_ACTIVATION_BYTES:
         _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1)
         return
     wbase, wstride = address_of(raw), raw.strides[0]
@@ -1229,46 +1259,61 @@ def _rows_q6_k_avx512(raw, xq, xd, bsums, out, r0, r1):
             out[i, r] = _hsum_float_8(acc, i)
 
 
+@njit(cache=True, inline="always")
+def _q6_k_sum_pair(qs, ss, y0, y1, y2, y3, o0, o1, o2, o3):
+    """_q6_k_sum_avx512 unfolded, with the offset products maddubs(32, y) given (o0..o3: shared by the weight
+    rows of a pair) and, with VNNI, the scale products folded into the sums (vpdpwssd): the same integers."""
+    t0 = sub_epi16_512(maddubs_epi16_512(qs[0], y0), o0)
+    t1 = sub_epi16_512(maddubs_epi16_512(qs[1], y1), o1)
+    t2 = sub_epi16_512(maddubs_epi16_512(qs[2], y2), o2)
+    t3 = sub_epi16_512(maddubs_epi16_512(qs[3], y3), o3)
+    if HAVE_AVX512_VNNI:
+        return add_epi32_512(dpwssd_epi32_512(dpwssd_epi32_512(zero_si512(), ss[0], t0), ss[1], t1),
+                             dpwssd_epi32_512(dpwssd_epi32_512(zero_si512(), ss[2], t2), ss[3], t3))
+    return add_epi32_512(add_epi32_512(madd_epi16_512(ss[0], t0), madd_epi16_512(ss[1], t1)),
+                         add_epi32_512(madd_epi16_512(ss[2], t2), madd_epi16_512(ss[3], t3)))
+
+
 @njit(cache=True)
 def _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1):
-    """_rows_q6_k_avx512 two weight rows at a time (each activation block read serves both)."""
+    """_rows_q6_k_avx512 two weight rows at a time: each activation block read (and its offset products) serves
+    both, and the two rows' float steps run side by side in one zmm (row r in lanes 0-7, r + 1 in 8-15, each half
+    exactly the AVX2 kernel's step). A lone last row pairs with itself (computed twice, written once)."""
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
     dbase = address_of(xd)
-    acc = np.zeros((2, n, 8), np.float32)
-    acc0, acc1 = acc[0], acc[1]
+    acc = np.zeros((n, 16), np.float32)
     abase = address_of(acc)
-    other = 32 * n  # acc[1] from acc[0]
     m4, m2 = set1_epi8(0xF), set1_epi8(3)
     k32 = concat_si256(set1_epi8(32), set1_epi8(32))
-    zero = setzero_ps()
+    zero = setzero_ps_512()
     for r in range(r0, r1, 2):
         two = r + 1 < r1
-        for i in range(2 * n):  # (a slice assignment of the 3-d array cost ~100 ns a row pair: 3x the kernel)
-            storeu_ps(abase + 32 * i, zero)
+        for i in range(n):  # (a slice assignment of the 3-d array cost ~100 ns a row pair: 3x the kernel)
+            storeu_ps_512(abase + 64 * i, zero)
         w = wbase + r * wstride
+        w2 = w + wstride if two else w
         for b in range(blocks):
-            blk = w + 210 * b
-            wd = load_halves(blk + 206)[1]  # the block's last word: scales[14:16], then d
+            blk, blk2 = w + 210 * b, w2 + 210 * b
+            d_both = set2_ps_512(load_halves(blk + 206)[1], load_halves(blk2 + 206)[1])  # scales[14:16], then d
             qs, ss = _q6_k_decode_avx512(blk, m4, m2)
-            if two:
-                wd2 = load_halves(blk + wstride + 206)[1]
-                qs2, ss2 = _q6_k_decode_avx512(blk + wstride, m4, m2)
-                for i in range(n):
-                    y = xbase + i * xstride + 256 * b
-                    yd = load_f32(dbase + 4 * (i * blocks + b))
-                    _accumulate_avx2(abase + 32 * i, yd * wd, _q6_k_sum_avx512(qs, ss, y, k32))
-                    _accumulate_avx2(abase + other + 32 * i, yd * wd2, _q6_k_sum_avx512(qs2, ss2, y, k32))
-            else:
-                for i in range(n):
-                    y = xbase + i * xstride + 256 * b
-                    yd = load_f32(dbase + 4 * (i * blocks + b))
-                    _accumulate_avx2(abase + 32 * i, yd * wd, _q6_k_sum_avx512(qs, ss, y, k32))
+            qs2, ss2 = _q6_k_decode_avx512(blk2, m4, m2)
+            for i in range(n):
+                y = xbase + i * xstride + 256 * b
+                y0, y1, y2, y3 = loadu_si512(y), loadu_si512(y + 64), loadu_si512(y + 128), loadu_si512(y + 192)
+                o0, o1 = maddubs_epi16_512(k32, y0), maddubs_epi16_512(k32, y1)
+                o2, o3 = maddubs_epi16_512(k32, y2), maddubs_epi16_512(k32, y3)
+                sums = fold_pair_epi32_512(_q6_k_sum_pair(qs, ss, y0, y1, y2, y3, o0, o1, o2, o3),
+                                           _q6_k_sum_pair(qs2, ss2, y0, y1, y2, y3, o0, o1, o2, o3))
+                a = abase + 64 * i
+                yd = load_f32(dbase + 4 * (i * blocks + b))
+                storeu_ps_512(a, fmadd_ps_512(mul_ps_512(set1_ps_512(yd), d_both), cvtepi32_ps_512(sums),
+                                              loadu_ps_512(a)))
         for i in range(n):
-            out[i, r] = _hsum_float_8(acc0, i)
+            out[i, r] = _hsum_float_8(acc[:, 0:8], i)
             if two:
-                out[i, r + 1] = _hsum_float_8(acc1, i)
+                out[i, r + 1] = _hsum_float_8(acc[:, 8:16], i)
 
 
 # The Q6_K row kernel this CPU runs (the AVX-512 one gives the AVX2 one's bits).

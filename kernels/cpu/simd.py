@@ -1046,6 +1046,67 @@ def neg_epi32_512(typingctx, a):
     return m512i(a), codegen
 
 
+@intrinsic(prefer_literal=True)
+def dpwssd_epi32_512(typingctx, acc, a, b):
+    """acc + a[2l] * b[2l] + a[2l+1] * b[2l+1] per int32 lane l, from int16 lanes (VNNI `vpdpwssd`): madd_epi16
+    and add_epi32 in one instruction, the same integers."""
+    if acc != m512i or a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y, z = (builder.bitcast(v, I32x16) for v in args)
+        return builder.bitcast(_call_intrinsic(builder, "llvm.x86.avx512.vpdpwssd.512", I32x16, [x, y, z]), I64x8)
+
+    return m512i(acc, a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def fold_pair_epi32_512(typingctx, a, b):
+    """[a's low 8 int32 lanes + its high 8 | b's likewise]: fold_epi32_512 of two vectors, in one zmm."""
+    if a != m512i or b != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (builder.bitcast(v, I32x16) for v in args)
+        lows = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 16), list(range(8)) + list(range(16, 24))))
+        highs = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 16),
+                                                         list(range(8, 16)) + list(range(24, 32))))
+        return builder.bitcast(builder.add(lows, highs), I64x8)
+
+    return m512i(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def add_adjacent_epi32_512(typingctx, a):
+    """int32 lanes 2l and 2l+1 both = a[2l] + a[2l+1] (add_adjacent_epi32 on zmm)."""
+    if a != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I32x16)
+        swap = [k ^ 1 for k in range(16)]
+        swapped = builder.shuffle_vector(v, ir.Constant(I32x16, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), swap))
+        return builder.bitcast(builder.add(v, swapped), I64x8)
+
+    return m512i(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def set2_ps_512(typingctx, low, high):
+    """[low x8 | high x8]."""
+    if not isinstance(low, types.Float) or not isinstance(high, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        lo = context.cast(builder, args[0], signature.args[0], types.float32)
+        hi = context.cast(builder, args[1], signature.args[1], types.float32)
+        undef = ir.Constant(ir.VectorType(_F32, 2), ir.Undefined)
+        two = builder.insert_element(builder.insert_element(undef, lo, ir.Constant(_I32, 0)), hi, ir.Constant(_I32, 1))
+        return builder.shuffle_vector(two, undef, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+
+    return m512(low, high), codegen
+
+
 def _half_ps_256(high: bool, doc: str):
     @intrinsic(prefer_literal=True)
     def fn(typingctx, a):
