@@ -170,6 +170,21 @@ def test_q8_k_quantization():
     assert np.all(np.abs(qs.reshape(2, 2, 256) * d[:, :, None] - blocks) <= step / 2 * (1 + 1e-5))
 
 
+def test_q8_k_scale_comes_from_the_first_of_two_equal_magnitudes():
+    # the vectorized quantizer finds the extreme from the block's max and min; on a tie (+a and -a both present)
+    # the first in the block decides the sign, as ggml's scan does
+    x = np.zeros((4, 256), np.float32)
+    x[0, [3, 9, 20]] = [1.0, 7.0, -7.0]   # +7 first
+    x[1, [3, 9, 20]] = [1.0, -7.0, 7.0]   # -7 first
+    x[2, [3, 9]] = [-2.0, -0.5]           # only negatives
+    x[3, :] = -0.0                        # an all-zero block (negative zeros)
+    qs, d, bsums = quant_dot.quantize_q8_K(x)
+    assert d[0, 0] == np.float32(7.0 / -127.0) and qs[0, 9] == -127 and qs[0, 20] == 127
+    assert d[1, 0] == np.float32(-7.0 / -127.0) and qs[1, 9] == -127 and qs[1, 20] == 127
+    assert d[2, 0] == np.float32(1.0) / np.float32(-127.0 / -2.0) and qs[2, 3] == -127
+    assert d[3, 0] == 0 and not qs[3].any() and not bsums[3].any()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The matmul
 # ---------------------------------------------------------------------------------------------------------------

@@ -200,6 +200,14 @@ def _nearest_int(value):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _ordered(bits):
+    """A float's bits as an int32 that orders like the float (negative floats' magnitude bits flipped); its own
+    inverse."""
+    b = np.int32(bits)
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+
+
 @njit(cache=True)
 def quantize_q8_0(x):
     """Rows of x -> Q8_0 blocks of 32: int8 quants and the fp16 scale (as float32). ggml's x86 quantize_row_q8_0.
@@ -253,12 +261,16 @@ def quantize_q8_1(x):
     return qs, scales, sums
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def quantize_q8_K(x):
     """Rows of x -> Q8_K blocks of 256: int8 quants, float32 scale, int16 sums of each 16 quants.
 
     ggml's quantize_row_q8_K_ref (which the x86 build uses): the scale is set by the element of largest magnitude
     (first one on ties), mapped to -127; the 16-sums carry the K-quants' per-sub-block minimum terms.
+
+    Written for LLVM to vectorize (integer max/min reductions on order-preserving bit patterns, a float max
+    with its NaN rules stays scalar; the rounding loop apart from the 16-sums): a 256x8960 x, the input of
+    qwen2.5-coder-1.5b's ffn_down, 2.5 -> 0.64 ms, the same bytes.
     """
     n, cols = x.shape
     blocks = cols // 256
@@ -268,27 +280,35 @@ def quantize_q8_K(x):
     for i in range(n):
         for b in range(blocks):
             base = 256 * b
-            amax = _F0
-            extreme = _F0
-            for j in range(256):
-                v = x[i, base + j]
-                if abs(v) > amax:
-                    amax = abs(v)
-                    extreme = v
+            # the largest and smallest element settle the extreme's sign, unless both reach the same magnitude:
+            # then the first of them, as ggml's scan finds it
+            top, bottom = np.int32(-2147483648), np.int32(2147483647)
+            for j in range(base, base + 256):
+                key = _ordered(float_to_bits(x[i, j]))
+                top = max(top, key)
+                bottom = min(bottom, key)
+            high, low = bits_to_float(_ordered(top)), bits_to_float(_ordered(bottom))
+            amax = max(high, -low)
+            extreme = high if high > -low else low
+            if high == -low:
+                for j in range(base, base + 256):
+                    if abs(x[i, j]) == amax:
+                        extreme = x[i, j]
+                        break
             if amax == _F0:
                 scales[i, b] = _F0
-                for j in range(256):
-                    qs[i, base + j] = 0
+                for j in range(base, base + 256):
+                    qs[i, j] = 0
                 for g in range(16):
                     bsums[i, 16 * b + g] = 0
                 continue
             iscale = _FNEG127 / extreme
+            for j in range(base, base + 256):
+                qs[i, j] = min(127, _nearest_int(iscale * x[i, j]))
             for g in range(16):
-                total = 0
-                for j in range(16 * g, 16 * g + 16):
-                    q = min(127, _nearest_int(iscale * x[i, base + j]))
-                    qs[i, base + j] = q
-                    total += q
+                total = np.int32(0)
+                for j in range(base + 16 * g, base + 16 * g + 16):
+                    total += np.int32(qs[i, j])
                 bsums[i, 16 * b + g] = total
             scales[i, b] = _F1 / iscale
     return qs, scales, bsums
@@ -756,6 +776,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     decoded = np.empty((4, 32 * blocks), np.uint8)  # a tile's rows, offset to unsigned
     wscale = np.empty((4, 8 * blocks), np.float32)  # each block's d in 8 lanes
     acc = np.zeros((n, 4, 16), np.float32)
+    res = np.empty((n, r1 - r0), np.float32)
     wmins = np.empty((4, blocks), np.float32)
     summs = np.empty(n, np.float32)
     sums_t = np.ascontiguousarray(xs.T) if has_min else np.empty((0, 0), np.float32)
@@ -826,7 +847,10 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                     even = fmadd_ps(set1_ps(load_f32(sbase + j * sstride + 32 * b) * xd[i, b]), cvtepi32_ps(lanes),
                                     even)
                 total = hsum_float_8(add_ps(even, odd))
-                out[i, r + j] = total + summs[i] if has_min else total
+                res[i, r - r0 + j] = total + summs[i] if has_min else total
+    for i in range(n):  # out's rows are far apart (a whole weight's width): written here, each in one run
+        for r in range(r0, r1):
+            out[i, r] = res[i, r - r0]
 
 
 @njit(cache=True, inline="always")
