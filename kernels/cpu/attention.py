@@ -23,8 +23,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from localllm.kernels.cpu import forget_stale_cache, simd
-from localllm.kernels.cpu.simd import (HAVE_AVX2, address_of, bits_to_float, fmadd_ps, hsum_float_8, loadu_ps, m256,
-                                       set1_ps, setzero_ps, storeu_ps)
+from localllm.kernels.cpu.simd import (HAVE_AVX2, HAVE_AVX512, add_ps, address_of, bits_to_float, fmadd_ps,
+                                       fmadd_ps_512, high_ps_256, hsum_float_8, loadu_ps, loadu_ps_512, low_ps_256,
+                                       m256, mul_ps, set1_ps, set1_ps_512, setzero_ps, setzero_ps_512, storeu_ps,
+                                       storeu_ps_512)
 
 BLOCK = 16  # tokens per KV block (localllm.kv_cache.BLOCK, which imports this)
 QBLOCK = 32  # values per q8_0 scale
@@ -284,22 +286,6 @@ def hsum_float_8x8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     return m256(a0, a1, a2, a3, a4, a5, a6, a7), codegen
 
 
-@intrinsic
-def add_ps(typingctx, a, b):
-    """a + b per lane (`_mm256_add_ps`)."""
-    if a != m256 or b != m256:
-        return None
-    return m256(a, b), lambda context, builder, signature, args: builder.fadd(args[0], args[1])
-
-
-@intrinsic
-def mul_ps(typingctx, a, b):
-    """a * b per lane (`_mm256_mul_ps`)."""
-    if a != m256 or b != m256:
-        return None
-    return m256(a, b), lambda context, builder, signature, args: builder.fmul(args[0], args[1])
-
-
 @njit(cache=True, inline="always")
 def _dot_scaled(qa, ka, d, scale):
     """One key's score as _one_query_avx2 computes it."""
@@ -317,6 +303,26 @@ def _scores_8(qa, rows, j, d, scale_v, out_address):
     in hsum_float_8's order, in vector registers."""
     k0, k1, k2, k3 = rows[j], rows[j + 1], rows[j + 2], rows[j + 3]
     k4, k5, k6, k7 = rows[j + 4], rows[j + 5], rows[j + 6], rows[j + 7]
+    if HAVE_AVX512:  # each key's two 8-lane accumulators as one zmm (lanes 0-7 and 8-15): the same lanes' FMAs
+        w = setzero_ps_512()
+        b0, b1, b2, b3, b4, b5, b6, b7 = w, w, w, w, w, w, w, w
+        for t in range(0, d, 16):
+            qv = loadu_ps_512(qa + 4 * t)
+            o = 4 * t
+            b0 = fmadd_ps_512(qv, loadu_ps_512(k0 + o), b0)
+            b1 = fmadd_ps_512(qv, loadu_ps_512(k1 + o), b1)
+            b2 = fmadd_ps_512(qv, loadu_ps_512(k2 + o), b2)
+            b3 = fmadd_ps_512(qv, loadu_ps_512(k3 + o), b3)
+            b4 = fmadd_ps_512(qv, loadu_ps_512(k4 + o), b4)
+            b5 = fmadd_ps_512(qv, loadu_ps_512(k5 + o), b5)
+            b6 = fmadd_ps_512(qv, loadu_ps_512(k6 + o), b6)
+            b7 = fmadd_ps_512(qv, loadu_ps_512(k7 + o), b7)
+        sx = hsum_float_8x8(low_ps_256(b0), low_ps_256(b1), low_ps_256(b2), low_ps_256(b3), low_ps_256(b4),
+                            low_ps_256(b5), low_ps_256(b6), low_ps_256(b7))
+        sy = hsum_float_8x8(high_ps_256(b0), high_ps_256(b1), high_ps_256(b2), high_ps_256(b3), high_ps_256(b4),
+                            high_ps_256(b5), high_ps_256(b6), high_ps_256(b7))
+        storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
+        return
     z = setzero_ps()
     x0, x1, x2, x3, x4, x5, x6, x7 = z, z, z, z, z, z, z, z
     y0, y1, y2, y3, y4, y5, y6, y7 = z, z, z, z, z, z, z, z
@@ -411,6 +417,28 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
             j1 = min(j0 + v_tile, n_keys)
             for g in range(group):
                 aa = address_of(acc) + g * 256
+                if HAVE_AVX512:  # the same 8-lane chains, two to a zmm
+                    c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
+                    if wide:
+                        c2, c3 = loadu_ps_512(aa + 128), loadu_ps_512(aa + 192)
+                        for j in range(j0, j1):
+                            va = vaddr[j]
+                            w = set1_ps_512(scores[g, j])
+                            c0 = fmadd_ps_512(w, loadu_ps_512(va), c0)
+                            c1 = fmadd_ps_512(w, loadu_ps_512(va + 64), c1)
+                            c2 = fmadd_ps_512(w, loadu_ps_512(va + 128), c2)
+                            c3 = fmadd_ps_512(w, loadu_ps_512(va + 192), c3)
+                        storeu_ps_512(aa + 128, c2)
+                        storeu_ps_512(aa + 192, c3)
+                    else:
+                        for j in range(j0, j1):
+                            va = vaddr[j]
+                            w = set1_ps_512(scores[g, j])
+                            c0 = fmadd_ps_512(w, loadu_ps_512(va), c0)
+                            c1 = fmadd_ps_512(w, loadu_ps_512(va + 64), c1)
+                    storeu_ps_512(aa, c0)
+                    storeu_ps_512(aa + 64, c1)
+                    continue
                 a0, a1, a2, a3 = loadu_ps(aa), loadu_ps(aa + 32), loadu_ps(aa + 64), loadu_ps(aa + 96)
                 if wide:
                     a4, a5, a6, a7 = loadu_ps(aa + 128), loadu_ps(aa + 160), loadu_ps(aa + 192), loadu_ps(aa + 224)
