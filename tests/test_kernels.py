@@ -312,8 +312,9 @@ def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
     raw = random_blocks(qtype, 37, 1024, seed=3).reshape(37, -1)  # extreme scales too: any finite fp16
     raw.flags.writeable = False
     rng = np.random.default_rng(4)
-    # 1-3 x-rows: weight rows one at a time; from 4 (_PAIRS_FROM_ROWS), in pairs, an odd last row paired with itself
-    for n, (r0, r1) in [(1, (0, 37)), (3, (5, 36)), (16, (1, 2)), (17, (0, 37)), (40, (0, 37)), (33, (3, 36))]:
+    # 1-15 x-rows: weight rows one at a time (unless the activations outgrow L1); from 16 (_PAIRS_FROM_ROWS), in
+    # pairs, an odd last row paired with itself
+    for n, (r0, r1) in [(1, (0, 37)), (3, (5, 36)), (9, (0, 37)), (16, (1, 2)), (17, (0, 37)), (40, (0, 37)), (33, (3, 36))]:
         xq, xd, bsums = quant_dot.quantize_q8_K((rng.standard_normal((n, 1024)) * 3).astype(np.float32))
         want = np.full((n, 37), 7, np.float32)
         got = want.copy()

@@ -961,10 +961,12 @@ def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
 # two rows. Below it pairs measured slower (qwen2.5-coder-1.5b's Q6_K output head, 1536 columns, 1 x-row: 22 ms
 # in pairs, 7 ms one row at a time); above it faster (its 8960-column ffn_down, 16 x-rows: 2.95 ms against 4.5).
 _L1_ACTIVATION_BYTES = 32 * 1024
-# From this many x-rows the pairs kernels run whatever the size: their two rows' float steps share a zmm, and
-# with VNNI their scale products fold into the sums. One Zen 5 core, 16 x-rows: Q4_K 1536x1536 113 -> 136-140,
-# 1536x8960 121 -> 153-158 G MAC/s; Q6_K 1536x1536 122 -> 132.
-_PAIRS_FROM_ROWS = 4
+# From this many x-rows (a prompt's pass) the pairs kernels run whatever the size: their two rows' float steps
+# share a zmm, and with VNNI their scale products fold into the sums. One Zen 5 core, 16 x-rows: Q4_K 1536x1536
+# 113 -> 136-140, 1536x8960 121 -> 153-158 G MAC/s; Q6_K 1536x1536 122 -> 132. Below 16 (decode steps of several
+# sequences, speculative checks), with weights streaming from DRAM, pairs of short rows fetch badly: Q4_K
+# 8960x1536 cold, 4 x-rows: 35 in pairs against 90 one row at a time (8 x-rows: 59 against 102).
+_PAIRS_FROM_ROWS = 16
 
 
 @njit(cache=True, inline="always")
