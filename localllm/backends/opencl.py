@@ -103,14 +103,26 @@ class OpenCLBackend(Backend):
         # id -> (the host array, kept alive so its id stays unique, its device copy).
         self._uploads: dict[int, tuple] = {}
 
+    def _remember(self, key, host, device) -> None:
+        """Keep an upload, forgetting the least recently used past 64. (Clearing them all at once, as before,
+        could fall in the middle of a step and upload that step's arrays twice: whether it did depended on
+        what earlier forwards had left, and a test that counts a step's copies failed in some test orders.)"""
+        self._uploads[key] = (host, device)
+        while len(self._uploads) > 64:
+            del self._uploads[next(iter(self._uploads))]
+
+    def _recall(self, key):
+        hit = self._uploads.pop(key, None)
+        if hit is not None:
+            self._uploads[key] = hit  # most recently used last
+        return hit
+
     def _upload(self, a: np.ndarray, dtype):
-        hit = self._uploads.get(id(a))
+        hit = self._recall(id(a))
         if hit is not None and hit[0] is a:
             return hit[1]
-        if len(self._uploads) > 64:
-            self._uploads.clear()
         d = self.ops.to_device(a, dtype)
-        self._uploads[id(a)] = (a, d)
+        self._remember(id(a), a, d)
         return d
 
     def _columns(self, cache, layer: int, which: str):
@@ -118,11 +130,11 @@ class OpenCLBackend(Backend):
         gi = cache.pool.where[layer][0]
         cols = (cache.column_map if which == "read" else cache.write_columns)(layer)
         key = (id(cache), gi, which)
-        hit = self._uploads.get(key)
+        hit = self._recall(key)
         if hit is not None and hit[0].shape == cols.shape and np.array_equal(hit[0], cols):
             return hit[1]
         d = self.ops.to_device(cols, np.int32)
-        self._uploads[key] = (cols, d)
+        self._remember(key, cols, d)
         return d
 
     def weight_bytes(self, info):
