@@ -23,9 +23,13 @@ integer lane sums are exact whatever the order (no int16 saturation can occur fo
 above the portable kernels), and the float work (fp16 scale conversion, the per-block scale product, one fma per lane per
 block, ggml's `hsum_float_8` reduction order) is the same sequence in both, with `llvm.fma` in both.
 
-Differences from ggml: none in the arithmetic of a single dot product that we know of, except that C compilers
-may contract the scalar `summs += m * s` of Q4_1/Q5_1/Q5_K into an fma where we round the product; and llama.cpp
-itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation order.
+Differences from ggml: the 32-block formats accumulate even and odd blocks in two sets of 8 lanes that meet
+before the final sum (ggml has one set: two sets let the VNNI kernel run two blocks per float instruction, see
+_group_32_avx2); C compilers may contract the scalar `summs += m * s` of Q4_1/Q5_1/Q5_K into an fma where we round
+the product; and llama.cpp itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation order.
+On CPUs with AVX-512 (and VNNI) the prompt kernels run the same arithmetic on zmm: tiles of 4 weight rows for the
+32-block formats (_rows_32_avx512), weight-row pairs whose float steps share a register for the K-quants; their
+results are the AVX2 kernels' bits (tests/test_kernels.py).
 """
 
 from __future__ import annotations
