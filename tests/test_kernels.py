@@ -351,3 +351,39 @@ def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
             quant_dot._rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, want, r0, r1)
             quant_dot._rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, got, r0, r1)
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_kernels_with_scratch_memory_keep_it_alive_in_parallel_regions():
+    # Numba frees an array after its last use *as an array*; the 32-block kernels' scratch rows are written
+    # and read through their addresses after that (simd.keep_alive marks the real end). Without it, in a parallel
+    # region the other thread was handed the freed memory: a heap corruption that aborted the test suite. glibc's
+    # checking malloc turns such a write into an abort at the next free, so a subprocess runs the kernels there.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from localllm.kernels.cpu import simd
+
+    libs = [p for p in ("/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/usr/lib64/libc_malloc_debug.so.0",
+                        "/lib64/libc_malloc_debug.so.0") if Path(p).exists()]
+    if not libs or not simd.HAVE_AVX2:
+        pytest.skip("no glibc checking malloc (libc_malloc_debug) or no AVX2 kernels here")
+    script = """
+import numpy as np, numba
+from gguf import GGMLQuantizationType as Q
+from localllm.kernels.cpu import quant_dot as qd
+from localllm.kernels.bench_quant_dot import random_weights
+numba.set_num_threads(2)
+rng = np.random.default_rng(1)
+for it in range(40):
+    qt = (Q.Q5_0, Q.Q8_0, Q.Q4_1)[it % 3]
+    n, rows, cols = int(rng.integers(4, 24)), int(rng.integers(600, 2000)), 32 * int(rng.integers(12, 40))
+    raw = random_weights(qt, rows, cols, rng)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    qd.matmul(raw, qt, x, np.empty((n, rows), np.float32))
+print("ok")
+"""
+    env = dict(__import__("os").environ, LD_PRELOAD=libs[0], MALLOC_CHECK_="3", PYTHONMALLOC="malloc",
+               NUMBA_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

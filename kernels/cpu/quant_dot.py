@@ -55,6 +55,7 @@ from localllm.kernels.cpu.simd import (
     high_256,
     low_256,
     zero_si512,
+    keep_alive,
     add_adjacent_epi32_512,
     dpwssd_epi32_512,
     fold_pair_epi32_512,
@@ -751,6 +752,7 @@ def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             i += 2
         if n - i == 1:
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, decoded)
+    keep_alive(scratch, scratch, scratch)  # read through its address until here
 
 
 # Block pairs per pass of _rows_32_avx512 (512 columns): a 4-row tile decoded (2 KiB) with its scales (8 KiB)
@@ -783,7 +785,6 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     res = np.empty((n, r1 - r0), np.float32)
     wmins = np.empty((4, blocks), np.float32)
     summs = np.empty(n, np.float32)
-    sums_t = np.ascontiguousarray(xs.T) if has_min else np.empty((0, 0), np.float32)
     dbase, sbase = address_of(decoded), address_of(wscale)
     dstride, sstride = decoded.strides[0], wscale.strides[0]
     ybase, ystride = address_of(xq), xq.strides[0]
@@ -839,7 +840,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                 for b in range(blocks):
                     m = wmins[j, b]
                     for i in range(n):
-                        summs[i] = summs[i] + m * sums_t[b, i]
+                        summs[i] = summs[i] + m * xs[i, b]
             for i in range(n):
                 a = abase + 256 * i + 64 * j
                 even, odd = loadu_ps(a), loadu_ps(a + 32)
@@ -855,6 +856,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     for i in range(n):  # out's rows are far apart (a whole weight's width): written here, each in one run
         for r in range(r0, r1):
             out[i, r] = res[i, r - r0]
+    keep_alive(decoded, wscale, acc)  # used through their addresses until here
 
 
 @njit(cache=True, inline="always")

@@ -152,6 +152,22 @@ def address_of(typingctx, array):
     return types.intp(array), codegen
 
 
+@intrinsic(prefer_literal=True)
+def keep_alive(typingctx, a, b, c):
+    """Uses three arrays and does nothing: call it after the last access through their `address_of`.
+
+    Numba frees an array after its last use *as an array*; writes through an address taken earlier then land
+    in freed memory, which another thread may already have been given (a heap corruption that aborted the test
+    suite when the 32-block VNNI kernel ran in a parallel region)."""
+    if not all(isinstance(t, types.Array) for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+
+    return types.none(a, b, c), codegen
+
+
 def _scalar_load(nb_type, ir_type):
     @intrinsic(prefer_literal=True)
     def load(typingctx, address):
