@@ -52,8 +52,6 @@ from localllm.kernels.cpu.simd import (
     loadu_si512,
     HAVE_AVX512_VNNI,
     dpbusd_epi32_512,
-    high_256,
-    low_256,
     zero_si512,
     keep_alive,
     add_adjacent_epi32_512,
