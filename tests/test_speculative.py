@@ -488,8 +488,11 @@ def test_sampled_tokens_keep_the_target_distribution_with_ngram_drafts():
     spec = SpeculationParams("ngram", draft_max=2, adaptive=False, ngram_min=1)
     assert NGramDrafter(n_min=1).draft(prompt + [e.tokenizer.encode(" the", add_special=False)[0]], 2).tokens
     _assert_sampled_as(e, prompt, spec, _exact_second_token(e, prompt))
-    t = timings(e, prompt, spec, max_tokens=2, sampling=SamplingParams(**SAMPLED, seed=0))
-    assert t.n_verifies == 1  # the 2nd token did come from a verified draft
+    # the draws above did go through verified drafts: for most first tokens the prompt has a continuation (which
+    # seeds do depends on the logits' last bits: one seed alone made this check brittle)
+    verified = [timings(e, prompt, spec, max_tokens=2, sampling=SamplingParams(**SAMPLED, seed=s)).n_verifies
+                for s in range(20)]
+    assert set(verified) <= {0, 1} and sum(verified) >= 10, verified
 
 
 def test_sampled_tokens_keep_the_target_distribution_with_a_draft_model(hot_draft_model):
