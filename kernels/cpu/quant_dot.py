@@ -783,6 +783,10 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     res = np.empty((n, r1 - r0), np.float32)
     wmins = np.empty((4, blocks), np.float32)
     summs = np.empty(n, np.float32)
+    sums_t = np.empty((blocks if has_min else 0, n), np.float32)  # xs transposed: the x-rows side by side
+    for i in range(n if has_min else 0):
+        for b in range(blocks):
+            sums_t[b, i] = xs[i, b]
     dbase, sbase = address_of(decoded), address_of(wscale)
     dstride, sstride = decoded.strides[0], wscale.strides[0]
     ybase, ystride = address_of(xq), xq.strides[0]
@@ -838,7 +842,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                 for b in range(blocks):
                     m = wmins[j, b]
                     for i in range(n):
-                        summs[i] = summs[i] + m * xs[i, b]
+                        summs[i] = summs[i] + m * sums_t[b, i]
             for i in range(n):
                 a = abase + 256 * i + 64 * j
                 even, odd = loadu_ps(a), loadu_ps(a + 32)
