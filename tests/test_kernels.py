@@ -312,8 +312,7 @@ def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
     raw = random_blocks(qtype, 37, 1024, seed=3).reshape(37, -1)  # extreme scales too: any finite fp16
     raw.flags.writeable = False
     rng = np.random.default_rng(4)
-    # 1-15 x-rows: weight rows one at a time (unless the activations outgrow L1); from 16 (_PAIRS_FROM_ROWS), in
-    # pairs, an odd last row paired with itself
+    # weight rows in pairs, an odd last row paired with itself, at any x-row count
     for n, (r0, r1) in [(1, (0, 37)), (3, (5, 36)), (9, (0, 37)), (16, (1, 2)), (17, (0, 37)), (40, (0, 37)), (33, (3, 36))]:
         xq, xd, bsums = quant_dot.quantize_q8_K((rng.standard_normal((n, 1024)) * 3).astype(np.float32))
         want = np.full((n, 37), 7, np.float32)
@@ -339,7 +338,7 @@ def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
     for cols in (32 * 7, 32 * 8, 32 * 67):  # an odd last block, pairs only, three column passes and an odd block
         raw = random_blocks(qtype, 29, cols, seed=6).reshape(29, -1)
         raw.flags.writeable = False
-        for n, (r0, r1) in [(1, (0, 29)), (4, (3, 28)), (7, (0, 29)), (16, (1, 2))]:  # VNNI from 4 x-rows
+        for n, (r0, r1) in [(1, (0, 29)), (2, (0, 29)), (3, (2, 29)), (4, (3, 28)), (7, (0, 29)), (16, (1, 2))]:
             x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
             if qtype in (T.Q4_1, T.Q5_1):
                 xq, xd, xs = quant_dot.quantize_q8_1(x)

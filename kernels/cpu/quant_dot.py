@@ -27,9 +27,10 @@ Differences from ggml: the 32-block formats accumulate even and odd blocks in tw
 before the final sum (ggml has one set: two sets let the VNNI kernel run two blocks per float instruction, see
 _group_32_avx2); C compilers may contract the scalar `summs += m * s` of Q4_1/Q5_1/Q5_K into an fma where we round
 the product; and llama.cpp itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation order.
-On CPUs with AVX-512 (and VNNI) the prompt kernels run the same arithmetic on zmm: tiles of 4 weight rows for the
-32-block formats (_rows_32_avx512), weight-row pairs whose float steps share a register for the K-quants; their
-results are the AVX2 kernels' bits (tests/test_kernels.py).
+On CPUs with AVX-512 (and VNNI) the kernels run the same arithmetic on zmm: tiles of 4 weight rows for the
+32-block formats from 2 x-rows (_rows_32_avx512), weight-row pairs whose float steps share a register for the
+K-quants; their results are the AVX2 kernels' bits (tests/test_kernels.py). The kernels that stream several
+weight rows at once prefetch them in software (_PREFETCH_AHEAD).
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ from localllm.kernels.cpu.simd import (
     HAVE_AVX512,
     add_epi32_512,
     concat_si256,
-    fold_epi32_512,
     loadu_si512,
     HAVE_AVX512_VNNI,
     dpbusd_epi32_512,
     zero_si512,
     keep_alive,
+    prefetch,
     add_adjacent_epi32_512,
     dpwssd_epi32_512,
     fold_pair_epi32_512,
@@ -632,6 +633,21 @@ _KMASK_LOW4 = 0x0F0F0F0F
 _KMASK_2BIT = 0x03030303
 
 
+# How far ahead (bytes) the kernels that stream several weight rows at once prefetch, in one forward sweep of the
+# rows' memory. Interleaved streams (a pair's two rows, 7 KiB apart for 8960 columns of Q6_K) defeated the
+# hardware prefetcher: one Zen 5 core, 8 copies of Q6_K 1536x8960 (cold, from DRAM), pairs kernel, G MAC/s at
+# 1 / 4 / 8 / 16 x-rows: 11 / 33 / 49 / 92 without, 52 / 112 / 127 / 155 with 16 KiB (4 KiB: 28 / 53 / 79 / 151;
+# 64 KiB: 49 / 107 / 127 / 152).
+_PREFETCH_AHEAD = 16 * 1024
+
+
+@njit(cache=True, inline="always")
+def _prefetch_lines(address, lines):
+    """Prefetches `lines` cache lines from `address` on."""
+    for k in range(lines):
+        prefetch(address + 64 * k)
+
+
 @njit(cache=True, inline="always")
 def _decode_32_avx2(blk, kind):
     """One 32-block as 32 bytes in a register (signed for Q8_0/Q4_0/Q5_0, unsigned for Q4_1/Q5_1)."""
@@ -688,6 +704,8 @@ def _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, count, d
     m0, m1, m2, m3 = _F0, _F0, _F0, _F0
     for b in range(blocks):
         blk = w + block_bytes * b
+        if not decoded:
+            prefetch(blk + _PREFETCH_AHEAD)
         wd, wm = load_halves(blk)  # d, and m for Q4_1/Q5_1 (else the first bytes of qh/qs, unused)
         qx = loadu_si256(decoded + 32 * b) if decoded else _decode_32_avx2(blk, kind)
         if has_min:  # summs += m * s (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1)
@@ -740,6 +758,7 @@ def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
         w = wbase + r * wstride
         if decoded:
             for b in range(blocks):
+                prefetch(w + block_bytes * b + _PREFETCH_AHEAD)
                 storeu_si256(decoded + 32 * b, _decode_32_avx2(w + block_bytes * b, kind))
         i = 0
         while n - i >= 4:
@@ -760,7 +779,7 @@ _TILE_PASS_PAIRS = 16
 
 @njit(cache=True)
 def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-    """The 32-block formats on VNNI, for prompts (4 or more x-rows): tiles of 4 weight rows x one x-row at a time,
+    """The 32-block formats on VNNI, for 2 or more x-rows: tiles of 4 weight rows x one x-row at a time,
     two blocks per integer product, bitwise _rows_32_avx2's results (the same integer lanes, the same float steps
     in each of the two lane sets, the same final sums).
 
@@ -799,6 +818,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             w = wbase + min(r + j, r1 - 1) * wstride
             for b in range(blocks):
                 blk = w + block_bytes * b
+                prefetch(blk + _PREFETCH_AHEAD)  # (a block is at most 34 bytes: one line each covers the rows)
                 v = _decode_32_avx2(blk, kind)
                 if off:
                     v = add_epi8(v, set1_epi8(off))
@@ -871,12 +891,14 @@ def _neg_offset_sums_256(yv, off):
 
 
 
-# The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits). A choice inside
+# The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits) from 2 x-rows: one Zen 5 core,
+# cold weights, G MAC/s at 1 / 2 / 3 x-rows, AVX2 against VNNI: Q5_0 4864x896 22 / 31 / 28 against 23 / 37 / 49,
+# Q8_0 18992x896 33 / 46 / 44 against 28 / 49 / 62 (one x-row stays on AVX2). A choice inside
 # _rows_32_avx512 that called _rows_32_avx2 crashed (both take `kind` as a literal); inlined here it does not.
 if HAVE_AVX512_VNNI:
     @njit(cache=True, inline="always")
     def _rows_32(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-        if xd.shape[0] >= 4:
+        if xd.shape[0] >= 2:
             _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
         else:
             _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
@@ -964,17 +986,13 @@ def _rows_q4_k_avx2(raw, xq, xd, bsums, out, r0, r1):
             out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes_avx2(acc_m, i)
 
 
-# Activations larger than this (x-rows x blocks x 256 bytes) do not stay in L1 while a weight row streams past
-# them: the AVX-512 K-quant kernels then take weight rows in pairs, so each activation block read from L2 serves
-# two rows. Below it pairs measured slower (qwen2.5-coder-1.5b's Q6_K output head, 1536 columns, 1 x-row: 22 ms
-# in pairs, 7 ms one row at a time); above it faster (its 8960-column ffn_down, 16 x-rows: 2.95 ms against 4.5).
-_L1_ACTIVATION_BYTES = 32 * 1024
-# From this many x-rows (a prompt's pass) the pairs kernels run whatever the size: their two rows' float steps
-# share a zmm, and with VNNI their scale products fold into the sums. One Zen 5 core, 16 x-rows: Q4_K 1536x1536
-# 113 -> 136-140, 1536x8960 121 -> 153-158 G MAC/s; Q6_K 1536x1536 122 -> 132. Below 16 (decode steps of several
-# sequences, speculative checks), with weights streaming from DRAM, pairs of short rows fetch badly: Q4_K
-# 8960x1536 cold, 4 x-rows: 35 in pairs against 90 one row at a time (8 x-rows: 59 against 102).
-_PAIRS_FROM_ROWS = 16
+# The AVX-512 K-quant kernels take weight rows in pairs: each activation block read serves both rows, their
+# float steps share a zmm, and with VNNI the scale products fold into the sums. Pairs used to lose to one row at
+# a time below 16 x-rows, because two interleaved weight streams fetched badly from DRAM; with the software
+# prefetch (_PREFETCH_AHEAD) they win at every count. One Zen 5 core, cold weights, G MAC/s at 1 / 4 / 8 / 16
+# x-rows, one row at a time against pairs: Q4_K 8960x1536 40 / 76 / 96 / 105 against 52 / 108 / 135 / 144,
+# 1536x8960 46 / 35 / 64 / 84 against 61 / 119 / 145 / 162; Q6_K 1536x8960 37 / 29 / 37 / 47 against
+# 49 / 114 / 131 / 139, 151936x1536 (an output head) 36 / 93 / 104 / 108 against 45 / 103 / 129 / 140.
 
 
 @njit(cache=True, inline="always")
@@ -996,55 +1014,9 @@ def _q4_k_decode_avx512(blk, m4):
 
 
 @njit(cache=True, inline="always")
-def _q4_k_step_avx512(qs, ss, mins_paired, wd, wdmin, y, yd, bs, acc_address, min_address):
-    """One x-row's step of one decoded Q4_K block, as _rows_q4_k_avx2 takes it: the min term, then the products
-    (two sub-blocks per maddubs/madd, folded to its 8 int32 lanes: exact sums)."""
-    prod = add_adjacent_epi32(madd_epi16(loadu_si256(bs), mins_paired))
-    _accumulate_avx2(min_address, -yd * wdmin, prod)
-    p = add_epi32_512(
-        add_epi32_512(madd_epi16_512(ss[0], maddubs_epi16_512(qs[0], loadu_si512(y))),
-                      madd_epi16_512(ss[1], maddubs_epi16_512(qs[1], loadu_si512(y + 64)))),
-        add_epi32_512(madd_epi16_512(ss[2], maddubs_epi16_512(qs[2], loadu_si512(y + 128))),
-                      madd_epi16_512(ss[3], maddubs_epi16_512(qs[3], loadu_si512(y + 192)))),
-    )
-    _accumulate_avx2(acc_address, yd * wd, fold_epi32_512(p))
-
-
-@njit(cache=True)
-def _rows_q4_k_avx512(raw, xq, xd, bsums, out, r0, r1):
-    """_rows_q4_k_avx2 on zmm (as _rows_q6_k_avx512, in pairs of weight rows past _L1_ACTIVATION_BYTES): bitwise
-    its results. Measured on one core of a Zen 5 (qwen2.5-coder-1.5b's 8960x1536 ffn_gate): 1.06x the AVX2
-    kernel for 1 x-row, 1.34x for 16. (Decoding each row once into scratch with 4 x-rows' accumulators in
-    registers, as _group_32_avx2 does, measured no faster: 1.01x for 16.)"""
-    n, blocks = xd.shape
-    if n >= _PAIRS_FROM_ROWS or n * blocks * 256 > _L1_ACTIVATION_BYTES:
-        _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1)
-        return
-    wbase, wstride = address_of(raw), raw.strides[0]
-    xbase, xstride = address_of(xq), xq.strides[0]
-    dbase, bbase, bstride = address_of(xd), address_of(bsums), bsums.strides[0]
-    acc = np.zeros((n, 8), np.float32)
-    acc_m = np.zeros((n, 8), np.float32)
-    abase, mbase = address_of(acc), address_of(acc_m)
-    m4 = set1_epi8(0xF)
-    for r in range(r0, r1):
-        acc[:] = _F0
-        acc_m[:] = _F0
-        w = wbase + r * wstride
-        for b in range(blocks):
-            qs, ss, mins, wd, wdmin = _q4_k_decode_avx512(w + 144 * b, m4)
-            for i in range(n):
-                _q4_k_step_avx512(qs, ss, mins, wd, wdmin, xbase + i * xstride + 256 * b,
-                                  load_f32(dbase + 4 * (i * blocks + b)), bbase + i * bstride + 32 * b,
-                                  abase + 32 * i, mbase + 32 * i)
-        for i in range(n):
-            out[i, r] = _hsum_float_8(acc, i) + _finish_min_lanes_avx2(acc_m, i)
-
-
-@njit(cache=True, inline="always")
 def _q4_k_sum_vnni(qs, ss, y0, y1, y2, y3):
     """One x-row's int32 sums of a decoded Q4_K block (16 lanes, unfolded): maddubs then vpdpwssd with the
-    sub-blocks' scales, madd and add in one (the same integers as _q4_k_step_avx512's)."""
+    sub-blocks' scales, madd and add in one (the same integers as _rows_q4_k_avx2's)."""
     if HAVE_AVX512_VNNI:
         a = dpwssd_epi32_512(dpwssd_epi32_512(zero_si512(), ss[0], maddubs_epi16_512(qs[0], y0)), ss[1],
                              maddubs_epi16_512(qs[1], y1))
@@ -1058,11 +1030,11 @@ def _q4_k_sum_vnni(qs, ss, y0, y1, y2, y3):
 
 
 @njit(cache=True)
-def _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1):
-    """_rows_q4_k_avx512 two weight rows at a time: each activation block read serves both, and the two rows'
-    float steps run side by side in one zmm (row r in lanes 0-7, r + 1 in 8-15, each half exactly the AVX2
-    kernel's 8-lane step). With VNNI the scale products fold into the sums (vpdpwssd). A lone last row pairs with
-    itself (computed twice, written once)."""
+def _rows_q4_k_avx512(raw, xq, xd, bsums, out, r0, r1):
+    """_rows_q4_k_avx2 on zmm, two weight rows at a time (bitwise its results): each activation block read
+    serves both, and the two rows' float steps run side by side in one zmm (row r in lanes 0-7, r + 1 in 8-15,
+    each half exactly the AVX2 kernel's 8-lane step). With VNNI the scale products fold into the sums
+    (vpdpwssd). A lone last row pairs with itself (computed twice, written once)."""
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
@@ -1080,6 +1052,7 @@ def _rows_q4_k_avx512_pairs(raw, xq, xd, bsums, out, r0, r1):
         w = wbase + r * wstride
         w2 = w + wstride if two else w
         for b in range(blocks):
+            _prefetch_lines(w + 288 * b + _PREFETCH_AHEAD, 5)  # the pair's memory (two rows) swept at 288 B a block
             qs, ss, mins, wd, wdmin = _q4_k_decode_avx512(w + 144 * b, m4)
             qs2, ss2, mins2, wd2, wdmin2 = _q4_k_decode_avx512(w2 + 144 * b, m4)
             mins_both = concat_si256(mins, mins2)
@@ -1251,52 +1224,11 @@ def _q6_k_decode_avx512(blk, m4, m2):
 
 
 @njit(cache=True, inline="always")
-def _q6_k_sum_avx512(qs, ss, y, k32):
-    """One x-row's int32 sums of a decoded Q6_K block, folded to the AVX2 kernel's 8 lanes: for each 32-chunk,
-    (maddubs(q, y) - maddubs(32, y)) madd scales, as _q6_k_product computes it (exact integers)."""
-    y0, y1, y2, y3 = loadu_si512(y), loadu_si512(y + 64), loadu_si512(y + 128), loadu_si512(y + 192)
-    p0 = madd_epi16_512(ss[0], sub_epi16_512(maddubs_epi16_512(qs[0], y0), maddubs_epi16_512(k32, y0)))
-    p1 = madd_epi16_512(ss[1], sub_epi16_512(maddubs_epi16_512(qs[1], y1), maddubs_epi16_512(k32, y1)))
-    p2 = madd_epi16_512(ss[2], sub_epi16_512(maddubs_epi16_512(qs[2], y2), maddubs_epi16_512(k32, y2)))
-    p3 = madd_epi16_512(ss[3], sub_epi16_512(maddubs_epi16_512(qs[3], y3), maddubs_epi16_512(k32, y3)))
-    return fold_epi32_512(add_epi32_512(add_epi32_512(p0, p1), add_epi32_512(p2, p3)))
-
-
-@njit(cache=True)
-def _rows_q6_k_avx512(raw, xq, xd, bsums, out, r0, r1):
-    """_rows_q6_k_avx2 on zmm: each x-row's products take two 32-chunks per instruction and are folded to the
-    AVX2 kernel's 8 int32 lanes (exact sums) before its float step, so the results are bitwise its own. Weight
-    rows one at a time, or in pairs where the activations outgrow L1 (_L1_ACTIVATION_BYTES)."""
-    n, blocks = xd.shape
-    if n >= _PAIRS_FROM_ROWS or n * blocks * 256 > _L1_ACTIVATION_BYTES:
-        _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1)
-        return
-    wbase, wstride = address_of(raw), raw.strides[0]
-    xbase, xstride = address_of(xq), xq.strides[0]
-    dbase = address_of(xd)
-    acc = np.zeros((n, 8), np.float32)
-    abase = address_of(acc)
-    m4, m2 = set1_epi8(0xF), set1_epi8(3)
-    k32 = concat_si256(set1_epi8(32), set1_epi8(32))
-    for r in range(r0, r1):
-        acc[:] = _F0
-        w = wbase + r * wstride
-        for b in range(blocks):
-            blk = w + 210 * b
-            wd = load_halves(blk + 206)[1]  # the block's last word: scales[14:16], then d
-            qs, ss = _q6_k_decode_avx512(blk, m4, m2)
-            for i in range(n):
-                y = xbase + i * xstride + 256 * b
-                _accumulate_avx2(abase + 32 * i, load_f32(dbase + 4 * (i * blocks + b)) * wd,
-                                 _q6_k_sum_avx512(qs, ss, y, k32))
-        for i in range(n):
-            out[i, r] = _hsum_float_8(acc, i)
-
-
-@njit(cache=True, inline="always")
 def _q6_k_sum_pair(qs, ss, y0, y1, y2, y3, o0, o1, o2, o3):
-    """_q6_k_sum_avx512 unfolded, with the offset products maddubs(32, y) given (o0..o3: shared by the weight
-    rows of a pair) and, with VNNI, the scale products folded into the sums (vpdpwssd): the same integers."""
+    """One x-row's int32 sums of a decoded Q6_K block (16 lanes, unfolded): for each 32-chunk, (maddubs(q, y) -
+    maddubs(32, y)) madd scales as _q6_k_product computes it (exact integers), with the offset products
+    maddubs(32, y) given (o0..o3: shared by the weight rows of a pair) and, with VNNI, the scale products folded
+    into the sums (vpdpwssd): the same integers."""
     t0 = sub_epi16_512(maddubs_epi16_512(qs[0], y0), o0)
     t1 = sub_epi16_512(maddubs_epi16_512(qs[1], y1), o1)
     t2 = sub_epi16_512(maddubs_epi16_512(qs[2], y2), o2)
@@ -1309,10 +1241,11 @@ def _q6_k_sum_pair(qs, ss, y0, y1, y2, y3, o0, o1, o2, o3):
 
 
 @njit(cache=True)
-def _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1):
-    """_rows_q6_k_avx512 two weight rows at a time: each activation block read (and its offset products) serves
-    both, and the two rows' float steps run side by side in one zmm (row r in lanes 0-7, r + 1 in 8-15, each half
-    exactly the AVX2 kernel's step). A lone last row pairs with itself (computed twice, written once)."""
+def _rows_q6_k_avx512(raw, xq, xd, bsums, out, r0, r1):
+    """_rows_q6_k_avx2 on zmm, two weight rows at a time (bitwise its results; bsums unused, as there): each
+    activation block read (and its offset products) serves both, and the two rows' float steps run side by side
+    in one zmm (row r in lanes 0-7, r + 1 in 8-15, each half exactly the AVX2 kernel's step). A lone last row
+    pairs with itself (computed twice, written once)."""
     n, blocks = xd.shape
     wbase, wstride = address_of(raw), raw.strides[0]
     xbase, xstride = address_of(xq), xq.strides[0]
@@ -1329,6 +1262,7 @@ def _rows_q6_k_avx512_pairs(raw, xq, xd, out, r0, r1):
         w = wbase + r * wstride
         w2 = w + wstride if two else w
         for b in range(blocks):
+            _prefetch_lines(w + 420 * b + _PREFETCH_AHEAD, 7)  # the pair's memory (two rows) swept at 420 B a block
             blk, blk2 = w + 210 * b, w2 + 210 * b
             d_both = set2_ps_512(load_halves(blk + 206)[1], load_halves(blk2 + 206)[1])  # scales[14:16], then d
             qs, ss = _q6_k_decode_avx512(blk, m4, m2)

@@ -168,6 +168,25 @@ def keep_alive(typingctx, a, b, c):
     return types.none(a, b, c), codegen
 
 
+@intrinsic
+def prefetch(typingctx, address):
+    """A software prefetch of the cache line at `address` into all cache levels (prefetcht0). The kernels that
+    stream two or more weight rows at once issue these a few blocks ahead: the hardware prefetcher follows one
+    forward stream well, and several interleaved ones poorly (see quant_dot's pairs kernels)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0i8")
+        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(address), codegen
+
+
 def _scalar_load(nb_type, ir_type):
     @intrinsic(prefer_literal=True)
     def load(typingctx, address):
