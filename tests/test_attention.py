@@ -105,10 +105,11 @@ def test_softmax_exponential_is_within_a_few_ulp_of_libm():
 
 
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (100, 0.0), (100, 0.5)])
-def test_grouped_query_items_equal_per_head_items_bit_for_bit(window, softcap):
-    """Prompt chunks take (query, KV head) items, reading each tile of keys once for the whole group; decode
-    takes (query, head) items. A token's output must not depend on which: the two agree to the bit, with
-    gemma2's soft-capped scores too (a cap of 0.5 changes every score of these unit-variance queries)."""
+def test_row_block_group_and_per_head_items_agree_bit_for_bit(window, softcap):
+    """Several query rows (prompt chunks, speculative verifies) take (row block, KV head) items, reading each
+    tile of keys once for all the block's rows and heads; one row (decode) takes (query, KV head) items, or
+    (query, head) items where one KV head would leave a thread idle. A token's output must not depend on which:
+    all agree to the bit, with gemma2's soft-capped scores too (a cap of 0.5 changes every score of these unit-variance queries)."""
     from localllm.kernels.cpu import attention as kernel
 
     if not kernel.HAVE_AVX2:
@@ -120,17 +121,28 @@ def test_grouped_query_items_equal_per_head_items_bit_for_bit(window, softcap):
     k, ks, v, vs, table, first_block = cache.attention_inputs(0)
     positions = np.arange(700 - 40, 700)
     q = rng.standard_normal((40, N_KV * GROUP, D)).astype(np.float32)
+    scale, cap = np.float32(1 / np.sqrt(D)), np.float32(softcap)
+    scores = np.empty(700, np.float32)
+    acc = np.empty(D, np.float32)
     outs = []
-    for chunks in (1, 3, 40 * N_KV * GROUP):  # grouped (one share, three shares), then one head per share
+    for chunks in (1, 3, 40 * N_KV * GROUP):  # blocks of 8 rows; blocks of 3-4 rows; a row per block
         out = np.zeros((40, N_KV * GROUP * D), np.float32)
-        scores = np.empty(700, np.float32)
-        acc = np.empty(D, np.float32)
         for c in range(chunks):
-            kernel._attend_items(c, chunks, q, k, ks, v, vs, table, first_block, positions, 0, window,
-                                 np.float32(1 / np.sqrt(D)), np.float32(softcap), out, scores, acc)
+            kernel._attend_items(c, chunks, q, k, ks, v, vs, table, first_block, positions, 0, window, scale, cap,
+                                 out, scores, acc)
         outs.append(out)
-    assert np.array_equal(outs[0].view(np.uint32), outs[2].view(np.uint32))
-    assert np.array_equal(outs[1].view(np.uint32), outs[2].view(np.uint32))
+    alone = np.zeros((40, N_KV * GROUP * D), np.float32)  # each row by itself: (query, KV head) items
+    for i in range(40):
+        kernel._attend_items(0, 1, q[i:i + 1], k, ks, v, vs, table, first_block, positions[i:i + 1], 0, window,
+                             scale, cap, alone[i:i + 1], scores, acc)
+    per_head = np.zeros((40, N_KV * GROUP * D), np.float32)  # (query, head) items
+    for i in range(40):
+        lo = max(0, positions[i] - window + 1) if window else 0
+        for h in range(N_KV * GROUP):
+            kernel._one_query_avx2(q, i, h, h // GROUP, k, v, table, first_block, lo, positions[i], scale, cap,
+                                   scores, per_head)
+    for got in outs + [alone]:
+        assert np.array_equal(got.view(np.uint32), per_head.view(np.uint32))
     want = reference.attention(q, cache.keys(0), cache.values(0), positions, 1 / np.sqrt(D), window,
                                softcap=softcap)
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-5)

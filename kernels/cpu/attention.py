@@ -477,6 +477,167 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
                 storeu_ps(oa + 4 * u, fmadd_ps(loadu_ps(aa + 4 * u), inv, zero))
 
 
+# Query rows that one item of _attend_items takes at once (a speculative verify, a prompt chunk), at most, and
+# the most bytes their scores may take (with a long context, fewer rows: the scores stay in L2).
+ROWS_PER_ITEM = 8
+ROW_SCORES_BYTES = 512 * 1024
+
+
+@njit(cache=True)
+def _rows_query_avx2(q, i0, i1, kvh, group, k_store, v_store, table, first_block, key_start, window, q_positions,
+                     scale, softcap, scores, acc, rows, totals, out):
+    """_group_query_avx2 for the query rows i0 .. i1-1 at once: each tile of keys (then of values) is read once
+    for every row's heads of the group while it is in L1, where one row at a time read the KV head's whole cache
+    again for each row (qwen2.5-coder-1.5b, a 9-token speculative verify after 1,100 tokens: each layer's KV
+    heads, 1.1 MB each, came from L3 nine times). `scores` holds (rows x group) lines, `acc` as many 64-lane
+    accumulators.
+
+    Row r attends its own keys (causal, and the window), and each (row, head) goes through exactly the
+    operations _group_query_avx2 performs for it, in the same order: bitwise the same output."""
+    d = q.shape[2]
+    dv = v_store.shape[2]
+    nr = i1 - i0
+    his = np.empty(nr, np.int64)
+    starts = np.empty(nr, np.int64)  # row r's first key, as an index into the block's keys
+    lo_all = q_positions[i0]
+    hi_all = q_positions[i0]
+    for r in range(nr):
+        p = q_positions[i0 + r]
+        lo = key_start
+        if window > 0:
+            lo = max(lo, p - window + 1)
+        starts[r] = lo
+        his[r] = p
+        lo_all = min(lo_all, lo)
+        hi_all = max(hi_all, p)
+    for r in range(nr):
+        starts[r] -= lo_all
+        his[r] -= lo_all  # the row's last key, as an index
+    n_all = hi_all - lo_all + 1
+    h0 = kvh * group
+    k_row = k_store.shape[2] * 4
+    ka0 = address_of(k_store) + kvh * k_store.shape[1] * k_row
+    v_row = dv * 4
+    va0 = address_of(v_store) + kvh * v_store.shape[1] * v_row
+    for j in range(n_all):
+        rows[j] = _column(table, first_block, lo_all + j)
+    scale_v = set1_ps(scale)
+    k_tile = max(BLOCK, TILE_BYTES // k_row) // 8 * 8
+    kaddr = rows[:n_all] * k_row + ka0
+    line = scores.shape[1] * 4
+    for j0 in range(0, n_all, k_tile):
+        j1 = min(j0 + k_tile, n_all)
+        for r in range(nr):
+            s = starts[r]
+            a, b = max(j0, s), min(j1, his[r] + 1)
+            for g in range(group):
+                qa = address_of(q) + ((i0 + r) * q.shape[1] + h0 + g) * d * 4
+                sa = address_of(scores) + (r * group + g) * line - 4 * s  # row-relative: key s is score 0
+                j = a
+                while j + 8 <= b:
+                    _scores_8(qa, kaddr, j, d, scale_v, sa + 4 * j)
+                    j += 8
+                while j < b:
+                    scores[r * group + g, j - s] = _dot_scaled(qa, kaddr[j], d, scale)
+                    j += 1
+    for r in range(nr):
+        n_keys = his[r] - starts[r] + 1
+        for g in range(group):
+            rg = r * group + g
+            m = -np.inf
+            if softcap > 0:
+                m = _soft_cap(scores[rg], n_keys, softcap)
+            else:
+                m = max(m, scores[rg, :n_keys].max())
+            sa = address_of(scores) + rg * line
+            j = 0
+            while j + 8 <= n_keys:
+                storeu_ps(sa + 4 * j, exp_nonpositive_8(loadu_ps(sa + 4 * j), m))
+                j += 8
+            while j < n_keys:
+                scores[rg, j] = _exp_nonpositive(scores[rg, j] - m)
+                j += 1
+            total = np.float32(0.0)
+            for j in range(n_keys):
+                total += scores[rg, j]
+            totals[rg] = total
+    v_tile = max(BLOCK, TILE_BYTES // 256)  # 64 values of each row per pass
+    zero = setzero_ps()
+    for t in range(0, dv, 64):
+        wide = t + 64 <= dv  # eight chains (64 values), or four for a last 32
+        vaddr = rows[:n_all] * v_row + (va0 + 4 * t)
+        acc[: nr * group, :] = 0.0
+        for j0 in range(0, n_all, v_tile):
+            j1 = min(j0 + v_tile, n_all)
+            for r in range(nr):
+                s = starts[r]
+                a, b = max(j0, s), min(j1, his[r] + 1)
+                for g in range(group):
+                    rg = r * group + g
+                    aa = address_of(acc) + rg * 256
+                    if HAVE_AVX512:  # the same 8-lane chains, two to a zmm
+                        c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
+                        if wide:
+                            c2, c3 = loadu_ps_512(aa + 128), loadu_ps_512(aa + 192)
+                            for j in range(a, b):
+                                va = vaddr[j]
+                                w = set1_ps_512(scores[rg, j - s])
+                                c0 = fmadd_ps_512(w, loadu_ps_512(va), c0)
+                                c1 = fmadd_ps_512(w, loadu_ps_512(va + 64), c1)
+                                c2 = fmadd_ps_512(w, loadu_ps_512(va + 128), c2)
+                                c3 = fmadd_ps_512(w, loadu_ps_512(va + 192), c3)
+                            storeu_ps_512(aa + 128, c2)
+                            storeu_ps_512(aa + 192, c3)
+                        else:
+                            for j in range(a, b):
+                                va = vaddr[j]
+                                w = set1_ps_512(scores[rg, j - s])
+                                c0 = fmadd_ps_512(w, loadu_ps_512(va), c0)
+                                c1 = fmadd_ps_512(w, loadu_ps_512(va + 64), c1)
+                        storeu_ps_512(aa, c0)
+                        storeu_ps_512(aa + 64, c1)
+                        continue
+                    a0, a1, a2, a3 = loadu_ps(aa), loadu_ps(aa + 32), loadu_ps(aa + 64), loadu_ps(aa + 96)
+                    if wide:
+                        a4, a5 = loadu_ps(aa + 128), loadu_ps(aa + 160)
+                        a6, a7 = loadu_ps(aa + 192), loadu_ps(aa + 224)
+                        for j in range(a, b):
+                            va = vaddr[j]
+                            w = set1_ps(scores[rg, j - s])
+                            a0 = fmadd_ps(w, loadu_ps(va), a0)
+                            a1 = fmadd_ps(w, loadu_ps(va + 32), a1)
+                            a2 = fmadd_ps(w, loadu_ps(va + 64), a2)
+                            a3 = fmadd_ps(w, loadu_ps(va + 96), a3)
+                            a4 = fmadd_ps(w, loadu_ps(va + 128), a4)
+                            a5 = fmadd_ps(w, loadu_ps(va + 160), a5)
+                            a6 = fmadd_ps(w, loadu_ps(va + 192), a6)
+                            a7 = fmadd_ps(w, loadu_ps(va + 224), a7)
+                        storeu_ps(aa + 128, a4)
+                        storeu_ps(aa + 160, a5)
+                        storeu_ps(aa + 192, a6)
+                        storeu_ps(aa + 224, a7)
+                    else:
+                        for j in range(a, b):
+                            va = vaddr[j]
+                            w = set1_ps(scores[rg, j - s])
+                            a0 = fmadd_ps(w, loadu_ps(va), a0)
+                            a1 = fmadd_ps(w, loadu_ps(va + 32), a1)
+                            a2 = fmadd_ps(w, loadu_ps(va + 64), a2)
+                            a3 = fmadd_ps(w, loadu_ps(va + 96), a3)
+                    storeu_ps(aa, a0)
+                    storeu_ps(aa + 32, a1)
+                    storeu_ps(aa + 64, a2)
+                    storeu_ps(aa + 96, a3)
+        for r in range(nr):
+            for g in range(group):
+                rg = r * group + g
+                aa = address_of(acc) + rg * 256
+                inv = set1_ps(np.float32(1.0) / totals[rg])
+                oa = address_of(out) + ((i0 + r) * out.shape[1] + (h0 + g) * dv + t) * 4
+                for u in range(0, 64 if wide else 32, 8):
+                    storeu_ps(oa + 4 * u, fmadd_ps(loadu_ps(aa + 4 * u), inv, zero))
+
+
 @njit(cache=True)
 def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
                   window, scale, softcap, out, scores, acc):
@@ -488,6 +649,23 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
     n_kv = k_store.shape[0]
     group = n_head // n_kv
     registers = HAVE_AVX2 and k_scale.shape[2] == 0 and d % 32 == 0 and v_store.shape[2] % 32 == 0
+    if registers and group > 1 and n > 1:
+        # Items (row block, KV head): blocks of up to ROWS_PER_ITEM rows, at least as many items as work shares
+        # while rows last, and rows whose scores fit ROW_SCORES_BYTES
+        size = min(ROWS_PER_ITEM, max(1, ROW_SCORES_BYTES // (group * scores.shape[0] * 4)))
+        n_blocks = max((n + size - 1) // size, min(n, (chunks + n_kv - 1) // n_kv))
+        size = (n + n_blocks - 1) // n_blocks
+        n_blocks = (n + size - 1) // size
+        block_scores = np.empty((size * group, scores.shape[0]), np.float32)
+        block_acc = np.empty((size * group, 64), np.float32)
+        block_totals = np.empty(size * group, np.float32)
+        rows = np.empty(scores.shape[0], np.int64)
+        for item in range(c, n_blocks * n_kv, chunks):
+            b, kvh = item // n_kv, item % n_kv
+            _rows_query_avx2(q, b * size, min(n, (b + 1) * size), kvh, group, k_store, v_store, table, first_block,
+                             key_start, window, q_positions, scale, softcap, block_scores, block_acc, rows,
+                             block_totals, out)
+        return
     if registers and group > 1 and n * n_kv >= min(chunks, 2):
         group_scores = np.empty((group, scores.shape[0]), np.float32)
         group_acc = np.empty((group, 64), np.float32)
