@@ -572,7 +572,39 @@ def _rows_query_avx2(q, i0, i1, kvh, group, k_store, v_store, table, first_block
             for r in range(nr):
                 s = starts[r]
                 a, b = max(j0, s), min(j1, his[r] + 1)
-                for g in range(group):
+                g2 = 0
+                if HAVE_AVX512 and wide:  # two heads at a time: eight independent chains of FMAs, not four
+                    while g2 + 2 <= group:
+                        rg = r * group + g2
+                        aa = address_of(acc) + rg * 256
+                        c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
+                        c2, c3 = loadu_ps_512(aa + 128), loadu_ps_512(aa + 192)
+                        e0, e1 = loadu_ps_512(aa + 256), loadu_ps_512(aa + 320)
+                        e2, e3 = loadu_ps_512(aa + 384), loadu_ps_512(aa + 448)
+                        for j in range(a, b):
+                            va = vaddr[j]
+                            v0, v1 = loadu_ps_512(va), loadu_ps_512(va + 64)
+                            v2, v3 = loadu_ps_512(va + 128), loadu_ps_512(va + 192)
+                            w = set1_ps_512(scores[rg, j - s])
+                            u = set1_ps_512(scores[rg + 1, j - s])
+                            c0 = fmadd_ps_512(w, v0, c0)
+                            c1 = fmadd_ps_512(w, v1, c1)
+                            c2 = fmadd_ps_512(w, v2, c2)
+                            c3 = fmadd_ps_512(w, v3, c3)
+                            e0 = fmadd_ps_512(u, v0, e0)
+                            e1 = fmadd_ps_512(u, v1, e1)
+                            e2 = fmadd_ps_512(u, v2, e2)
+                            e3 = fmadd_ps_512(u, v3, e3)
+                        storeu_ps_512(aa, c0)
+                        storeu_ps_512(aa + 64, c1)
+                        storeu_ps_512(aa + 128, c2)
+                        storeu_ps_512(aa + 192, c3)
+                        storeu_ps_512(aa + 256, e0)
+                        storeu_ps_512(aa + 320, e1)
+                        storeu_ps_512(aa + 384, e2)
+                        storeu_ps_512(aa + 448, e3)
+                        g2 += 2
+                for g in range(g2, group):
                     rg = r * group + g
                     aa = address_of(acc) + rg * 256
                     if HAVE_AVX512:  # the same 8-lane chains, two to a zmm
