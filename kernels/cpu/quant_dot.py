@@ -54,6 +54,9 @@ from localllm.kernels.cpu.simd import (
     dpbusd_epi32_512,
     zero_si512,
     keep_alive,
+    nibble_pair_512,
+    or_bit4_512,
+    storeu_si512,
     prefetch,
     add_adjacent_epi32_512,
     dpwssd_epi32_512,
@@ -779,9 +782,10 @@ _TILE_PASS_PAIRS = 16
 
 @njit(cache=True)
 def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-    """The 32-block formats on VNNI, for 2 or more x-rows: tiles of 4 weight rows x one x-row at a time,
-    two blocks per integer product, bitwise _rows_32_avx2's results (the same integer lanes, the same float steps
-    in each of the two lane sets, the same final sums).
+    """The 32-block formats on VNNI (_rows_32 says at how many x-rows): tiles of 4 weight rows x one x-row at a
+    time, two blocks per integer product, bitwise _rows_32_avx2's results (the same integer lanes, the same float
+    steps in each of the two lane sets, the same final sums). The 4- and 5-bit formats decode two blocks at a
+    time (nibble_pair_512, or_bit4_512): their nibbles (| the 5th bit) are the offset weights.
 
     Signed weights are stored offset to unsigned bytes (Q4_0 + 8, Q5_0 + 16, Q8_0 + 128) so one `vpdpbusd`
     takes them with no sign juggling; its accumulator starts at -offset * (the x-row's bytes summed in fours),
@@ -800,8 +804,8 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     wscale = np.empty((4, 8 * blocks), np.float32)  # each block's d in 8 lanes
     acc = np.zeros((n, 4, 16), np.float32)
     res = np.empty((n, r1 - r0), np.float32)
-    wmins = np.empty((4, blocks), np.float32)
-    summs = np.empty(n, np.float32)
+    wmins = np.empty((blocks, 4), np.float32)  # each block's m for the tile's rows side by side
+    summs = np.empty((n, 4), np.float32)
     sums_t = np.empty((blocks if has_min else 0, n), np.float32)  # xs transposed: the x-rows side by side
     for i in range(n if has_min else 0):
         for b in range(blocks):
@@ -816,7 +820,28 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     for r in range(r0, r1, 4):
         for j in range(4):  # rows past r1 repeat the last one (computed, not written)
             w = wbase + min(r + j, r1 - 1) * wstride
-            for b in range(blocks):
+            b0 = 0
+            if kind != KIND_Q8_0:  # two blocks at a time: the offset weights are their nibbles (| the 5th bits)
+                qs = 2 if kind == KIND_Q4_0 else 4 if kind == KIND_Q4_1 else 6 if kind == KIND_Q5_0 else 8
+                qh = 2 if kind == KIND_Q5_0 else 4
+                while b0 + 2 <= blocks:
+                    blk = w + block_bytes * b0
+                    blk2 = blk + block_bytes
+                    prefetch(blk + _PREFETCH_AHEAD)
+                    prefetch(blk2 + _PREFETCH_AHEAD)
+                    v2 = nibble_pair_512(blk + qs, blk2 + qs)
+                    if kind == KIND_Q5_0 or kind == KIND_Q5_1:
+                        v2 = or_bit4_512(v2, np.uint64(load_u32(blk + qh)) |
+                                         (np.uint64(load_u32(blk2 + qh)) << np.uint64(32)))
+                    storeu_si512(dbase + j * dstride + 32 * b0, v2)
+                    wd, wm = load_halves(blk)
+                    wd2, wm2 = load_halves(blk2)
+                    storeu_ps_512(sbase + j * sstride + 32 * b0, set2_ps_512(wd, wd2))
+                    if has_min:
+                        wmins[b0, j] = wm
+                        wmins[b0 + 1, j] = wm2
+                    b0 += 2
+            for b in range(b0, blocks):
                 blk = w + block_bytes * b
                 prefetch(blk + _PREFETCH_AHEAD)  # (a block is at most 34 bytes: one line each covers the rows)
                 v = _decode_32_avx2(blk, kind)
@@ -826,7 +851,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                 wd, wm = load_halves(blk)
                 storeu_ps(sbase + j * sstride + 32 * b, set1_ps(wd))
                 if has_min:
-                    wmins[j, b] = wm
+                    wmins[b, j] = wm
         for i in range(n * 4):
             storeu_ps_512(abase + 64 * i, setzero_ps_512())
         for p0 in range(0, pairs, _TILE_PASS_PAIRS):
@@ -855,14 +880,18 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                 storeu_ps_512(a + 64, a1)
                 storeu_ps_512(a + 128, a2)
                 storeu_ps_512(a + 192, a3)
+        if has_min:  # summs += m * s per block, in block order (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1): each
+            # (x-row, row) lane the scalar sequence, the tile's 4 rows side by side (a loop per row and x-row cost
+            # more than the products at 1-4 x-rows)
+            for i in range(n):
+                for j in range(4):
+                    summs[i, j] = _F0
+            for b in range(blocks):
+                for i in range(n):
+                    sb = sums_t[b, i]
+                    for j in range(4):
+                        summs[i, j] = summs[i, j] + wmins[b, j] * sb
         for j in range(min(4, r1 - r)):
-            if has_min:  # summs += m * s per block, in block order (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1), the
-                # x-rows side by side (each lane the scalar sequence)
-                summs[:] = _F0
-                for b in range(blocks):
-                    m = wmins[j, b]
-                    for i in range(n):
-                        summs[i] = summs[i] + m * sums_t[b, i]
             for i in range(n):
                 a = abase + 256 * i + 64 * j
                 even, odd = loadu_ps(a), loadu_ps(a + 32)
@@ -874,7 +903,7 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                     even = fmadd_ps(set1_ps(load_f32(sbase + j * sstride + 32 * b) * xd[i, b]), cvtepi32_ps(lanes),
                                     even)
                 total = hsum_float_8(add_ps(even, odd))
-                res[i, r - r0 + j] = total + summs[i] if has_min else total
+                res[i, r - r0 + j] = total + summs[i, j] if has_min else total
     for i in range(n):  # out's rows are far apart (a whole weight's width): written here, each in one run
         for r in range(r0, r1):
             out[i, r] = res[i, r - r0]
@@ -891,14 +920,17 @@ def _neg_offset_sums_256(yv, off):
 
 
 
-# The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits) from 2 x-rows: one Zen 5 core,
-# cold weights, G MAC/s at 1 / 2 / 3 x-rows, AVX2 against VNNI: Q5_0 4864x896 22 / 31 / 28 against 23 / 37 / 49,
-# Q8_0 18992x896 33 / 46 / 44 against 28 / 49 / 62 (one x-row stays on AVX2). A choice inside
-# _rows_32_avx512 that called _rows_32_avx2 crashed (both take `kind` as a literal); inlined here it does not.
+# The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits). One Zen 5 core, cold weights,
+# G MAC/s at 1 / 2 / 4 / 16 x-rows, AVX2 against VNNI: Q5_0 4864x896 22 / 31 / 41 / 51 against 30 / 44 / 72 / 80,
+# Q4_0 25 / 35 / 43 / 50 against 32 / 42 / 70 / 86, Q8_0 18992x896 34 / 47 / 51 / 48 against 30 / 41-49 / 67 /
+# 86 (3 x-rows: 43 against 53), Q4_1 1536x576 23 / 32 / 40 / 35 against 16 / 23 / 39 / 59 (the m * s sums cost
+# the VNNI kernel more at few x-rows). A choice inside _rows_32_avx512 that called _rows_32_avx2 crashed (both
+# take `kind` as a literal); inlined here it does not.
 if HAVE_AVX512_VNNI:
     @njit(cache=True, inline="always")
     def _rows_32(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-        if xd.shape[0] >= 2:
+        n = xd.shape[0]
+        if n >= 4 or kind == KIND_Q4_0 or kind == KIND_Q5_0 or (n >= 3 and kind == KIND_Q8_0):
             _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
         else:
             _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)

@@ -745,6 +745,58 @@ def loadu_si512(typingctx, address):
 
 
 @intrinsic(prefer_literal=True)
+def storeu_si512(typingctx, address, value):
+    """Store 64 bytes to any address (`_mm512_storeu_si512`)."""
+    if not isinstance(address, types.Integer) or value != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _ptr(builder, args[0], I64x8), align=1)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
+@intrinsic(prefer_literal=True)
+def nibble_pair_512(typingctx, a0, a1):
+    """Two blocks' 16 bytes of packed nibbles (at a0 and a1) as 64 bytes in [0, 15]: a0's low nibbles, a0's
+    high nibbles, then a1's (bytes_from_nibbles_32 of each, side by side): a 128-bit lane broadcast, a
+    variable 16-bit shift (0 or 4 per lane, vpsrlvw) and a mask."""
+    if not isinstance(a0, types.Integer) or not isinstance(a1, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8x16 = ir.VectorType(_I8, 16)
+        x = builder.load(_ptr(builder, args[0], i8x16), align=1)
+        y = builder.load(_ptr(builder, args[1], i8x16), align=1)
+        both = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+        spread = builder.shuffle_vector(both, ir.Constant(I8x32, ir.Undefined), ir.Constant(
+            ir.VectorType(_I32, 64), list(range(16)) * 2 + list(range(16, 32)) * 2))
+        shifts = ir.Constant(I16x32, ([0] * 8 + [4] * 8) * 2)
+        shifted = builder.lshr(builder.bitcast(spread, I16x32), shifts)
+        masked = builder.and_(builder.bitcast(shifted, I8x64), _splat(builder, ir.Constant(_I8, 0x0F), I8x64))
+        return builder.bitcast(masked, I64x8)
+
+    return m512i(a0, a1), codegen
+
+
+@intrinsic(prefer_literal=True)
+def or_bit4_512(typingctx, v, bits):
+    """v's bytes | 0x10 where bit i of the 64-bit `bits` is set (byte i): the 5th bit of two Q5_0/Q5_1 blocks
+    (vpmovm2b from a mask register, then and, or)."""
+    if v != m512i or not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = context.cast(builder, args[1], signature.args[1], types.uint64)
+        mask = builder.bitcast(b, ir.VectorType(ir.IntType(1), 64))
+        high = builder.select(mask, _splat(builder, ir.Constant(_I8, 0x10), I8x64), ir.Constant(I8x64, None))
+        return builder.bitcast(builder.or_(builder.bitcast(args[0], I8x64), high), I64x8)
+
+    return m512i(v, bits), codegen
+
+
+@intrinsic(prefer_literal=True)
 def concat_si256(typingctx, low, high):
     """One zmm of two ymm: `low` in bits 0-255, `high` in 256-511 (`_mm512_inserti64x4(castsi256, high, 1)`)."""
     if low != m256i or high != m256i:
