@@ -782,10 +782,11 @@ _TILE_PASS_PAIRS = 16
 
 @njit(cache=True)
 def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-    """The 32-block formats on VNNI (_rows_32 says at how many x-rows): tiles of 4 weight rows x one x-row at a
-    time, two blocks per integer product, bitwise _rows_32_avx2's results (the same integer lanes, the same float
-    steps in each of the two lane sets, the same final sums). The 4- and 5-bit formats decode two blocks at a
-    time (nibble_pair_512, or_bit4_512): their nibbles (| the 5th bit) are the offset weights.
+    """The 32-block formats on VNNI (_rows_32 says at how many x-rows): tiles of 4 weight rows x two x-rows at
+    a time (8 accumulators: each weight and scale load serves both x-rows; a last odd x-row alone), two blocks
+    per integer product, bitwise _rows_32_avx2's results (the same integer lanes, the same float steps in each
+    of the two lane sets, the same final sums). The 4- and 5-bit formats decode two blocks at a time
+    (nibble_pair_512, or_bit4_512): their nibbles (| the 5th bit) are the offset weights.
 
     Signed weights are stored offset to unsigned bytes (Q4_0 + 8, Q5_0 + 16, Q8_0 + 128) so one `vpdpbusd`
     takes them with no sign juggling; its accumulator starts at -offset * (the x-row's bytes summed in fours),
@@ -856,7 +857,41 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             storeu_ps_512(abase + 64 * i, setzero_ps_512())
         for p0 in range(0, pairs, _TILE_PASS_PAIRS):
             p1 = min(p0 + _TILE_PASS_PAIRS, pairs)
-            for i in range(n):
+            i0 = 0
+            while i0 + 2 <= n:  # two x-rows at a time: each weight and scale load serves both (8 accumulators)
+                y, y2 = ybase + i0 * ystride, ybase + (i0 + 1) * ystride
+                d, d2 = xdbase + 4 * i0 * blocks, xdbase + 4 * (i0 + 1) * blocks
+                a, e = abase + 256 * i0, abase + 256 * (i0 + 1)
+                a0, a1, a2, a3 = loadu_ps_512(a), loadu_ps_512(a + 64), loadu_ps_512(a + 128), loadu_ps_512(a + 192)
+                b0, b1, b2, b3 = loadu_ps_512(e), loadu_ps_512(e + 64), loadu_ps_512(e + 128), loadu_ps_512(e + 192)
+                for h in range(p0, p1):
+                    o = 64 * h
+                    yv, yw = loadu_si512(y + o), loadu_si512(y2 + o)
+                    cv = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yv)) if off else zero
+                    cw = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yw)) if off else zero
+                    dv, dw = pair_ps_512(d + 8 * h), pair_ps_512(d2 + 8 * h)
+                    w, sc = loadu_si512(dbase + o), loadu_ps_512(sbase + o)
+                    a0 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a0)
+                    b0 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b0)
+                    w, sc = loadu_si512(dbase + dstride + o), loadu_ps_512(sbase + sstride + o)
+                    a1 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a1)
+                    b1 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b1)
+                    w, sc = loadu_si512(dbase + 2 * dstride + o), loadu_ps_512(sbase + 2 * sstride + o)
+                    a2 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a2)
+                    b2 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b2)
+                    w, sc = loadu_si512(dbase + 3 * dstride + o), loadu_ps_512(sbase + 3 * sstride + o)
+                    a3 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a3)
+                    b3 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b3)
+                storeu_ps_512(a, a0)
+                storeu_ps_512(a + 64, a1)
+                storeu_ps_512(a + 128, a2)
+                storeu_ps_512(a + 192, a3)
+                storeu_ps_512(e, b0)
+                storeu_ps_512(e + 64, b1)
+                storeu_ps_512(e + 128, b2)
+                storeu_ps_512(e + 192, b3)
+                i0 += 2
+            for i in range(i0, n):
                 y = ybase + i * ystride
                 d = xdbase + 4 * i * blocks
                 a = abase + 256 * i
@@ -921,16 +956,16 @@ def _neg_offset_sums_256(yv, off):
 
 
 # The 32-block row kernel this CPU runs (the VNNI one gives the AVX2 one's bits). One Zen 5 core, cold weights,
-# G MAC/s at 1 / 2 / 4 / 16 x-rows, AVX2 against VNNI: Q5_0 4864x896 22 / 31 / 41 / 51 against 30 / 44 / 72 / 80,
-# Q4_0 25 / 35 / 43 / 50 against 32 / 42 / 70 / 86, Q8_0 18992x896 34 / 47 / 51 / 48 against 30 / 41-49 / 67 /
-# 86 (3 x-rows: 43 against 53), Q4_1 1536x576 23 / 32 / 40 / 35 against 16 / 23 / 39 / 59 (the m * s sums cost
-# the VNNI kernel more at few x-rows). A choice inside _rows_32_avx512 that called _rows_32_avx2 crashed (both
-# take `kind` as a literal); inlined here it does not.
+# G MAC/s at 1 / 2 / 4 / 8 / 16 x-rows, AVX2 against VNNI: Q5_0 4864x896 22 / 31 / 41 / 47 / 51 against
+# 30 / 50 / 74 / 92 / 106, Q8_0 18992x896 34 / 47 / 51 / 49 / 48 against 30 / 51 / 78 / 94 / 107, Q4_0 at 1 x-row
+# 25 against 32; Q4_1 1536x576 25 / 34 / 42 / - / 43 against 17 / 26 / 47 / - / 69 (the m * s sums cost the VNNI
+# kernel more at few x-rows). A choice inside _rows_32_avx512 that called _rows_32_avx2 crashed (both take `kind`
+# as a literal); inlined here it does not.
 if HAVE_AVX512_VNNI:
     @njit(cache=True, inline="always")
     def _rows_32(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
         n = xd.shape[0]
-        if n >= 4 or kind == KIND_Q4_0 or kind == KIND_Q5_0 or (n >= 3 and kind == KIND_Q8_0):
+        if n >= 4 or kind == KIND_Q4_0 or kind == KIND_Q5_0 or (n >= 2 and kind == KIND_Q8_0):
             _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
         else:
             _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
