@@ -351,6 +351,81 @@ def _scores_8(qa, rows, j, d, scale_v, out_address):
     storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
 
 
+@njit(cache=True, inline="always")
+def _finish_8(b0, b1, b2, b3, b4, b5, b6, b7, scale_v, out_address):
+    """_scores_8's last step: eight keys' zmm accumulators (two 8-lane halves each) to their scaled scores."""
+    sx = hsum_float_8x8(low_ps_256(b0), low_ps_256(b1), low_ps_256(b2), low_ps_256(b3), low_ps_256(b4),
+                        low_ps_256(b5), low_ps_256(b6), low_ps_256(b7))
+    sy = hsum_float_8x8(high_ps_256(b0), high_ps_256(b1), high_ps_256(b2), high_ps_256(b3), high_ps_256(b4),
+                        high_ps_256(b5), high_ps_256(b6), high_ps_256(b7))
+    storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
+
+
+@njit(cache=True)
+def _scores_8x2(qa, qb, rows, j, d, scale_v, out_a, out_b):
+    """_scores_8 (AVX-512) for two queries against the same eight keys: each key row loaded once serves both
+    (16 accumulators); every score goes through _scores_8's operations."""
+    k0, k1, k2, k3 = rows[j], rows[j + 1], rows[j + 2], rows[j + 3]
+    k4, k5, k6, k7 = rows[j + 4], rows[j + 5], rows[j + 6], rows[j + 7]
+    w = setzero_ps_512()
+    b0, b1, b2, b3, b4, b5, b6, b7 = w, w, w, w, w, w, w, w
+    c0, c1, c2, c3, c4, c5, c6, c7 = w, w, w, w, w, w, w, w
+    for t in range(0, d, 16):
+        qv, qw = loadu_ps_512(qa + 4 * t), loadu_ps_512(qb + 4 * t)
+        o = 4 * t
+        kv = loadu_ps_512(k0 + o)
+        b0, c0 = fmadd_ps_512(qv, kv, b0), fmadd_ps_512(qw, kv, c0)
+        kv = loadu_ps_512(k1 + o)
+        b1, c1 = fmadd_ps_512(qv, kv, b1), fmadd_ps_512(qw, kv, c1)
+        kv = loadu_ps_512(k2 + o)
+        b2, c2 = fmadd_ps_512(qv, kv, b2), fmadd_ps_512(qw, kv, c2)
+        kv = loadu_ps_512(k3 + o)
+        b3, c3 = fmadd_ps_512(qv, kv, b3), fmadd_ps_512(qw, kv, c3)
+        kv = loadu_ps_512(k4 + o)
+        b4, c4 = fmadd_ps_512(qv, kv, b4), fmadd_ps_512(qw, kv, c4)
+        kv = loadu_ps_512(k5 + o)
+        b5, c5 = fmadd_ps_512(qv, kv, b5), fmadd_ps_512(qw, kv, c5)
+        kv = loadu_ps_512(k6 + o)
+        b6, c6 = fmadd_ps_512(qv, kv, b6), fmadd_ps_512(qw, kv, c6)
+        kv = loadu_ps_512(k7 + o)
+        b7, c7 = fmadd_ps_512(qv, kv, b7), fmadd_ps_512(qw, kv, c7)
+    _finish_8(b0, b1, b2, b3, b4, b5, b6, b7, scale_v, out_a)
+    _finish_8(c0, c1, c2, c3, c4, c5, c6, c7, scale_v, out_b)
+
+
+@njit(cache=True, inline="always")
+def _weigh_values_2(aa, w_a, w_b, vaddr, a, b, s):
+    """Two heads' weighted sums of 64 values (their 8-lane chains at aa and aa + 256, two to a zmm, as the
+    one-head loops keep them) over keys a .. b-1, whose weights are w_a[j - s] and w_b[j - s]: eight independent
+    chains of FMAs where one head's four were bound by the FMA latency; each chain's operations unchanged."""
+    c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
+    c2, c3 = loadu_ps_512(aa + 128), loadu_ps_512(aa + 192)
+    e0, e1 = loadu_ps_512(aa + 256), loadu_ps_512(aa + 320)
+    e2, e3 = loadu_ps_512(aa + 384), loadu_ps_512(aa + 448)
+    for j in range(a, b):
+        va = vaddr[j]
+        v0, v1 = loadu_ps_512(va), loadu_ps_512(va + 64)
+        v2, v3 = loadu_ps_512(va + 128), loadu_ps_512(va + 192)
+        w = set1_ps_512(w_a[j - s])
+        u = set1_ps_512(w_b[j - s])
+        c0 = fmadd_ps_512(w, v0, c0)
+        c1 = fmadd_ps_512(w, v1, c1)
+        c2 = fmadd_ps_512(w, v2, c2)
+        c3 = fmadd_ps_512(w, v3, c3)
+        e0 = fmadd_ps_512(u, v0, e0)
+        e1 = fmadd_ps_512(u, v1, e1)
+        e2 = fmadd_ps_512(u, v2, e2)
+        e3 = fmadd_ps_512(u, v3, e3)
+    storeu_ps_512(aa, c0)
+    storeu_ps_512(aa + 64, c1)
+    storeu_ps_512(aa + 128, c2)
+    storeu_ps_512(aa + 192, c3)
+    storeu_ps_512(aa + 256, e0)
+    storeu_ps_512(aa + 320, e1)
+    storeu_ps_512(aa + 384, e2)
+    storeu_ps_512(aa + 448, e3)
+
+
 @njit(cache=True)
 def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, hi, scale, softcap, scores, acc,
                       rows, out):
@@ -381,6 +456,12 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
             qa = address_of(q) + (i * q.shape[1] + h0 + g) * d * 4
             sa = address_of(scores) + g * scores.shape[1] * 4
             j = j0
+            if HAVE_AVX512 and g % 2 == 0 and g + 1 < group and d % 16 == 0:  # (as _rows_query_avx2)
+                while j + 8 <= j1:
+                    _scores_8x2(qa, qa + d * 4, kaddr, j, d, scale_v, sa + 4 * j, sa + scores.shape[1] * 4 + 4 * j)
+                    j += 8
+            elif HAVE_AVX512 and g % 2 == 1 and d % 16 == 0:
+                j = j0 + (j1 - j0) // 8 * 8
             while j + 8 <= j1:
                 _scores_8(qa, kaddr, j, d, scale_v, sa + 4 * j)
                 j += 8
@@ -415,7 +496,12 @@ def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo
         acc[:, :] = 0.0
         for j0 in range(0, n_keys, v_tile):
             j1 = min(j0 + v_tile, n_keys)
-            for g in range(group):
+            g2 = 0
+            if HAVE_AVX512 and wide:  # two heads at a time (as _rows_query_avx2)
+                while g2 + 2 <= group:
+                    _weigh_values_2(address_of(acc) + g2 * 256, scores[g2], scores[g2 + 1], vaddr, j0, j1, 0)
+                    g2 += 2
+            for g in range(g2, group):
                 aa = address_of(acc) + g * 256
                 if HAVE_AVX512:  # the same 8-lane chains, two to a zmm
                     c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
@@ -534,6 +620,14 @@ def _rows_query_avx2(q, i0, i1, kvh, group, k_store, v_store, table, first_block
                 qa = address_of(q) + ((i0 + r) * q.shape[1] + h0 + g) * d * 4
                 sa = address_of(scores) + (r * group + g) * line - 4 * s  # row-relative: key s is score 0
                 j = a
+                if HAVE_AVX512 and g % 2 == 0 and g + 1 < group and d % 16 == 0:
+                    # heads g and g + 1 together on each eight keys; g + 1's tail keys in its own turn below
+                    qb, sb = qa + d * 4, sa + line
+                    while j + 8 <= b:
+                        _scores_8x2(qa, qb, kaddr, j, d, scale_v, sa + 4 * j, sb + 4 * j)
+                        j += 8
+                elif HAVE_AVX512 and g % 2 == 1 and d % 16 == 0:  # the keys head g - 1 took with it
+                    j = a + (b - a) // 8 * 8
                 while j + 8 <= b:
                     _scores_8(qa, kaddr, j, d, scale_v, sa + 4 * j)
                     j += 8
@@ -576,33 +670,7 @@ def _rows_query_avx2(q, i0, i1, kvh, group, k_store, v_store, table, first_block
                 if HAVE_AVX512 and wide:  # two heads at a time: eight independent chains of FMAs, not four
                     while g2 + 2 <= group:
                         rg = r * group + g2
-                        aa = address_of(acc) + rg * 256
-                        c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
-                        c2, c3 = loadu_ps_512(aa + 128), loadu_ps_512(aa + 192)
-                        e0, e1 = loadu_ps_512(aa + 256), loadu_ps_512(aa + 320)
-                        e2, e3 = loadu_ps_512(aa + 384), loadu_ps_512(aa + 448)
-                        for j in range(a, b):
-                            va = vaddr[j]
-                            v0, v1 = loadu_ps_512(va), loadu_ps_512(va + 64)
-                            v2, v3 = loadu_ps_512(va + 128), loadu_ps_512(va + 192)
-                            w = set1_ps_512(scores[rg, j - s])
-                            u = set1_ps_512(scores[rg + 1, j - s])
-                            c0 = fmadd_ps_512(w, v0, c0)
-                            c1 = fmadd_ps_512(w, v1, c1)
-                            c2 = fmadd_ps_512(w, v2, c2)
-                            c3 = fmadd_ps_512(w, v3, c3)
-                            e0 = fmadd_ps_512(u, v0, e0)
-                            e1 = fmadd_ps_512(u, v1, e1)
-                            e2 = fmadd_ps_512(u, v2, e2)
-                            e3 = fmadd_ps_512(u, v3, e3)
-                        storeu_ps_512(aa, c0)
-                        storeu_ps_512(aa + 64, c1)
-                        storeu_ps_512(aa + 128, c2)
-                        storeu_ps_512(aa + 192, c3)
-                        storeu_ps_512(aa + 256, e0)
-                        storeu_ps_512(aa + 320, e1)
-                        storeu_ps_512(aa + 384, e2)
-                        storeu_ps_512(aa + 448, e3)
+                        _weigh_values_2(address_of(acc) + rg * 256, scores[rg], scores[rg + 1], vaddr, a, b, s)
                         g2 += 2
                 for g in range(g2, group):
                     rg = r * group + g
