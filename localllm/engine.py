@@ -21,7 +21,6 @@ import numpy as np
 from localllm.architectures import for_context, load_model_config
 from localllm import backends
 from localllm.architectures.transformer import Transformer
-from localllm.chat_template import ChatTemplate
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import KV_TYPES, KVCache, KVPool
@@ -180,7 +179,7 @@ class Engine:
         # Every hyperparameter, tensor shape and type and the tokenizer's arrays, before any kernel sees them.
         self.config = load_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(meta)
-        self.template = ChatTemplate.from_metadata(meta, model_name=self.path.stem)
+        self._template = None  # built on first use (the `template` property)
         if kv_type not in device.kv_storage().kv_types:
             raise LocalLLMError(f"KV cache type {kv_type!r} is not available on {device.name} "
                                 f"(it has: {', '.join(device.kv_storage().kv_types)})")
@@ -231,6 +230,16 @@ class Engine:
         return self._draft_engines[key]
 
     # ---- building blocks -------------------------------------------------------------------------------
+
+    @property
+    def template(self):
+        """The model's chat template (localllm.chat_template.ChatTemplate), made on first use: importing jinja2
+        took 13 ms of the 0.5 s a warm `localllm run` of smollm2 needs to its first token, which renders none."""
+        if self._template is None:
+            from localllm.chat_template import ChatTemplate
+
+            self._template = ChatTemplate.from_metadata(self.gguf.metadata, model_name=self.path.stem)
+        return self._template
 
     def new_sequence(self) -> Sequence:
         return Sequence(self.kv_pool.new_cache(self.ctx))
