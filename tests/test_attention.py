@@ -107,9 +107,10 @@ def test_softmax_exponential_is_within_a_few_ulp_of_libm():
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (100, 0.0), (100, 0.5)])
 def test_row_block_group_and_per_head_items_agree_bit_for_bit(window, softcap):
     """Several query rows (prompt chunks, speculative verifies) take (row block, KV head) items, reading each
-    tile of keys once for all the block's rows and heads; one row (decode) takes (query, KV head) items, or
-    (query, head) items where one KV head would leave a thread idle. A token's output must not depend on which:
-    all agree to the bit, with gemma2's soft-capped scores too (a cap of 0.5 changes every score of these unit-variance queries)."""
+    tile of keys once for all the block's rows and heads; one row (decode) takes (its one-row block, KV head)
+    items, or (query, head) items where one KV head would leave a thread idle. A token's output must not depend
+    on which: all agree to the bit, with gemma2's soft-capped scores too (a cap of 0.5 changes every score of
+    these unit-variance queries)."""
     from localllm.kernels.cpu import attention as kernel
 
     if not kernel.HAVE_AVX2:

@@ -426,143 +426,6 @@ def _weigh_values_2(aa, w_a, w_b, vaddr, a, b, s):
     storeu_ps_512(aa + 448, e3)
 
 
-@njit(cache=True)
-def _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, hi, scale, softcap, scores, acc,
-                      rows, out):
-    """_one_query_avx2 for every query head that reads KV head kvh (a grouped-query group), faster where many
-    queries are attended at once (prompt chunks over a long context took 2.2x llama.cpp's time before this):
-    eight keys' dot products at a time, their sums added up in vector registers; the weighted sum of values
-    in eight chains of FMAs instead of four; the softmax's serial sums of the group's heads interleaved; keys
-    and values read in tiles that stay in L1 while each head of the group uses them.
-
-    Each score and each output lane goes through exactly the operations _one_query_avx2 performs, in the same
-    order (a lane's accumulator waits in `acc` between tiles), so the two give bitwise the same output."""
-    d = q.shape[2]
-    dv = v_store.shape[2]
-    n_keys = hi - lo + 1
-    h0 = kvh * group
-    k_row = k_store.shape[2] * 4
-    ka0 = address_of(k_store) + kvh * k_store.shape[1] * k_row
-    v_row = dv * 4
-    va0 = address_of(v_store) + kvh * v_store.shape[1] * v_row
-    for j in range(n_keys):  # rows[j]: key j's column in the cache (K and V share the block table)
-        rows[j] = _column(table, first_block, lo + j)
-    scale_v = set1_ps(scale)
-    k_tile = max(BLOCK, TILE_BYTES // k_row) // 8 * 8
-    kaddr = rows[:n_keys] * k_row + ka0
-    for j0 in range(0, n_keys, k_tile):
-        j1 = min(j0 + k_tile, n_keys)
-        for g in range(group):
-            qa = address_of(q) + (i * q.shape[1] + h0 + g) * d * 4
-            sa = address_of(scores) + g * scores.shape[1] * 4
-            j = j0
-            if HAVE_AVX512 and g % 2 == 0 and g + 1 < group and d % 16 == 0:  # (as _rows_query_avx2)
-                while j + 8 <= j1:
-                    _scores_8x2(qa, qa + d * 4, kaddr, j, d, scale_v, sa + 4 * j, sa + scores.shape[1] * 4 + 4 * j)
-                    j += 8
-            elif HAVE_AVX512 and g % 2 == 1 and d % 16 == 0:
-                j = j0 + (j1 - j0) // 8 * 8
-            while j + 8 <= j1:
-                _scores_8(qa, kaddr, j, d, scale_v, sa + 4 * j)
-                j += 8
-            while j < j1:
-                scores[g, j] = _dot_scaled(qa, kaddr[j], d, scale)
-                j += 1
-    # The softmax as _softmax_weights computes it for each head (its maximum is exact whatever the order; its
-    # exponentials are independent; each head's sum runs in key order, the heads' sums side by side).
-    totals = np.zeros(group, np.float32)
-    for g in range(group):
-        m = -np.inf
-        if softcap > 0:
-            m = _soft_cap(scores[g], n_keys, softcap)
-        else:
-            m = max(m, scores[g, :n_keys].max())
-        sa = address_of(scores) + g * scores.shape[1] * 4
-        j = 0
-        while j + 8 <= n_keys:
-            storeu_ps(sa + 4 * j, exp_nonpositive_8(loadu_ps(sa + 4 * j), m))
-            j += 8
-        while j < n_keys:
-            scores[g, j] = _exp_nonpositive(scores[g, j] - m)
-            j += 1
-    for j in range(n_keys):
-        for g in range(group):
-            totals[g] += scores[g, j]
-    v_tile = max(BLOCK, TILE_BYTES // 256)  # 64 values of each row per pass
-    zero = setzero_ps()
-    for t in range(0, dv, 64):
-        wide = t + 64 <= dv  # eight chains (64 values), or four for a last 32
-        vaddr = rows[:n_keys] * v_row + (va0 + 4 * t)
-        acc[:, :] = 0.0
-        for j0 in range(0, n_keys, v_tile):
-            j1 = min(j0 + v_tile, n_keys)
-            g2 = 0
-            if HAVE_AVX512 and wide:  # two heads at a time (as _rows_query_avx2)
-                while g2 + 2 <= group:
-                    _weigh_values_2(address_of(acc) + g2 * 256, scores[g2], scores[g2 + 1], vaddr, j0, j1, 0)
-                    g2 += 2
-            for g in range(g2, group):
-                aa = address_of(acc) + g * 256
-                if HAVE_AVX512:  # the same 8-lane chains, two to a zmm
-                    c0, c1 = loadu_ps_512(aa), loadu_ps_512(aa + 64)
-                    if wide:
-                        c2, c3 = loadu_ps_512(aa + 128), loadu_ps_512(aa + 192)
-                        for j in range(j0, j1):
-                            va = vaddr[j]
-                            w = set1_ps_512(scores[g, j])
-                            c0 = fmadd_ps_512(w, loadu_ps_512(va), c0)
-                            c1 = fmadd_ps_512(w, loadu_ps_512(va + 64), c1)
-                            c2 = fmadd_ps_512(w, loadu_ps_512(va + 128), c2)
-                            c3 = fmadd_ps_512(w, loadu_ps_512(va + 192), c3)
-                        storeu_ps_512(aa + 128, c2)
-                        storeu_ps_512(aa + 192, c3)
-                    else:
-                        for j in range(j0, j1):
-                            va = vaddr[j]
-                            w = set1_ps_512(scores[g, j])
-                            c0 = fmadd_ps_512(w, loadu_ps_512(va), c0)
-                            c1 = fmadd_ps_512(w, loadu_ps_512(va + 64), c1)
-                    storeu_ps_512(aa, c0)
-                    storeu_ps_512(aa + 64, c1)
-                    continue
-                a0, a1, a2, a3 = loadu_ps(aa), loadu_ps(aa + 32), loadu_ps(aa + 64), loadu_ps(aa + 96)
-                if wide:
-                    a4, a5, a6, a7 = loadu_ps(aa + 128), loadu_ps(aa + 160), loadu_ps(aa + 192), loadu_ps(aa + 224)
-                    for j in range(j0, j1):
-                        va = vaddr[j]
-                        w = set1_ps(scores[g, j])
-                        a0 = fmadd_ps(w, loadu_ps(va), a0)
-                        a1 = fmadd_ps(w, loadu_ps(va + 32), a1)
-                        a2 = fmadd_ps(w, loadu_ps(va + 64), a2)
-                        a3 = fmadd_ps(w, loadu_ps(va + 96), a3)
-                        a4 = fmadd_ps(w, loadu_ps(va + 128), a4)
-                        a5 = fmadd_ps(w, loadu_ps(va + 160), a5)
-                        a6 = fmadd_ps(w, loadu_ps(va + 192), a6)
-                        a7 = fmadd_ps(w, loadu_ps(va + 224), a7)
-                    storeu_ps(aa + 128, a4)
-                    storeu_ps(aa + 160, a5)
-                    storeu_ps(aa + 192, a6)
-                    storeu_ps(aa + 224, a7)
-                else:
-                    for j in range(j0, j1):
-                        va = vaddr[j]
-                        w = set1_ps(scores[g, j])
-                        a0 = fmadd_ps(w, loadu_ps(va), a0)
-                        a1 = fmadd_ps(w, loadu_ps(va + 32), a1)
-                        a2 = fmadd_ps(w, loadu_ps(va + 64), a2)
-                        a3 = fmadd_ps(w, loadu_ps(va + 96), a3)
-                storeu_ps(aa, a0)
-                storeu_ps(aa + 32, a1)
-                storeu_ps(aa + 64, a2)
-                storeu_ps(aa + 96, a3)
-        for g in range(group):
-            aa = address_of(acc) + g * 256
-            inv = set1_ps(np.float32(1.0) / totals[g])
-            oa = address_of(out) + (i * out.shape[1] + (h0 + g) * dv + t) * 4
-            for u in range(0, 64 if wide else 32, 8):
-                storeu_ps(oa + 4 * u, fmadd_ps(loadu_ps(aa + 4 * u), inv, zero))
-
-
 # Query rows that one item of _attend_items takes at once (a speculative verify, a prompt chunk), at most, and
 # the most bytes their scores may take (with a long context, fewer rows: the scores stay in L2).
 ROWS_PER_ITEM = 8
@@ -572,14 +435,18 @@ ROW_SCORES_BYTES = 512 * 1024
 @njit(cache=True)
 def _rows_query_avx2(q, i0, i1, kvh, group, k_store, v_store, table, first_block, key_start, window, q_positions,
                      scale, softcap, scores, acc, rows, totals, out):
-    """_group_query_avx2 for the query rows i0 .. i1-1 at once: each tile of keys (then of values) is read once
-    for every row's heads of the group while it is in L1, where one row at a time read the KV head's whole cache
-    again for each row (qwen2.5-coder-1.5b, a 9-token speculative verify after 1,100 tokens: each layer's KV
-    heads, 1.1 MB each, came from L3 nine times). `scores` holds (rows x group) lines, `acc` as many 64-lane
-    accumulators.
+    """_one_query_avx2 for every query head that reads KV head kvh (a grouped-query group), for the query rows
+    i0 .. i1-1 at once: eight keys' dot products at a time (on AVX-512 two heads share each key row loaded), their
+    sums added up in vector registers; the weighted sums of values in eight chains of FMAs; the softmax's serial
+    sums of the heads side by side; keys and values read in tiles that stay in L1 while every row's heads of the
+    group use them. Prompt chunks over a long context took 2.2x llama.cpp's time with one head at a time, and a
+    9-token speculative verify after 1,100 tokens (qwen2.5-coder-1.5b) re-read each layer's KV heads, 1.1 MB
+    each, from L3 nine times with one row at a time. `scores` holds (rows x group) lines, `acc` as many 64-lane
+    accumulators, `totals` their sums.
 
-    Row r attends its own keys (causal, and the window), and each (row, head) goes through exactly the
-    operations _group_query_avx2 performs for it, in the same order: bitwise the same output."""
+    Row r attends its own keys (causal, and the window), and each score and each output lane goes through
+    exactly the operations _one_query_avx2 performs for it, in the same order (a lane's accumulator waits in
+    `acc` between tiles): bitwise the same output."""
     d = q.shape[2]
     dv = v_store.shape[2]
     nr = i1 - i0
@@ -743,15 +610,15 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
                   window, scale, softcap, out, scores, acc):
     """Work share c of `chunks`: the (query, head) items c, c + chunks, ... (interleaved, because causal rows
     grow longer with the query index and contiguous ranges would unbalance the threads). With AVX2 registers
-    and at least two of them (two threads' worth), the items are (query, KV head) pairs instead, each head of
-    the group computed as alone (_group_query_avx2): same output, bit for bit."""
+    and at least two of them (two threads' worth), the items are (row block, KV head) pairs instead, each head of
+    each row computed as alone (_rows_query_avx2): same output, bit for bit."""
     n, n_head, d = q.shape
     n_kv = k_store.shape[0]
     group = n_head // n_kv
     registers = HAVE_AVX2 and k_scale.shape[2] == 0 and d % 32 == 0 and v_store.shape[2] % 32 == 0
-    if registers and group > 1 and n > 1:
+    if registers and group > 1 and n * n_kv >= min(chunks, 2):
         # Items (row block, KV head): blocks of up to ROWS_PER_ITEM rows, at least as many items as work shares
-        # while rows last, and rows whose scores fit ROW_SCORES_BYTES
+        # while rows last, and rows whose scores fit ROW_SCORES_BYTES (one row: its KV heads)
         size = min(ROWS_PER_ITEM, max(1, ROW_SCORES_BYTES // (group * scores.shape[0] * 4)))
         n_blocks = max((n + size - 1) // size, min(n, (chunks + n_kv - 1) // n_kv))
         size = (n + n_blocks - 1) // n_blocks
@@ -765,19 +632,6 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
             _rows_query_avx2(q, b * size, min(n, (b + 1) * size), kvh, group, k_store, v_store, table, first_block,
                              key_start, window, q_positions, scale, softcap, block_scores, block_acc, rows,
                              block_totals, out)
-        return
-    if registers and group > 1 and n * n_kv >= min(chunks, 2):
-        group_scores = np.empty((group, scores.shape[0]), np.float32)
-        group_acc = np.empty((group, 64), np.float32)
-        rows = np.empty(scores.shape[0], np.int64)
-        for item in range(c, n * n_kv, chunks):
-            i, kvh = item // n_kv, item % n_kv
-            p = q_positions[i]
-            lo = key_start
-            if window > 0:
-                lo = max(lo, p - window + 1)
-            _group_query_avx2(q, i, kvh, group, k_store, v_store, table, first_block, lo, p, scale, softcap,
-                              group_scores, group_acc, rows, out)
         return
     for item in range(c, n * n_head, chunks):
         i, h = item // n_head, item % n_head
