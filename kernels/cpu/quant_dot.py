@@ -28,9 +28,9 @@ before the final sum (ggml has one set: two sets let the VNNI kernel run two blo
 _group_32_avx2); C compilers may contract the scalar `summs += m * s` of Q4_1/Q5_1/Q5_K into an fma where we round
 the product; and llama.cpp itself may route Q4_0/Q4_K through repacked "x8" kernels with another summation order.
 On CPUs with AVX-512 (and VNNI) the kernels run the same arithmetic on zmm: tiles of 4 weight rows for the
-32-block formats from 2 x-rows (_rows_32_avx512), weight-row pairs whose float steps share a register for the
-K-quants; their results are the AVX2 kernels' bits (tests/test_kernels.py). The kernels that stream several
-weight rows at once prefetch them in software (_PREFETCH_AHEAD).
+32-block formats (_rows_32_avx512, at the x-row counts _rows_32 gives it), weight-row pairs whose float steps
+share a register for the K-quants; their results are the AVX2 kernels' bits (tests/test_kernels.py). The kernels
+that stream several weight rows at once prefetch them in software (_PREFETCH_AHEAD).
 """
 
 from __future__ import annotations
@@ -821,12 +821,12 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     for r in range(r0, r1, 4):
         for j in range(4):  # rows past r1 repeat the last one (computed, not written)
             w = wbase + min(r + j, r1 - 1) * wstride
-            b0 = 0
+            bp = 0
             if kind != KIND_Q8_0:  # two blocks at a time: the offset weights are their nibbles (| the 5th bits)
                 qs = 2 if kind == KIND_Q4_0 else 4 if kind == KIND_Q4_1 else 6 if kind == KIND_Q5_0 else 8
                 qh = 2 if kind == KIND_Q5_0 else 4
-                while b0 + 2 <= blocks:
-                    blk = w + block_bytes * b0
+                while bp + 2 <= blocks:
+                    blk = w + block_bytes * bp
                     blk2 = blk + block_bytes
                     prefetch(blk + _PREFETCH_AHEAD)
                     prefetch(blk2 + _PREFETCH_AHEAD)
@@ -834,15 +834,15 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                     if kind == KIND_Q5_0 or kind == KIND_Q5_1:
                         v2 = or_bit4_512(v2, np.uint64(load_u32(blk + qh)) |
                                          (np.uint64(load_u32(blk2 + qh)) << np.uint64(32)))
-                    storeu_si512(dbase + j * dstride + 32 * b0, v2)
+                    storeu_si512(dbase + j * dstride + 32 * bp, v2)
                     wd, wm = load_halves(blk)
                     wd2, wm2 = load_halves(blk2)
-                    storeu_ps_512(sbase + j * sstride + 32 * b0, set2_ps_512(wd, wd2))
+                    storeu_ps_512(sbase + j * sstride + 32 * bp, set2_ps_512(wd, wd2))
                     if has_min:
-                        wmins[b0, j] = wm
-                        wmins[b0 + 1, j] = wm2
-                    b0 += 2
-            for b in range(b0, blocks):
+                        wmins[bp, j] = wm
+                        wmins[bp + 1, j] = wm2
+                    bp += 2
+            for b in range(bp, blocks):
                 blk = w + block_bytes * b
                 prefetch(blk + _PREFETCH_AHEAD)  # (a block is at most 34 bytes: one line each covers the rows)
                 v = _decode_32_avx2(blk, kind)
