@@ -296,6 +296,16 @@ def _dot_scaled(qa, ka, d, scale):
     return (hsum_float_8(a0) + hsum_float_8(a1)) * scale
 
 
+@njit(cache=True, inline="always")
+def _finish_8(b0, b1, b2, b3, b4, b5, b6, b7, scale_v, out_address):
+    """_scores_8's last step: eight keys' zmm accumulators (two 8-lane halves each) to their scaled scores."""
+    sx = hsum_float_8x8(low_ps_256(b0), low_ps_256(b1), low_ps_256(b2), low_ps_256(b3), low_ps_256(b4),
+                        low_ps_256(b5), low_ps_256(b6), low_ps_256(b7))
+    sy = hsum_float_8x8(high_ps_256(b0), high_ps_256(b1), high_ps_256(b2), high_ps_256(b3), high_ps_256(b4),
+                        high_ps_256(b5), high_ps_256(b6), high_ps_256(b7))
+    storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
+
+
 @njit(cache=True)
 def _scores_8(qa, rows, j, d, scale_v, out_address):
     """The scores of the keys whose rows are at addresses rows[j .. j + 7], as _dot_scaled computes each: the
@@ -317,11 +327,7 @@ def _scores_8(qa, rows, j, d, scale_v, out_address):
             b5 = fmadd_ps_512(qv, loadu_ps_512(k5 + o), b5)
             b6 = fmadd_ps_512(qv, loadu_ps_512(k6 + o), b6)
             b7 = fmadd_ps_512(qv, loadu_ps_512(k7 + o), b7)
-        sx = hsum_float_8x8(low_ps_256(b0), low_ps_256(b1), low_ps_256(b2), low_ps_256(b3), low_ps_256(b4),
-                            low_ps_256(b5), low_ps_256(b6), low_ps_256(b7))
-        sy = hsum_float_8x8(high_ps_256(b0), high_ps_256(b1), high_ps_256(b2), high_ps_256(b3), high_ps_256(b4),
-                            high_ps_256(b5), high_ps_256(b6), high_ps_256(b7))
-        storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
+        _finish_8(b0, b1, b2, b3, b4, b5, b6, b7, scale_v, out_address)
         return
     z = setzero_ps()
     x0, x1, x2, x3, x4, x5, x6, x7 = z, z, z, z, z, z, z, z
@@ -348,16 +354,6 @@ def _scores_8(qa, rows, j, d, scale_v, out_address):
         y7 = fmadd_ps(qy, loadu_ps(k7 + o + 32), y7)
     sx = hsum_float_8x8(x0, x1, x2, x3, x4, x5, x6, x7)
     sy = hsum_float_8x8(y0, y1, y2, y3, y4, y5, y6, y7)
-    storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
-
-
-@njit(cache=True, inline="always")
-def _finish_8(b0, b1, b2, b3, b4, b5, b6, b7, scale_v, out_address):
-    """_scores_8's last step: eight keys' zmm accumulators (two 8-lane halves each) to their scaled scores."""
-    sx = hsum_float_8x8(low_ps_256(b0), low_ps_256(b1), low_ps_256(b2), low_ps_256(b3), low_ps_256(b4),
-                        low_ps_256(b5), low_ps_256(b6), low_ps_256(b7))
-    sy = hsum_float_8x8(high_ps_256(b0), high_ps_256(b1), high_ps_256(b2), high_ps_256(b3), high_ps_256(b4),
-                        high_ps_256(b5), high_ps_256(b6), high_ps_256(b7))
     storeu_ps(out_address, mul_ps(add_ps(sx, sy), scale_v))
 
 
