@@ -286,6 +286,11 @@ INTEL_CPU_PLATFORM = "Intel(R) OpenCL"  # Intel's CPU runtime (its GPU driver's 
 
 
 def build_options(dev: Device) -> tuple[str, ...]:
+    """formats.cl's build options on a device (_build_options), computed once per setting of its switches."""
+    return dev.options("formats", _build_options)
+
+
+def _build_options(dev: Device) -> tuple[str, ...]:
     """The options formats.cl is built with on a device: the shapes' constants, and the device's capability
     macros (Capabilities.build_options, its -cl-std in place of CL1.2) of the optional paths formats.cl has;
     the floor's alone where the device has none of them, or with `dev.optional_paths` off."""

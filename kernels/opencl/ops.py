@@ -39,6 +39,11 @@ def source() -> str:
 
 
 def build_options(dev: Device) -> tuple[str, ...]:
+    """ops.cl's build options on a device (_build_options), computed once per setting of its switches."""
+    return dev.options("ops", _build_options)
+
+
+def _build_options(dev: Device) -> tuple[str, ...]:
     """ops.cl's constants and the device's capability macros (formats.capability_options: the same sub-group
     rule as the weight kernels'), -cl-std=CL1.2 where it has none."""
     return tuple(o for o in _OPTIONS if not o.startswith("-cl-std")) + _formats.capability_options(dev)
