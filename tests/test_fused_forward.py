@@ -269,6 +269,45 @@ print(sum(m._one_task.stats.cache_misses.values()), m._one_task(__import__("nump
     assert out.stdout.split() == ["0", "True"]  # nothing compiled here, and it runs
 
 
+def test_a_cached_kernel_loads_without_parsing_its_bitcode_and_still_links_into_new_code(tmp_path):
+    # kernels/cpu/__init__.py: a kernel of ours loaded from the cache takes the names it defines from its ELF
+    # object's symbol table, the same names Numba reads from its bitcode, which is parsed only when new code
+    # links to the kernel.
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import pickle, numba, numpy as np
+import llvmlite.binding as ll
+from pathlib import Path
+from numba import types
+from localllm.kernels import cpu
+from localllm.kernels.cpu import fused_forward as m
+argtypes = (types.Array(types.int64, 1, "C"), types.int64)
+assert m._compile_in_child("_one_task", argtypes).wait(timeout=120) == 0
+files = list(Path(cpu.kernel_cache_dir()).rglob("fused_forward._one_task-*.nbc"))
+assert files
+for nbc in files:
+    name, kind, (obj, bitcode) = pickle.loads(nbc.read_bytes())[0]
+    mod = ll.parse_bitcode(bitcode)
+    defined = {g.name for gs in (mod.functions, mod.global_variables) for g in gs if not g.is_declaration}
+    assert kind == "object" and len(defined) > 1 and cpu.elf_defined_symbols(obj) == defined
+assert m._load_cached(m._one_task, argtypes)
+lib = m._one_task.overloads[argtypes].library
+assert type(lib) is cpu._LazyLinkingLibrary and "_shared_bitcode" in vars(lib)
+@numba.njit
+def caller(a, i):
+    return m._one_task(a, i)
+print(caller(np.zeros(4, np.int64), 0), m._one_task(np.zeros(4, np.int64), 0), "_shared_bitcode" in vars(lib))
+"""
+    env = dict(os.environ, LOCALLLM_CACHE=str(tmp_path))
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False"]  # runs when linked into new code, which parsed it
+
+
 def test_a_function_called_by_address_gets_its_arguments_and_other_types_are_refused_at_compile_time():
     # kernels/cpu/by_address.py: the fused forward's worker and products are called this way
     from numba import types
