@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as _gguf_quants
 
 from localllm.errors import ModelFileError
+from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _T = GGMLQuantizationType
 _F16 = np.dtype("<f2")
@@ -65,23 +64,29 @@ class QuantFormat:
         return raw.view(self.block_dtype)
 
 
+# The formats gguf-py quantizes (the float and legacy ones; it lists the k-quants but raises NotImplementedError):
+# stated here rather than probed at import, which would import all of gguf-py on a model's warm start
+# (localllm/gguf_constants.py); tests/test_kernels.py checks the set against gguf-py's behaviour.
+REFERENCE_QUANTIZE = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0})
+
+
 def _reference_dequantize(qtype: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray]:
     def dequantize(raw: np.ndarray) -> np.ndarray:
-        return np.asarray(_gguf_quants.dequantize(np.asarray(raw, dtype=np.uint8), qtype), dtype=np.float32)
+        from gguf import quants
+
+        return np.asarray(quants.dequantize(np.asarray(raw, dtype=np.uint8), qtype), dtype=np.float32)
 
     return dequantize
 
 
 def _reference_quantize(qtype: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray] | None:
-    if qtype not in (_T.F32, _T.F16) and qtype not in _gguf_quants._type_traits:
-        return None
-    try:  # gguf-py lists every format but implements quantization for the float and legacy ones only
-        _gguf_quants.quantize(np.zeros((1, GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
-    except NotImplementedError:
+    if qtype not in REFERENCE_QUANTIZE:
         return None
 
     def quantize(x: np.ndarray) -> np.ndarray:
-        out = np.asarray(_gguf_quants.quantize(np.asarray(x, dtype=np.float32), qtype))
+        from gguf import quants
+
+        out = np.asarray(quants.quantize(np.asarray(x, dtype=np.float32), qtype))
         return np.ascontiguousarray(out).view(np.uint8).reshape(out.shape[0], -1)
 
     return quantize

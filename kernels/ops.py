@@ -25,7 +25,7 @@ import threading
 
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType
+from localllm.gguf_constants import GGMLQuantizationType
 
 from localllm.kernels.cpu import attention as _attention
 from localllm.kernels.cpu import runtime as _runtime

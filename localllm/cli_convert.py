@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -38,6 +37,8 @@ def resolve_source(src: str, quiet: bool) -> Path:
 def cmd_convert(args) -> int:
     from localllm.convert import QUANTIZE_MIXES, convert, plan_conversion
     from localllm.convert.converter import default_output, summarise
+
+    import logging  # here: 7 ms that other commands' start-up does not need
 
     logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf-py's notes on keys overwritten, as llama.cpp's are
     out_type = (args.type or "auto").lower()
@@ -99,7 +100,7 @@ def cmd_convert(args) -> int:
 
 
 def add_commands(sub) -> None:
-    from localllm.convert import TYPE_CHOICES
+    from localllm.type_names import CONVERT_TYPE_CHOICES as TYPE_CHOICES
 
     p = sub.add_parser(
         "convert", help="convert a Hugging Face checkpoint (safetensors) to GGUF",

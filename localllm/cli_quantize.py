@@ -61,7 +61,7 @@ def cmd_quantize(args) -> int:
 
 
 def add_commands(sub) -> None:
-    from localllm.quantize import ALIASES, FILE_TYPES, TENSOR_TYPES
+    from localllm.type_names import ALIASES, FILE_TYPE_NAMES, TENSOR_TYPES
 
     p = sub.add_parser(
         "quantize", help="quantize a GGUF file (F32/F16/BF16 -> Q4_K_M, Q8_0, ...), as llama-quantize does",
@@ -72,7 +72,7 @@ def add_commands(sub) -> None:
     p.add_argument("input", metavar="IN.gguf", help="the model to quantize (best: its F32, F16 or BF16 file)")
     p.add_argument("output", metavar="OUT.gguf", help="the file to write")
     p.add_argument("type", metavar="TYPE",
-                   help=f"one of {', '.join(FILE_TYPES)} ({', '.join(f'{a} = {b}' for a, b in ALIASES.items())})")
+                   help=f"one of {', '.join(FILE_TYPE_NAMES)} ({', '.join(f'{a} = {b}' for a, b in ALIASES.items())})")
     p.add_argument("--pure", action="store_true",
                    help="every quantizable tensor gets TYPE's base type (no mix rules; fallbacks still apply)")
     p.add_argument("--output-tensor-type", metavar="T", help=f"type of output.weight ({', '.join(TENSOR_TYPES)})")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from localllm.errors import ModelFileError
 

@@ -31,6 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile, _Cursor
+from localllm.type_names import ALIASES, TENSOR_TYPES  # noqa: F401 (re-exported)
 
 T = GGMLQuantizationType
 GGML_QNT_VERSION = 2
@@ -72,8 +73,6 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q6_K", 18, T.Q6_K),
     )
 }
-ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def file_type(name: str) -> FileType:

@@ -81,3 +81,28 @@ def test_out_of_range_counts_are_usage_errors_not_tracebacks(capsys):
         assert exit_.value.code == 2 and message in err, (args, err)
     with pytest.raises(LocalLLMError, match="-c must be at least 3"):  # the library call refuses it too
         perplexity(None, "some text", n_ctx=2)
+
+
+def test_the_command_lines_type_names_are_the_quantizer_and_converter_tables():
+    # localllm/type_names.py keeps the parser off localllm.quantize and localllm.convert
+    from localllm import convert, quantize, type_names
+
+    assert tuple(quantize.FILE_TYPES) == type_names.FILE_TYPE_NAMES
+    assert all(quantize.ALIASES[a] in quantize.FILE_TYPES for a in quantize.ALIASES)
+    assert tuple(convert.OUTPUT_TYPES) == type_names.CONVERT_OUTPUT_TYPES
+    assert convert.TYPE_CHOICES == ("auto", *convert.OUTPUT_TYPES, *convert.QUANTIZE_MIXES)
+
+
+def test_the_argument_parser_imports_neither_the_quantizer_nor_the_converter():
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from localllm import cli
+cli.build_parser()
+print(sorted(m for m in ("localllm.quantize", "localllm.convert", "gguf", "yaml", "jinja2") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

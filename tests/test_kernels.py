@@ -116,6 +116,42 @@ def test_reference_quantize_matches_the_cpu_quantizer(qtype):
     assert np.array_equal(FORMATS[qtype].quantize(x), out)
 
 
+def test_the_reference_quantizers_are_the_formats_gguf_py_quantizes():
+    from gguf import quants
+
+    from localllm.kernels.formats import REFERENCE_QUANTIZE
+
+    def gguf_quantizes(qtype):
+        try:
+            quants.quantize(np.zeros((1, FORMATS[qtype].block_size), np.float32), qtype)
+        except NotImplementedError:
+            return False
+        return True
+
+    assert REFERENCE_QUANTIZE == {q for q in FORMATS if gguf_quantizes(q)}
+    assert {q for q in FORMATS if FORMATS[q].quantize is not None} == REFERENCE_QUANTIZE
+
+
+def test_model_loading_imports_gguf_py_constants_alone_and_a_later_import_gguf_shares_them():
+    # localllm/gguf_constants.py: gguf-py's package (its writer, quantizers, PyYAML) stays out of a warm start
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from localllm.gguf_file import GGUFFile
+from localllm.kernels import formats
+assert "gguf.constants" in sys.modules and "gguf" not in sys.modules and "yaml" not in sys.modules
+import gguf
+from localllm.gguf_constants import GGMLQuantizationType
+assert gguf.GGMLQuantizationType is GGMLQuantizationType and gguf.constants is sys.modules["gguf.constants"]
+print(formats.FORMATS[gguf.GGMLQuantizationType.Q8_0].name)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Q8_0"]
+
+
 def test_unsupported_type_names_itself_and_the_supported_ones():
     with pytest.raises(ModelFileError) as err:
         format_of(T.IQ2_XXS)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from gguf import GGMLQuantizationType
+from localllm.gguf_constants import GGMLQuantizationType
 
 from localllm.kernels import formats as _neutral
 from localllm.kernels.cpu import dequant, float_matmul, quantize

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_num_threads, literally, njit, prange
 from numba.extending import overload
 

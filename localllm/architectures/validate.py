@@ -19,7 +19,7 @@ import re
 from typing import Any, Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from localllm.gguf_constants import GGMLQuantizationType
 
 from localllm.architectures.base import ModelConfig
 from localllm.errors import ModelFileError

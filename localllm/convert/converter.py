@@ -22,6 +22,7 @@ import numpy as np
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.resume import PartialWriter, file_identity, keep_partial, partial_paths
+from localllm.type_names import CONVERT_TYPE_CHOICES, QUANTIZE_MIXES
 
 from .architectures import ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, write_hparams
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
@@ -42,9 +43,7 @@ OUTPUT_TYPES: dict[str, tuple[Q, FT]] = {
 # tensor converted to the checkpoint's type, then quantized as `localllm quantize` would, in one pass. The legacy
 # 4- and 5-bit types are mixes too (llama-quantize's Q4_0 keeps output.weight at Q6_K): written as plain Q4_0
 # matrices they matched no file llama.cpp makes.
-QUANTIZE_MIXES = ("q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-                  "q5_k_s", "q5_k_m", "q6_k")
-TYPE_CHOICES = ("auto", *OUTPUT_TYPES, *QUANTIZE_MIXES)
+TYPE_CHOICES = CONVERT_TYPE_CHOICES  # "auto", OUTPUT_TYPES, QUANTIZE_MIXES (localllm/type_names.py)
 
 # Tensors convert_hf_to_gguf.py never writes.
 _SKIP_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
