@@ -308,6 +308,34 @@ print(caller(np.zeros(4, np.int64), 0), m._one_task(np.zeros(4, np.int64), 0), "
     assert out.stdout.split() == ["True", "True", "False"]  # runs when linked into new code, which parsed it
 
 
+def test_a_warm_start_loads_the_forward_without_importing_numbas_array_modules_and_computes_the_same(tmp_path):
+    # kernels/cpu/__init__.py: environments of Numba's array code inlined into our kernels are rebuilt without
+    # importing numba.np.arrayobj, npyimpl and arraymath (35 ms of a warm start); the forward is bitwise the same
+    import os
+    import subprocess
+    import sys
+
+    name = "smollm2-135m-instruct"
+    prompt = english_tokens(engine(name).tokenizer, 24, seed=5)
+    script = f"""
+import sys, numpy as np
+from localllm.engine import Engine
+e = Engine({str(model_file(name))!r}, ctx=256, quiet=True)
+logits = e.evaluate(e.new_sequence(), {prompt!r})
+np.save(sys.argv[1], logits)
+print(sorted(m for m in ("numba.np.arrayobj", "numba.np.npyimpl", "numba.np.arraymath") if m in sys.modules))
+"""
+    env = dict(os.environ)
+    env.pop("NUMBA_CACHE_DIR", None)
+    runs = [subprocess.run([sys.executable, "-c", script, str(tmp_path / f"{i}.npy")], env=env, capture_output=True,
+                           text=True, timeout=600) for i in range(2)]  # the first may compile (a cold cache)
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert runs[1].stdout.strip() == "[]"
+    want = engine(name).evaluate(engine(name).new_sequence(), prompt)
+    for i in range(2):
+        assert np.array_equal(np.load(tmp_path / f"{i}.npy"), want)
+
+
 def test_a_function_called_by_address_gets_its_arguments_and_other_types_are_refused_at_compile_time():
     # kernels/cpu/by_address.py: the fused forward's worker and products are called this way
     from numba import types

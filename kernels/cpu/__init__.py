@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
 import threading
 from pathlib import Path
 
 from numba.core import caching as _caching
 from numba.core import codegen as _codegen
+from numba.core import environment as _environment
 from numba.core import config as _numba_config
 
 from localllm.paths import kernel_cache_dir
@@ -174,3 +176,32 @@ def forget_stale_cache(module_file: str, cache_path: str, dependencies: list[str
         stamp.touch()
     except OSError:
         pass  # an unwritable cache directory: Numba does not cache there either
+
+
+# Each cached function carries the environments of the functions compiled into it, pickled as (module name,
+# constants), and Numba imports that module to hand the environment its globals. For Numba's own array code
+# inlined into ours (np.empty, broadcasting, np.max) that imports numba.np.arrayobj, npyimpl and arraymath, 35 ms
+# of smollm2's warm start. Compiled code reads an environment's globals only in object mode, which our kernels
+# never use (nopython throughout; exceptions and constants travel in the constants, restored as Numba does), so
+# while loading our kernels such an environment gets the module's name alone and the module is not imported.
+_numba_rebuild_env = _environment._rebuild_env
+
+
+def _rebuild_env(modname, consts, env_name):
+    if not (getattr(_loading, "ours", False) and modname and modname.startswith("numba.")
+            and modname not in sys.modules):
+        return _numba_rebuild_env(modname, consts, env_name)
+    env = _environment.lookup_environment(env_name)
+    if env is None:
+        env = _environment.Environment({"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        _environment.Environment._memo[env_name] = env
+    return env
+
+
+# Environment.__reduce__ names the module's _rebuild_env at pickling time: under Numba's own name, cache files
+# written by this process stay Numba's format (loading them elsewhere calls Numba's function).
+_rebuild_env.__module__, _rebuild_env.__qualname__ = _environment.__name__, "_rebuild_env"
+if hasattr(_environment, "lookup_environment") and hasattr(_environment.Environment, "_memo"):
+    _environment._rebuild_env = _rebuild_env
