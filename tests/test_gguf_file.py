@@ -160,3 +160,31 @@ def test_arrays_nested_without_end_are_refused(tmp_path, tiny_layout):
     tiny_layout.kv.append(("deep", V.ARRAY, nested))
     with pytest.raises(ModelFileError, match="nested more than"):
         GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
+
+
+def _string_array_kv(strings: list[bytes]) -> bytes:
+    V = gguf.GGUFValueType
+    return struct.pack("<IQ", V.STRING, len(strings)) + b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+
+
+@pytest.mark.parametrize("with_nul", [False, True], ids=["plain", "a NUL inside a string"])
+def test_string_arrays_decode_as_each_string_alone_would(tmp_path, tiny_layout, with_nul):
+    # gguf_file._Cursor._string_array decodes the whole array at once (NUL-separated); every string must come
+    # out as decoding it alone gives: empty ones, multi-byte characters, invalid UTF-8 cut at a string's end
+    # (kept lossless as surrogate escapes), long ones; a string holding a NUL takes the per-string loop
+    rng = np.random.default_rng(3)
+    strings = [b"", b"hello", "Ġworld".encode(), "日本".encode(), "日本".encode()[:4], b"\xff\xfe", b"\xe6", b" " * 300]
+    strings += [bytes(rng.integers(1, 256, int(rng.integers(0, 12)), dtype=np.uint8)) for _ in range(500)]
+    if with_nul:
+        strings.append(b"a\x00b")
+    tiny_layout.kv.append(("strings", gguf.GGUFValueType.ARRAY, _string_array_kv(strings)))
+    got = GGUFFile(tiny_layout.write(tmp_path / "m.gguf")).metadata["strings"]
+    assert got == [s.decode("utf-8", "surrogateescape") for s in strings]
+
+
+def test_a_string_array_running_past_the_end_of_the_file_is_truncation(tmp_path, tiny_layout):
+    V = gguf.GGUFValueType
+    tiny_layout.kv.append(("strings", V.ARRAY, struct.pack("<IQ", V.STRING, 3) + struct.pack("<Q", 1) + b"a"
+                           + struct.pack("<Q", 2**40) + b"bc"))
+    with pytest.raises(ModelFileError, match="truncated"):
+        GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
