@@ -388,6 +388,34 @@ def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q5_1])
+def test_the_few_row_avx2_kernels_give_the_avx2_kernels_bits_at_any_number_of_rows(qtype):
+    # _rows_32_avx2_few (groups of 2 and 1) and _rows_32_avx2_one (1): what a VNNI machine compiles for the
+    # x-row counts it leaves to AVX2, in place of _rows_32_avx2's groups of 4, 2, 1 and its decoded scratch row
+    from localllm.kernels.cpu import quant_dot
+
+    from test_backend_ops import random_blocks
+
+    kind = quant_dot._KIND_32[qtype]
+    block_bytes = FORMATS[qtype].type_size
+    rng = np.random.default_rng(8)
+    raw = random_blocks(qtype, 13, 32 * 9, seed=9).reshape(13, -1)
+    raw.flags.writeable = False
+    for n, (r0, r1) in [(1, (0, 13)), (2, (0, 13)), (3, (2, 11)), (5, (0, 13)), (6, (4, 5))]:
+        x = (rng.standard_normal((n, 32 * 9)) * 3).astype(np.float32)
+        if qtype in (T.Q4_1, T.Q5_1):
+            xq, xd, xs = quant_dot.quantize_q8_1(x)
+        else:
+            (xq, xd), xs = quant_dot.quantize_q8_0(x), None
+            xs = xd
+        want = np.full((n, 13), 7, np.float32)
+        quant_dot._rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, want, r0, r1)
+        for few in (quant_dot._rows_32_avx2_few, quant_dot._rows_32_avx2_one):
+            got = np.full((n, 13), 7, np.float32)
+            few(raw, kind, block_bytes, xq, xd, xs, got, r0, r1)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_kernels_with_scratch_memory_keep_it_alive_in_parallel_regions():
     # Numba frees an array after its last use *as an array*; the 32-block kernels' scratch rows are written
     # and read through their addresses after that (simd.keep_alive marks the real end). Without it, in a parallel

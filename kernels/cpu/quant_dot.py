@@ -775,6 +775,38 @@ def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     keep_alive(scratch, scratch, scratch)  # read through its address until here
 
 
+@njit(cache=True)
+def _rows_32_avx2_few(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+    """_rows_32_avx2 for the few x-rows a VNNI machine leaves it (_rows_32: Q4_1/Q5_1 at 1-3): groups of 2
+    and 1 only (no group of 4, no decoded scratch row), 2 specializations of _group_32_avx2 per format where
+    _rows_32_avx2 compiles 3 (each about 1 s of a cold start, on the path that decides it). The same bits at
+    any n: a group's size changes no x-row's float operations."""
+    literally(kind)
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    for r in range(r0, r1):
+        w = wbase + r * wstride
+        i = 0
+        while n - i >= 2:
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2, 0)
+            i += 2
+        if n - i == 1:
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, 0)
+
+
+@njit(cache=True)
+def _rows_32_avx2_one(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+    """_rows_32_avx2 one x-row at a time: a VNNI machine's Q8_0 at 1 x-row (one specialization of
+    _group_32_avx2). The same bits at any n."""
+    literally(kind)
+    n, blocks = xd.shape
+    wbase, wstride = address_of(raw), raw.strides[0]
+    for r in range(r0, r1):
+        w = wbase + r * wstride
+        for i in range(n):
+            _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, 0)
+
+
 # Block pairs per pass of _rows_32_avx512 (512 columns): a 4-row tile decoded (2 KiB) with its scales (8 KiB)
 # and 16 x-rows' bytes (8 KiB) stay in L1.
 _TILE_PASS_PAIRS = 16
@@ -962,13 +994,33 @@ def _neg_offset_sums_256(yv, off):
 # kernel more at few x-rows). A choice inside _rows_32_avx512 that called _rows_32_avx2 crashed (both take `kind`
 # as a literal); inlined here it does not.
 if HAVE_AVX512_VNNI:
-    @njit(cache=True, inline="always")
     def _rows_32(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
-        n = xd.shape[0]
-        if n >= 4 or kind == KIND_Q4_0 or kind == KIND_Q5_0 or (n >= 2 and kind == KIND_Q8_0):
-            _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+        """The 32-block rows of format `kind` (a literal): typed by _rows_32_for."""
+        raise NotImplementedError("called from compiled code only")
+
+    @overload(_rows_32, inline="always")
+    def _rows_32_for(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+        # The choice of kernel per format is made here, at typing, so a format's code holds only the AVX2
+        # groups it can reach (a `kind ==` test inside compiled code would type every branch for every format)
+        k = getattr(kind, "literal_value", None)
+        if k is None:
+            return None
+        if k == KIND_Q4_0 or k == KIND_Q5_0:
+            def impl(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+                _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+        elif k == KIND_Q8_0:
+            def impl(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+                if xd.shape[0] >= 2:
+                    _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+                else:
+                    _rows_32_avx2_one(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
         else:
-            _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+            def impl(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
+                if xd.shape[0] >= 4:
+                    _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+                else:
+                    _rows_32_avx2_few(raw, kind, block_bytes, xq, xd, xs, out, r0, r1)
+        return impl
 else:
     _rows_32 = _rows_32_avx2
 
