@@ -411,3 +411,29 @@ def test_invalid_params_are_user_errors():
             Sampler(SamplingParams(**bad), 10)
     with pytest.raises(ValueError):
         Sampler(SamplingParams(), 10).sample(np.zeros(11, dtype=np.float32))
+
+
+def test_without_logprobs_asked_for_the_same_tokens_are_drawn_and_nan_or_all_banned_still_refused():
+    # SamplingParams.logprob=False (the server, unless a request asks for logprobs) skips the log-sum-exp over the
+    # vocabulary; the draw is the same, greedy or seeded, penalties and top-k included
+    from localllm.errors import ModelFileError
+
+    rng = np.random.default_rng(11)
+    for params in (dict(temperature=0), dict(temperature=0.8, top_k=40, top_p=0.9, seed=3),
+                   dict(temperature=1.0, min_p=0.05, repeat_penalty=1.3, seed=9)):
+        on, off = Sampler(SamplingParams(**params), 3000), Sampler(SamplingParams(**params, logprob=False), 3000)
+        for _ in range(40):
+            logits = (rng.standard_normal(3000) * 4).astype(np.float32)
+            a, b = on.sample(logits), off.sample(logits)
+            assert a.id == b.id and b.logprob is None and a.logprob is not None
+            on.accept(a.id)
+            off.accept(b.id)
+    off = Sampler(SamplingParams(temperature=0, logprob=False), 8)
+    with pytest.raises(ModelFileError, match="NaN"):
+        off.sample(np.array([0, 1, np.nan, 2, 0, 0, 0, 0], np.float32))
+    banned = Sampler(SamplingParams(temperature=0, logprob=False, logit_bias={i: -np.inf for i in range(8)}), 8)
+    with pytest.raises(LocalLLMError, match="every token"):
+        banned.sample(np.zeros(8, np.float32))
+    # n_probs > 0 reports logprobs whatever the switch
+    top = Sampler(SamplingParams(temperature=0, logprob=False, n_probs=2), 8).sample(np.arange(8, dtype=np.float32))
+    assert top.id == 7 and top.logprob is not None and [t for t, _ in top.top_logprobs] == [7, 6]

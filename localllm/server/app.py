@@ -376,6 +376,7 @@ def sampling_from(f: Fields, defaults: dict, vocab_size: int, names: dict | None
         presence_penalty=f.get(n["presence_penalty"], float, d["presence_penalty"], lo=-100.0, hi=100.0),
         frequency_penalty=f.get(n["frequency_penalty"], float, d["frequency_penalty"], lo=-100.0, hi=100.0),
         seed=f.get(n["seed"], int, None, lo=-(1 << 63), hi=(1 << 64) - 1),
+        logprob=False,  # an API that reports logprobs turns it on for the requests that ask (sampling.py)
     )
 
 

@@ -187,6 +187,7 @@ async def completions(state: ServerState, request: Request):
     if f.get("best_of", int, 1) != 1:
         raise ApiError(400, "only best_of=1 is supported", param="best_of")
     params.sampling.n_probs = n_logprobs or 0
+    params.sampling.logprob = n_logprobs is not None
     await _response_format(state, f, params)
     if f.get("suffix", str):
         # Fill in the middle between prompt and suffix with the model's FIM tokens, as Ollama does (Tabby's
@@ -277,6 +278,7 @@ async def chat_completions(state: ServerState, request: Request):
     if n_top and not want_logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params.sampling.n_probs = n_top
+    params.sampling.logprob = want_logprobs
     tools = f.get("tools", list, None)
     await _response_format(state, f, params)
     plan = None
