@@ -168,6 +168,11 @@ def test_openai_sampling_knobs(oai):
     greedy = ask(temperature=0, logprobs=True, top_logprobs=2)
     first = greedy.choices[0].logprobs.content[0]
     assert len(first.top_logprobs) == 2 and first.token == first.top_logprobs[0].token
+    # logprobs without top_logprobs: each token's own logprob still (the sampler computes it when asked)
+    plain = ask(temperature=0, logprobs=True).choices[0].logprobs.content
+    assert plain and all(isinstance(e.logprob, float) and e.logprob <= 0 and not e.top_logprobs for e in plain)
+    assert plain[0].logprob == pytest.approx(first.logprob, abs=1e-5)
+    assert ask(temperature=0).choices[0].logprobs is None
     tokens = httpx.post(str(oai.base_url).replace("/v1/", "/tokenize"), json={"content": first.token},
                         headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
     banned = ask(temperature=0, logit_bias={str(tokens[0]): -100}).choices[0].message.content
