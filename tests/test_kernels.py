@@ -358,6 +358,16 @@ def test_the_avx512_k_quant_row_kernels_give_the_avx2_kernels_bits(qtype):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def _acts_32(qtype, x):
+    """x quantized as a 32-block format's row kernels take it: (bytes, scales, block sums or the scales again)."""
+    from localllm.kernels.cpu import quant_dot
+
+    if qtype in (T.Q4_1, T.Q5_1):
+        return quant_dot.quantize_q8_1(x)
+    xq, xd = quant_dot.quantize_q8_0(x)
+    return xq, xd, xd
+
+
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
 def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
     # kernels/cpu/quant_dot.py _rows_32_avx512: tiles of 4 weight rows, unsigned-offset weights, two blocks per VNNI
@@ -375,12 +385,7 @@ def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
         raw = random_blocks(qtype, 29, cols, seed=6).reshape(29, -1)
         raw.flags.writeable = False
         for n, (r0, r1) in [(1, (0, 29)), (2, (0, 29)), (3, (2, 29)), (4, (3, 28)), (7, (0, 29)), (16, (1, 2))]:
-            x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
-            if qtype in (T.Q4_1, T.Q5_1):
-                xq, xd, xs = quant_dot.quantize_q8_1(x)
-            else:
-                (xq, xd), xs = quant_dot.quantize_q8_0(x), None
-                xs = xd
+            xq, xd, xs = _acts_32(qtype, (rng.standard_normal((n, cols)) * 3).astype(np.float32))
             want = np.full((n, 29), 7, np.float32)
             got = want.copy()
             quant_dot._rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, want, r0, r1)
@@ -402,12 +407,7 @@ def test_the_few_row_avx2_kernels_give_the_avx2_kernels_bits_at_any_number_of_ro
     raw = random_blocks(qtype, 13, 32 * 9, seed=9).reshape(13, -1)
     raw.flags.writeable = False
     for n, (r0, r1) in [(1, (0, 13)), (2, (0, 13)), (3, (2, 11)), (5, (0, 13)), (6, (4, 5))]:
-        x = (rng.standard_normal((n, 32 * 9)) * 3).astype(np.float32)
-        if qtype in (T.Q4_1, T.Q5_1):
-            xq, xd, xs = quant_dot.quantize_q8_1(x)
-        else:
-            (xq, xd), xs = quant_dot.quantize_q8_0(x), None
-            xs = xd
+        xq, xd, xs = _acts_32(qtype, (rng.standard_normal((n, 32 * 9)) * 3).astype(np.float32))
         want = np.full((n, 13), 7, np.float32)
         quant_dot._rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, want, r0, r1)
         for few in (quant_dot._rows_32_avx2_few, quant_dot._rows_32_avx2_one):
