@@ -25,8 +25,8 @@ import threading
 
 import numba
 import numpy as np
-from localllm.gguf_constants import GGMLQuantizationType
 
+from localllm.gguf_constants import GGMLQuantizationType
 from localllm.kernels.cpu import attention as _attention
 from localllm.kernels.cpu import runtime as _runtime
 from localllm.kernels.cpu import blocks as _blocks

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from numba.core import caching as _caching
 from numba.core import codegen as _codegen
-from numba.core import environment as _environment
 from numba.core import config as _numba_config
+from numba.core import environment as _environment
 
 from localllm.paths import kernel_cache_dir
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localllm.gguf_constants import GGMLQuantizationType
-
 from localllm.kernels import formats as _neutral
 from localllm.kernels.cpu import dequant, float_matmul, quantize
 

@@ -38,10 +38,10 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import get_num_threads, literally, njit, prange
 from numba.extending import overload
 
+from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from localllm.kernels.cpu import forget_stale_cache, simd
 from localllm.kernels.cpu.format_set import FormatSetType
 from localllm.kernels.cpu.simd import (

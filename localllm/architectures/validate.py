@@ -19,10 +19,10 @@ import re
 from typing import Any, Iterator
 
 import numpy as np
-from localllm.gguf_constants import GGMLQuantizationType
 
 from localllm.architectures.base import ModelConfig
 from localllm.errors import ModelFileError
+from localllm.gguf_constants import GGMLQuantizationType
 
 # GGUF stores these hyperparameters as uint32 (llama.cpp reads them so); anything larger is corrupt.
 INT_MAX = 2**31 - 1
