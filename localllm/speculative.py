@@ -15,12 +15,13 @@ Pieces, each small:
   draft token. Sampling: accept draft d with probability min(1, p(d)/q(d)), else draw from (p - q)+ normalized,
   which leaves every emitted token distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
 * `Controller`: the adaptive draft length. It measures the per-token acceptance rate a (a forgetting average
-  per draft kind, for the n-gram drafter per matched length, started from a prior worth two tokens, with a free
-  "shadow" measurement while speculation is off: would its guess have been the token that came?), the wall
-  time of a verify of n tokens with its sampling (a line a + b (n - 1) through one time per size timed; free
-  drafts are verified at a second size early on, so the line is measured rather than assumed) and, for a
-  draft model, the wall time of its forwards the same way (before any is timed: the ratio of the two models'
-  weights). It picks the k in 0..draft_max maximizing expected tokens per second,
+  per draft kind, for the n-gram drafter per matched length, started from a prior worth two tokens, or from a
+  shorter match's measured rate when that is higher, with a free "shadow" measurement while speculation is
+  off: would its guess have been the token that came?), the wall time of a verify of n tokens with its
+  sampling (a line a + b (n - 1) through one time per size timed; free drafts are verified at a second size
+  early on, so the line is measured rather than assumed; one line per model for the whole process,
+  `cost_line`) and, for a draft model, the wall time of its forwards the same way (before any is timed: the
+  ratio of the two models' weights). It picks the k in 0..draft_max maximizing expected tokens per second,
   (1 - a^(k+1)) / (1 - a) / (verify(k + 1) + k draft_step + catch-up); k = 0 is plain decoding, so
   speculation switches itself off where it cannot pay. A draft model that missed tokens (speculation was
   off, or the lookup's draft was verified) evaluates them all in its next first forward: that catch-up is
@@ -42,6 +43,7 @@ Pieces, each small:
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -377,22 +379,36 @@ class Controller:
     MAX_FRUITLESS = 2  # and stops after this many probes that left speculation off
 
     def __init__(self, draft_max: int, adaptive: bool = True, free_drafts: bool = True, prior_rate: float = 0.6,
-                 draft_ratio: float = 0.0):
+                 draft_ratio: float = 0.0, verify_line: _LineFit | None = None, draft_line: _LineFit | None = None):
         self.draft_max, self.adaptive, self.free_drafts = draft_max, adaptive, free_drafts
         self.prior_rate = prior_rate
         # A draft model's forward / the target's, assumed until measured (the ratio of their weights' sizes: a
         # one-token forward reads every weight once).
         self.draft_ratio = draft_ratio
         self._seen: dict[int, list[float]] = {}  # per draft kind: forgetting sums of tokens accepted, tested
-        self._verify = _LineFit(self.PRIOR_SLOPE)
-        self._draft = _LineFit(self.PRIOR_SLOPE)  # a draft model's forward of n tokens
+        # The cost lines are properties of the model on this machine, not of one request: a caller may pass lines
+        # shared by every run of the same model (`cost_line`), so that only the first request pays to measure them.
+        self._verify = verify_line if verify_line is not None else _LineFit(self.PRIOR_SLOPE)
+        self._draft = draft_line if draft_line is not None else _LineFit(self.PRIOR_SLOPE)
         self.off_rounds = 0
         self.fruitless_probes = 0  # probes after which speculation stayed off
         self._probed = False
 
     def accept_rate(self, kind: int = 0) -> float:
         seen = self._seen.get(kind)
-        return self.prior_rate if seen is None else seen[0] / seen[1]
+        return self._prior(kind) if seen is None else seen[0] / seen[1]
+
+    def _prior(self, kind: int) -> float:
+        """The acceptance assumed for a kind not yet measured: the prior, or, when a shorter match was measured
+        more often right, the nearest such one's rate. A draft from a longer match is at least as good a bet (the
+        n-gram drafter's kinds are matched lengths, up to 16 while a copy is followed): without this, each new
+        length of a copy that goes on started from the prior, and on the edit workload the copy's agreement
+        grew through 9, 12 and 15 tokens with drafts of 2 where 8 were then accepted each time."""
+        below = [k for k in self._seen if 0 < k < kind]
+        if not below:
+            return self.prior_rate
+        seen = self._seen[max(below)]
+        return max(self.prior_rate, seen[0] / seen[1])
 
     @property
     def rates(self) -> dict[int, float]:
@@ -403,7 +419,9 @@ class Controller:
         over the tokens tested, started from the prior counted as PRIOR_WEIGHT tokens: an optimistic start gets
         speculation tried, and two or three rejections are enough to show it was wrong."""
         seen = min(drafted, accepted + 1)  # tokens after the first rejection were never tested
-        s = self._seen.setdefault(kind, [self.PRIOR_WEIGHT * self.prior_rate, self.PRIOR_WEIGHT])
+        s = self._seen.get(kind)
+        if s is None:
+            s = self._seen[kind] = [self.PRIOR_WEIGHT * self._prior(kind), self.PRIOR_WEIGHT]
         for i in range(seen):
             s[0] = self.DECAY * s[0] + (1.0 if i < accepted else 0.0)
             s[1] = self.DECAY * s[1] + 1.0
@@ -514,6 +532,22 @@ class Controller:
         self._probed = False
 
 
+_COST_LINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cost_line(engine, role: str) -> _LineFit:
+    """The measured cost line of `engine`'s forwards in `role` ("verify": a target's verify with its sampling;
+    "draft": a draft model's forward with its draw), shared by every speculative run of that engine in this
+    process. Timing two verify sizes costs a request a few long verifies (on qwen2.5-coder-1.5b, the edit
+    workload's first 128 tokens: two 9-token verifies that kept 1 and 2 tokens, about 80 ms of 1.66 s); measured
+    once per model, later requests (a chat's next turn, a server's next client) start from the measured line."""
+    lines = _COST_LINES.setdefault(engine, {})
+    line = lines.get(role)
+    if line is None:
+        line = lines[role] = _LineFit(Controller.PRIOR_SLOPE)
+    return line
+
+
 # ---- driving a Generation ----------------------------------------------------------------------------------
 
 
@@ -528,8 +562,11 @@ class SpeculativeRun:
         self.engine, self.seq = gen.engine, gen.seq
         self.greedy = gen.params.sampling.greedy
         self.rng = np.random.Generator(np.random.PCG64([gen.sampler.seed, 2]))
+        draft_engine = getattr(drafter, "engine", None)
         self.controller = Controller(spec.draft_max, spec.adaptive, drafter.free, drafter.prior_rate,
-                                     getattr(drafter, "size_ratio", lambda target: 0.0)(self.engine))
+                                     getattr(drafter, "size_ratio", lambda target: 0.0)(self.engine),
+                                     verify_line=cost_line(self.engine, "verify"),
+                                     draft_line=None if draft_engine is None else cost_line(draft_engine, "draft"))
         self.pending = None  # the event whose token is chosen but not yet evaluated (nor handed out)
         self.lookup = (NGramDrafter(spec.ngram_max, spec.ngram_min)
                        if not drafter.free and spec.lookup and spec.adaptive else None)

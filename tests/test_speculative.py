@@ -199,6 +199,45 @@ def test_controller_keeps_a_rate_per_draft_kind():
     assert c.choose(8, kind=5) == 8 and c.choose(8, kind=0) == 0 and c.accept_rate(kind=3) == c.prior_rate
 
 
+def test_an_unmeasured_longer_match_starts_from_the_rate_of_the_nearest_shorter_one():
+    """A copy followed over more tokens is at least as safe a bet: a new match length inherits the measured rate
+    of the longest shorter one when that beats the prior, and a shorter (or an unrelated) kind keeps the prior."""
+    c = Controller(draft_max=8)
+    for _ in range(40):
+        c.observe_acceptance(8, 8, kind=7)
+    assert c.accept_rate(kind=7) > 0.95
+    assert c.accept_rate(kind=12) == c.accept_rate(kind=7) and c.choose(8, kind=12) == c.choose(8, kind=7) == 8
+    assert c.accept_rate(kind=4) == c.accept_rate(kind=0) == c.prior_rate
+    c.observe_acceptance(1, 0, kind=12)  # measured from then on: one rejection lowers it from the inherited rate
+    assert c.prior_rate < c.accept_rate(kind=12) < c.accept_rate(kind=7)
+    for _ in range(40):
+        c.observe_acceptance(4, 0, kind=3)
+    assert c.accept_rate(kind=5) == c.prior_rate  # a worse shorter match never pulls a longer one below the prior
+
+
+def test_controllers_given_one_cost_line_share_what_either_measured():
+    """The verify cost line is the model's on this machine: a run's controller starts from the line the runs
+    before it measured (speculative.cost_line keeps one per engine), so only the first request explores."""
+    from localllm.speculative import cost_line
+
+    class FakeEngine:
+        pass
+
+    e, other = FakeEngine(), FakeEngine()
+    assert cost_line(e, "verify") is cost_line(e, "verify")
+    assert cost_line(e, "verify") is not cost_line(e, "draft")
+    assert cost_line(e, "verify") is not cost_line(other, "verify")
+    first = Controller(draft_max=8, verify_line=cost_line(e, "verify"))
+    for n in (1, 9, 1, 9, 1, 9):
+        first.choose(8)
+        first.observe_verify(n, 0.02 * (1 + 0.2 * (n - 1)))
+    second = Controller(draft_max=8, verify_line=cost_line(e, "verify"))
+    assert second.verify_cost(9) == first.verify_cost(9) == pytest.approx(0.02 * 2.6)
+    assert second._explore(2, 8) == 2  # both sizes timed EXPLORE_TIMES times already: no exploring verify
+    fresh = Controller(draft_max=8, verify_line=cost_line(other, "verify"))
+    assert fresh.verify_cost(9) != second.verify_cost(9)
+
+
 def _draft_model_controller(accept: float, verify: float = 0.07, slope: float = 0.2, step: float = 0.035,
                             catchup: float = 0.012) -> Controller:
     """A draft model's controller with measured costs (seconds): verifies of 1..4 tokens, draft forwards of one
