@@ -178,3 +178,26 @@ def test_vector_softmax_exponential_is_the_scalar_one_bit_for_bit():
         vector, scalar = np.empty_like(scores), np.empty_like(scores)
         both(scores, m, vector, scalar)
         assert np.array_equal(vector.view(np.uint32), scalar.view(np.uint32))
+
+
+def test_vectorized_score_maximum_is_the_array_maximum_including_nan_and_infinity():
+    """The softmax's maximum over a row of scores, taken in vector chains, is the array method's, at every
+    length around the chains' widths, and where a NaN or an infinity sits in the row (left to the array method)."""
+    from numba import njit
+
+    from localllm.kernels.cpu import attention as kernel
+
+    @njit
+    def both(row, n):
+        return kernel._max_of(row, n), row[:n].max()
+
+    rng = np.random.default_rng(4)
+    for n in (1, 7, 31, 32, 33, 40, 63, 64, 65, 1100):
+        row = rng.standard_normal(n + 3).astype(np.float32) * 10
+        got, want = both(row, n)
+        assert got == want, n
+        for special in (np.nan, np.inf, -np.inf):
+            odd = row.copy()
+            odd[n // 2] = special
+            got, want = both(odd, n)
+            assert (np.isnan(got) and np.isnan(want)) or got == want, (n, special)

@@ -962,6 +962,48 @@ def add_ps(typingctx, a, b):
 
 
 @intrinsic(prefer_literal=True)
+def sub_ps(typingctx, a, b):
+    """a - b per float lane (`_mm256_sub_ps`)."""
+    if a != m256 or b != m256:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fsub(args[0], args[1])
+
+    return m256(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def max_ps(typingctx, a, b):
+    """`_mm256_max_ps` (vmaxps): per lane the larger of a and b, and b where either is NaN (so a NaN in a is
+    dropped and one in b kept)."""
+    if a != m256 or b != m256:
+        return None
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32x8, [F32x8, F32x8]),
+                                            "llvm.x86.avx.max.ps.256")
+        return builder.call(fn, [args[0], args[1]])
+
+    return m256(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def hmax_float_8(typingctx, a):
+    """The largest of 8 float lanes (no NaN among them: with one, which lane wins is unspecified)."""
+    if a != m256:
+        return None
+
+    def codegen(context, builder, signature, args):
+        lane = [builder.extract_element(args[0], ir.Constant(_I32, k)) for k in range(8)]
+        while len(lane) > 1:
+            lane = [builder.select(builder.fcmp_ordered(">", x, y), x, y) for x, y in zip(lane[::2], lane[1::2])]
+        return lane[0]
+
+    return types.float32(a), codegen
+
+
+@intrinsic(prefer_literal=True)
 def mul_ps(typingctx, a, b):
     """a * b per float lane (`_mm256_mul_ps`)."""
     if a != m256 or b != m256:
