@@ -273,16 +273,20 @@ def perimeter_of_rectangle(width, height):
 '''
 
 
-def speculative(engine, tokens: list[int], spec, n_gen: int = 128, reps: int = 3) -> dict:
+def speculative(engine, tokens: list[int], spec, n_gen: int = 128, reps: int = 3,
+                stop: list[str] | None = None) -> dict:
     """Greedy decode of n_gen tokens after `tokens`, plain and with `spec`, interleaved `reps` times (after one
     warm-up of each, which also caches the prompt); medians of the decode tokens/s (prompt time excluded). The two
-    must give the same tokens: speculation is lossless."""
+    must give the same tokens: speculation is lossless. With `stop` strings, each decode ends where one appears or
+    at the end of generation (n_gen tokens at most): a whole answer, e.g. an edited file up to its closing fence,
+    where the first n_gen tokens alone may be mostly the part that differs from the text it copies."""
     from dataclasses import replace
 
     from localllm.engine import GenerationParams
     from localllm.sampling import SamplingParams
 
-    plain = GenerationParams(max_tokens=n_gen, ignore_eos=True, sampling=SamplingParams(temperature=0))
+    plain = GenerationParams(max_tokens=n_gen, ignore_eos=not stop, stop=list(stop or []),
+                             sampling=SamplingParams(temperature=0))
     params = {"plain": plain, "spec": replace(plain, speculation=spec)}
     runs: dict[str, list] = {"plain": [], "spec": []}
     outputs = {}
@@ -300,7 +304,8 @@ def speculative(engine, tokens: list[int], spec, n_gen: int = 128, reps: int = 3
     accepted = sum(t.draft_n_accepted for t in last)
     verifies = sum(t.n_verifies for t in last)
     return {"model": engine.name, "mode": spec.mode, "draft_model": spec.draft_model, "prompt_tokens": len(tokens),
-            "n_gen": n_gen, "reps": reps, "tg_plain": tg["plain"], "tg_spec": tg["spec"],
+            "n_gen": len(outputs["plain"]), "stop": list(stop or []), "reps": reps, "tg_plain": tg["plain"],
+            "tg_spec": tg["spec"],
             "speedup": tg["spec"] / tg["plain"] if tg["plain"] else 0.0,
             "tg_plain_runs": [t.predicted_per_second for t in runs["plain"]],
             "tg_spec_runs": [t.predicted_per_second for t in last],
@@ -310,6 +315,8 @@ def speculative(engine, tokens: list[int], spec, n_gen: int = 128, reps: int = 3
 
 def format_speculative(r: dict) -> str:
     mode = r["mode"] + (f" ({r['draft_model']})" if r["draft_model"] else "")
-    return (f"{r['model']}: tg{r['n_gen']} after a {r['prompt_tokens']}-token prompt, greedy, median of {r['reps']}: "
+    until = f" (until {' or '.join(repr(x) for x in r['stop'])})" if r.get("stop") else ""
+    return (f"{r['model']}: tg{r['n_gen']}{until} after a {r['prompt_tokens']}-token prompt, greedy, "
+            f"median of {r['reps']}: "
             f"plain {r['tg_plain']:.2f} tok/s, speculative {mode} {r['tg_spec']:.2f} tok/s = {r['speedup']:.2f}x "
             f"(drafts accepted {r['acceptance_rate']:.0%}, {r['tokens_per_verify']:.2f} tokens per check)")

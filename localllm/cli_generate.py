@@ -465,7 +465,8 @@ def bench_speculative(args, names, spec) -> int:
     for name in names:
         engine = Engine.load(name, ctx=args.ctx, quiet=args.json, kv_type=args.kv_type, device=args.device,
                              warm="first-token")
-        results.append(bench.speculative(engine, engine.tokenize_prompt(prompt), spec, n_gen=args.n, reps=args.r))
+        results.append(bench.speculative(engine, engine.tokenize_prompt(prompt), spec, n_gen=args.n, reps=args.r,
+                                         stop=args.stop))
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
     else:
@@ -562,6 +563,9 @@ def add_commands(sub) -> None:
     p.add_argument("--no-bandwidth", action="store_true", help="skip measuring the machine's read bandwidth")
     p.add_argument("--prompt-file", metavar="F", default=None,
                    help="with --spec: the prompt to decode from (default: a small built-in code edit)")
+    p.add_argument("--stop", metavar="S", action="append", default=None,
+                   help="with --spec: end each decode where S appears, or at the end of generation (-n tokens at "
+                        "most): a whole answer, e.g. --stop $'\\n```' for an edited file (repeatable)")
     add_speculation_options(p)
     p.add_argument("--json", action="store_true", help='print {"pp", "tg", "pp_sd", "tg_sd", ...}')
     p.set_defaults(func=cmd_bench)

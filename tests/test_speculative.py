@@ -551,3 +551,17 @@ def test_run_spec_ngram_json_reports_acceptance_and_matches_plain():
     plain = events(engine(), SPEC_PROMPT, max_tokens=24)
     assert result["tokens"] == [p[0] for p in plain] and result["text"] == "".join(p[1] for p in plain)
     assert result["timings"]["draft_n"] > 0 and "tokens_per_verify" in result["timings"]
+
+
+def test_bench_speculation_until_a_stop_string_times_the_answer_up_to_it():
+    """bench --spec --stop: plain and speculative decodes end where the stop string appears (a whole answer, not
+    a fixed count), give the same tokens, and the result says how many that was."""
+    from localllm import bench
+
+    e = engine()
+    tokens = e.tokenize_prompt(SPEC_PROMPT)
+    answer = events(e, tokens, max_tokens=64, stop=["\n\n"])
+    assert answer[-1][3] == "stop" and len(answer) < 64
+    r = bench.speculative(e, tokens, NGRAM, n_gen=64, reps=1, stop=["\n\n"])
+    assert r["n_gen"] == len(answer) and r["stop"] == ["\n\n"] and r["tg_spec"] > 0
+    assert "until '\\n\\n'" in bench.format_speculative(r)
