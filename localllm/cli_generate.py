@@ -98,8 +98,8 @@ def add_speculation_options(p) -> None:
                         "in one forward, and the draft length adapts to what pays (off where nothing does)")
     g.add_argument("--draft-model", metavar="M", default=None,
                    help="the draft model for --spec draft (e.g. qwen2.5-coder-0.5b-instruct for the -1.5b)")
-    g.add_argument("--draft-max", type=whole_number(1, 32), default=8, metavar="K",
-                   help="tokens drafted per check at most (default 8; the draft length adapts below it)")
+    g.add_argument("--draft-max", type=whole_number(1, 32), default=16, metavar="K",
+                   help="tokens drafted per check at most (default 16; the draft length adapts below it)")
 
 
 def speculation_params(args):

@@ -57,9 +57,12 @@ MODES = ("ngram", "draft")
 class SpeculationParams:
     mode: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model)
     draft_model: str | None = None  # catalog name or .gguf path, for mode "draft"
-    # Most tokens drafted per verify. 8, not llama.cpp's 16: on the edit workload (qwen2.5-coder-0.5b, 2 busy cores)
-    # 16 gave 1.84x and 1.61x where 8 gave 1.85x twice; a long verify's time varies more when the cores are shared.
-    draft_max: int = 8
+    # Most tokens drafted per verify (llama.cpp's default too); the controller drafts that long only where the
+    # drafts' measured acceptance pays for the long verify. Against 8, interleaved in one process (the edit
+    # workload, /work/bench/s16/dm_ab.py): qwen2.5-coder-1.5b n-gram tg128 1.77x -> 1.85x, the whole answer (1,075
+    # tokens) 3.05x -> 3.13x, with the 0.5b draft model tg128 2.11x -> 2.22x; the 0.5b n-gram 3.21x -> 3.22x and
+    # 3.29x -> 3.35x; prose 1.04x -> 1.03x.
+    draft_max: int = 16
     adaptive: bool = True  # False: always draft draft_max tokens (tests, measurements)
     # With a draft model: also look the context up in the text so far (free), and verify that draft instead
     # when its measured acceptance makes it the better bet (a long copy). Only when adaptive.
