@@ -949,41 +949,36 @@ def fold_epi32_512(typingctx, a):
     return m256i(a), codegen
 
 
-@intrinsic(prefer_literal=True)
-def add_ps(typingctx, a, b):
-    """a + b per float lane (`_mm256_add_ps`)."""
-    if a != m256 or b != m256:
-        return None
+def _float_lanewise(op: str, doc: str):
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, a, b):
+        if a != m256 or b != m256:
+            return None
 
-    def codegen(context, builder, signature, args):
-        return builder.fadd(args[0], args[1])
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1])
 
-    return m256(a, b), codegen
+        return m256(a, b), codegen
+
+    fn.__doc__ = doc
+    return fn
 
 
-@intrinsic(prefer_literal=True)
-def sub_ps(typingctx, a, b):
-    """a - b per float lane (`_mm256_sub_ps`)."""
-    if a != m256 or b != m256:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fsub(args[0], args[1])
-
-    return m256(a, b), codegen
+add_ps = _float_lanewise("fadd", "a + b per float lane (`_mm256_add_ps`).")
+sub_ps = _float_lanewise("fsub", "a - b per float lane (`_mm256_sub_ps`).")
+mul_ps = _float_lanewise("fmul", "a * b per float lane (`_mm256_mul_ps`).")
 
 
 @intrinsic(prefer_literal=True)
 def max_ps(typingctx, a, b):
-    """`_mm256_max_ps` (vmaxps): per lane the larger of a and b, and b where either is NaN (so a NaN in a is
-    dropped and one in b kept)."""
+    """`_mm256_max_ps`: per lane a where a > b, else b (so b where either is NaN: a NaN in a is dropped, one in b
+    kept). A compare and a select in LLVM's terms, so any target compiles it (AVX-512: vcmpgtps into a mask, then
+    a masked move)."""
     if a != m256 or b != m256:
         return None
 
     def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32x8, [F32x8, F32x8]),
-                                            "llvm.x86.avx.max.ps.256")
-        return builder.call(fn, [args[0], args[1]])
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
 
     return m256(a, b), codegen
 
@@ -1001,18 +996,6 @@ def hmax_float_8(typingctx, a):
         return lane[0]
 
     return types.float32(a), codegen
-
-
-@intrinsic(prefer_literal=True)
-def mul_ps(typingctx, a, b):
-    """a * b per float lane (`_mm256_mul_ps`)."""
-    if a != m256 or b != m256:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fmul(args[0], args[1])
-
-    return m256(a, b), codegen
 
 
 @intrinsic(prefer_literal=True)
