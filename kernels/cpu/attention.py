@@ -424,11 +424,11 @@ def _weigh_values_2(aa, w_a, w_b, vaddr, a, b, s):
 
 @njit(cache=True, inline="always")
 def _max_of(row, n):
-    """row[:n].max(), as the array method gives it, in four 8-lane vmaxps chains: the one scalar chain of
+    """row[:n].max(), as the array method gives it, in four 8-lane max_ps chains: the one scalar chain of
     compare-and-select cost about 1.5 cycles a score, 43 of the 566 us of a 9-token verify's attention over 1,100
-    keys (qwen2.5-coder-1.5b, one layer). A NaN or an infinity anywhere (caught as x - x, not 0) leaves the answer to the array
-    method; otherwise the largest value does not depend on the order it is found in (of -0.0 and 0.0 either may
-    come out; a softmax subtracting it cannot tell them apart)."""
+    keys (qwen2.5-coder-1.5b, one layer). A NaN or an infinity anywhere (caught as x - x, not 0) leaves the
+    answer to the array method; otherwise the largest value does not depend on the order it is found in (of -0.0
+    and 0.0 either may come out; a softmax subtracting it cannot tell them apart)."""
     if n < 32 or not HAVE_AVX2:
         return row[:n].max()
     a = address_of(row)
