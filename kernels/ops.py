@@ -6,9 +6,9 @@
   rounded to 8 bits per block, integer dot products, as llama.cpp does for decode and prompts alike. Each
   output row depends only on its own x row, bit for bit, whatever n is (batch invariance): a prompt split into
   two evaluations (prefix reuse, a saved session), a speculative verify of k tokens and a server batch all give
-  exactly what one token at a time gives. x is fed in passes of ROWS_PER_PASS rows so a pass's 8-bit
-  activations stay in L1/L2 while every weight row streams past them (measured: 1.5-2x faster than whole-x
-  passes at n = 512, and with 2 threads faster than the float path below on every format).
+  exactly what one token at a time gives. x is fed in passes of quant_dot.rows_per_pass rows (16-64 by
+  format) so a pass's 8-bit activations stay in L1/L2 while every weight row streams past them (measured: 1.5-2x
+  faster than whole-x passes at n = 512, and with 2 threads faster than the float path below on every format).
 * `precise=True`, n >= BLAS_MIN_N (scoring against a float reference): dequantize W in tiles of rows, each
   tile once, into a reused float32 scratch buffer, and let BLAS do `x @ tile.T` with float32 activations.
   BLAS is not row-invariant (its kernels depend on the number of rows), so generation never takes this path.
@@ -54,8 +54,6 @@ except ImportError:
 # (`python -m localllm.kernels.bench`, crossover table, Zen 3), but n <= 8 (speculative verify, small server batches)
 # stays on the row-invariant fused kernel.
 BLAS_MIN_N = 9
-# x rows per integer-kernel pass (see the module docstring).
-ROWS_PER_PASS = 16
 # Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
 TILE_BYTES = 1 << 20
 # Work shares per thread in each phase of the fused forward: more than one, so a thread that finishes early (or
@@ -73,7 +71,7 @@ class Weight:
 
     __slots__ = (
         "raw", "qtype", "rows", "cols", "format",
-        "_dense", "_fused", "_use_quant_dot", "_bound", "_tile_rows",
+        "_dense", "_fused", "_use_quant_dot", "_bound", "_tile_rows", "_pass",
     )
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
@@ -95,6 +93,7 @@ class Weight:
         self._dense = view.view(np.float32) if fmt.qtype == GGMLQuantizationType.F32 else None
         self._fused = fmt.matmul
         self._use_quant_dot = fmt.qtype in _QUANT_DOT_SUPPORTED
+        self._pass = _quant_dot.rows_per_pass.py_func(int(fmt.qtype)) if self._use_quant_dot else 16  # x-rows a call
         self._bound = None  # quant_dot.bind's kernel, on first use: the fused forward never asks (211 weights of
         # smollm2 bound at load were 60 ms of a 1-second warm start)
         self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
@@ -161,11 +160,12 @@ def matmul(w: Weight, x: np.ndarray, out: np.ndarray | None = None, precise: boo
         else:
             np.matmul(x, w._dense.T, out=out)
     elif w._use_quant_dot and not (precise and n >= BLAS_MIN_N):
-        if n <= ROWS_PER_PASS:
+        step = w._pass
+        if n <= step:
             w._quant_dot(x, out, _threads[0])
         else:
-            for i in range(0, n, ROWS_PER_PASS):
-                w._quant_dot(x[i : i + ROWS_PER_PASS], out[i : i + ROWS_PER_PASS], _threads[0])
+            for i in range(0, n, step):
+                w._quant_dot(x[i : i + step], out[i : i + step], _threads[0])
     elif n < BLAS_MIN_N:
         w._fused(w.raw, x, out, _N16)
     else:
@@ -194,8 +194,9 @@ class WeightGroup:
         if x.shape[1] != self.weights[0].cols or x.dtype != _F32 or not x.flags.c_contiguous:
             raise ValueError(f"x must be C-contiguous float32 (n, {self.weights[0].cols}), got {x.dtype} {x.shape}")
         outs = [np.empty((n, w.rows), _F32) for w in self.weights]
-        for i in range(0, n, ROWS_PER_PASS):
-            self._many(x[i : i + ROWS_PER_PASS], tuple(out[i : i + ROWS_PER_PASS] for out in outs), _threads[0])
+        step = self.weights[0]._pass
+        for i in range(0, n, step):
+            self._many(x[i : i + step], tuple(out[i : i + step] for out in outs), _threads[0])
         return outs
 
 
@@ -336,7 +337,7 @@ def warm_up_calls(weights, kv_type: str | None = None) -> list[tuple[str, object
         if w._dense is not None:
             continue
         small = Weight(w.raw[: min(w.rows, 64)], w.qtype)
-        variants = [("decode", w, 1), ("prompt", small, ROWS_PER_PASS), ("embed", small, 0)]
+        variants = [("decode", w, 1), ("prompt", small, 16), ("embed", small, 0)]
         if w._use_quant_dot:
             for count in (2, 3):  # the Q/K/V and gate/up groups
                 variants.append((f"group of {count}", WeightGroup([small] * count), 1))

@@ -52,13 +52,12 @@ from localllm.kernels.cpu.by_address import AddressType, Compiled, call
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation_part, rms_norm_rows, rope_rows
 from localllm.kernels.cpu.moe import route_row, router_row
-from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2
+from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2, rows_per_pass
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
 
 MATS_PER_LAYER = 7
 VECS_PER_LAYER = 9
 PHASES_PER_LAYER = 9
-PASS = 16  # x rows per pass through a weight's rows (kernels.ops.ROWS_PER_PASS)
 
 
 @njit(cache=True)
@@ -93,10 +92,11 @@ def _products(ctl, p, tasks, formats, mats, mat_types, mat_families, first, coun
             r0, r1 = max(lo - start, 0), min(hi - start, rows)
             if r0 < r1:
                 out = outs_a if j == 0 else outs_b if j == 1 else outs_c
-                # x in passes of PASS rows, as kernels.ops.matmul feeds it: the pass's 8-bit activations stay
-                # in L1 while the task's weight rows stream past them
-                for i0 in range(0, n, PASS):
-                    i1 = min(i0 + PASS, n)
+                # x in passes (quant_dot.rows_per_pass), as kernels.ops.matmul feeds it: the pass's 8-bit
+                # activations stay in L1/L2 while the task's weight rows stream past them
+                step = rows_per_pass(mat_types[first + j])
+                for i0 in range(0, n, step):
+                    i1 = min(i0 + step, n)
                     part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1],
                             bk[i0:i1])
                     rows_avx2(formats, raw, mat_types[first + j], part, out[i0:i1], r0, r1)
@@ -112,10 +112,11 @@ def _products(ctl, p, tasks, formats, mats, mat_types, mat_families, first, coun
 
 @njit(cache=True)
 def _expert_rows(formats, raw, qtype, acts, out, g0, g1, r0, r1):
-    """out[g0:g1, r0:r1] = x[g0:g1] @ W[r0:r1].T (x given quantized, `acts`), in passes of PASS rows."""
+    """out[g0:g1, r0:r1] = x[g0:g1] @ W[r0:r1].T (x given quantized, `acts`), in passes (rows_per_pass)."""
     q0, d0, q1, d1, s1, qk, dk, bk = acts
-    for i0 in range(g0, g1, PASS):
-        i1 = min(i0 + PASS, g1)
+    step = rows_per_pass(qtype)
+    for i0 in range(g0, g1, step):
+        i1 = min(i0 + step, g1)
         part = (q0[i0:i1], d0[i0:i1], q1[i0:i1], d1[i0:i1], s1[i0:i1], qk[i0:i1], dk[i0:i1], bk[i0:i1])
         rows_avx2(formats, raw, qtype, part, out[i0:i1], r0, r1)
 

@@ -66,6 +66,12 @@ from localllm.kernels.cpu.simd import (
     add_ps,
     cvtepi32_ps_512,
     dpbusd_epi32_256,
+    even_ps_256,
+    interleave_dwords_512,
+    odd_ps_256,
+    repeat4_ps_512,
+    store_pair_sums_4,
+    repeat_pair_ps_512,
     fmadd_ps_512,
     loadu_ps_512,
     mul_ps_512,
@@ -127,6 +133,28 @@ Q = GGMLQuantizationType
 # the passive wait policy below) and one core does ~14 G weights/s, so splitting pays from ~2 * 10 us * 14 G/s
 # ~ 280K weights; smaller matrices (e.g. the 128x896 K/V projections of Qwen2.5-0.5B) stay serial.
 SERIAL_BELOW_WEIGHTS = 256 * 1024
+
+# x-rows per pass of the integer kernels: callers (kernels/ops.py, the fused forward) feed x in slices of this
+# many rows, each slice's 8-bit activations staying in L1/L2 while the weight's rows stream past them. The 32-block
+# kernels decode each weight tile once per slice, so longer slices decode less often; the K-quant kernels, which
+# decode nothing, lose past 64 rows (the slice outgrows the caches). One Zen 5 core, 256 x-rows, G MAC/s with
+# slices of 16 / 32 / 64 / 128: Q5_0 4864x896 108.6 / 121.8 / 127.3 / 131.5, 896x4864 120.0 / 128.8 / 142.3 /
+# 143.6; Q6_K 1536x8960 154.1 / 162.0 / 165.8 / 146.1; Q4_K 1536x8960 153.4 / 167.3 / 156.4 / 98.3, 8960x1536
+# 142.3 / 141.8 / 142.4 / 115.4. The bits do not depend on it: each x-row's products are its own.
+PASS_32_BLOCK = 64
+PASS_K_QUANT = 32
+PASS_OTHER = 16
+
+
+@njit(cache=True, inline="always")
+def rows_per_pass(qtype):
+    """x-rows per pass for weights of GGML type `qtype` (see PASS_32_BLOCK)."""
+    if qtype == 2 or qtype == 3 or qtype == 6 or qtype == 7 or qtype == 8:  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+        return PASS_32_BLOCK
+    if 10 <= qtype <= 14:  # Q2_K .. Q6_K
+        return PASS_K_QUANT
+    return PASS_OTHER
+
 
 # Kernel-family codes (ints, so one compiled kernel serves a family; compared inside the jitted code).
 KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
@@ -807,142 +835,170 @@ def _rows_32_avx2_one(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, 0)
 
 
-# Block pairs per pass of _rows_32_avx512 (512 columns): a 4-row tile decoded (2 KiB) with its scales (8 KiB)
-# and 16 x-rows' bytes (8 KiB) stay in L1.
+# Block pairs per pass of _rows_32_avx512 (512 columns): a 4-row tile decoded (2 KiB) with its scales (1 KiB) and
+# 16 x-rows' bytes (8 KiB) stay in L1.
 _TILE_PASS_PAIRS = 16
 
 
 @njit(cache=True)
 def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     """The 32-block formats on VNNI (_rows_32 says at how many x-rows): tiles of 4 weight rows x two x-rows at
-    a time (8 accumulators: each weight and scale load serves both x-rows; a last odd x-row alone), two blocks
-    per integer product, bitwise _rows_32_avx2's results (the same integer lanes, the same float steps in each
-    of the two lane sets, the same final sums). The 4- and 5-bit formats decode two blocks at a time
-    (nibble_pair_512, or_bit4_512): their nibbles (| the 5th bit) are the offset weights.
+    a time (8 accumulators: each weight load serves both x-rows; a last odd x-row alone), two blocks per integer
+    product, bitwise _rows_32_avx2's results (the same integer lanes, the same float steps in each of the two
+    lane sets, the same final sums). The 4- and 5-bit formats decode two blocks at a time (nibble_pair_512,
+    or_bit4_512): their nibbles (| the 5th bit) are the offset weights.
 
     Signed weights are stored offset to unsigned bytes (Q4_0 + 8, Q5_0 + 16, Q8_0 + 128) so one `vpdpbusd`
     takes them with no sign juggling; its accumulator starts at -offset * (the x-row's bytes summed in fours),
-    which makes every int32 lane exactly the signed dot's lane. One x-row's bytes, pair scales and correction
-    then serve four weight rows in registers. Columns go in passes of _TILE_PASS_PAIRS block pairs so a tile's
-    decoded weights and the x-rows' bytes stay in L1; the accumulators wait in `acc` between passes (the same
-    float operations in the same order, only stored and reloaded). Measured on one core of a Zen 5, 16 x-rows:
-    Q5_0 2048x640 1.8x, 4864x896 1.4x the previous VNNI kernel (see the commit)."""
+    which makes every int32 lane exactly the signed dot's lane.
+
+    A block pair's two blocks have their 4-byte groups alternated, in the decoded weights and in the x-rows
+    alike (interleave_dwords_512): int32 lane 2k is the first block's group k, lane 2k + 1 the second's. A
+    pair's float step then needs its two scale products (weight d x x-row d) as [pa, pb] x 8, one vpermpd out
+    of a register holding all 16 of the pair's products for the tile (4 rows x 2 x-rows x 2 blocks, one
+    vmulps), where [pa x 8 | pb x 8] took a vmulps for each (row, x-row): 19 where there were 26 multiplies,
+    dot products and fmas a pair, on the two pipes that run all three. Each product is the same float product
+    and each lane sees the same float steps in the same order, so the bits are unchanged; the tile's four rows
+    are summed together at the end (store_pair_sums_4, hsum_float_8's order). One Zen 5 core, G MAC/s at 8 / 16
+    x-rows: Q5_0 4864x896 91.9 / 106.2 -> 98.2 / 115.5, Q8_0 151936x896 90.7 / 104.2 -> 94.9 / 109.0.
+
+    Columns go in passes of _TILE_PASS_PAIRS block pairs so a tile's decoded weights and the x-rows' bytes stay
+    in L1; the accumulators wait in `acc` between passes (the same float operations in the same order, only
+    stored and reloaded)."""
     literally(kind)
     has_min = kind == KIND_Q4_1 or kind == KIND_Q5_1
     off = 128 if kind == KIND_Q8_0 else 8 if kind == KIND_Q4_0 else 16 if kind == KIND_Q5_0 else 0
     n, blocks = xd.shape
     pairs = blocks // 2
+    half_pairs = (n + 1) // 2
     wbase, wstride = address_of(raw), raw.strides[0]
-    decoded = np.empty((4, 32 * blocks), np.uint8)  # a tile's rows, offset to unsigned
-    wscale = np.empty((4, 8 * blocks), np.float32)  # each block's d in 8 lanes
+    ybase, ystride = address_of(xq), xq.strides[0]
+    offsets = set1_epi8_512(off)
+    zero = zero_si512()
+    # The x-rows as the products read them (each pair's groups alternated), and each x-row pair's block scales
+    # per block pair: dx(i0, a), dx(i0, b), dx(i1, a), dx(i1, b) (a last odd x-row pairs with itself)
+    ys = np.empty((n, 64 * pairs), np.uint8)
+    xds = np.empty((half_pairs, pairs, 4), np.float32)
+    ysbase, xdsbase = address_of(ys), address_of(xds)
+    for i in range(n):
+        for h in range(pairs):
+            storeu_si512(ysbase + i * 64 * pairs + 64 * h,
+                         interleave_dwords_512(loadu_si512(ybase + i * ystride + 64 * h)))
+    for ip in range(half_pairs):
+        i0 = 2 * ip
+        i1 = min(i0 + 1, n - 1)
+        for h in range(pairs):
+            xds[ip, h, 0] = xd[i0, 2 * h]
+            xds[ip, h, 1] = xd[i0, 2 * h + 1]
+            xds[ip, h, 2] = xd[i1, 2 * h]
+            xds[ip, h, 3] = xd[i1, 2 * h + 1]
+    decoded = np.empty((4, 64 * pairs + 32), np.uint8)  # a tile's rows, offset to unsigned; a last odd block after
+    wsc = np.empty((max(pairs, 1), 16), np.float32)  # per block pair, lane (j, i, b): row j's d of block 2h + b
+    wlast = np.empty(4, np.float32)  # each row's d of a last odd block
     acc = np.zeros((n, 4, 16), np.float32)
-    res = np.empty((n, r1 - r0), np.float32)
+    res_cols = r1 - r0 + 3
+    res = np.empty((n, res_cols), np.float32)
+    resbase = address_of(res)
     wmins = np.empty((blocks, 4), np.float32)  # each block's m for the tile's rows side by side
     summs = np.empty((n, 4), np.float32)
     sums_t = np.empty((blocks if has_min else 0, n), np.float32)  # xs transposed: the x-rows side by side
     for i in range(n if has_min else 0):
         for b in range(blocks):
             sums_t[b, i] = xs[i, b]
-    dbase, sbase = address_of(decoded), address_of(wscale)
-    dstride, sstride = decoded.strides[0], wscale.strides[0]
-    ybase, ystride = address_of(xq), xq.strides[0]
-    xdbase = address_of(xd)
+    dbase, dstride = address_of(decoded), decoded.strides[0]
+    wscbase = address_of(wsc)
     abase = address_of(acc)
-    offsets = set1_epi8_512(off)
-    zero = zero_si512()
+    ylen = 64 * pairs
+    qs = 2 if kind == KIND_Q8_0 or kind == KIND_Q4_0 else 4 if kind == KIND_Q4_1 else 6 if kind == KIND_Q5_0 else 8
+    qh = 2 if kind == KIND_Q5_0 else 4
     for r in range(r0, r1, 4):
         for j in range(4):  # rows past r1 repeat the last one (computed, not written)
             w = wbase + min(r + j, r1 - 1) * wstride
-            bp = 0
-            if kind != KIND_Q8_0:  # two blocks at a time: the offset weights are their nibbles (| the 5th bits)
-                qs = 2 if kind == KIND_Q4_0 else 4 if kind == KIND_Q4_1 else 6 if kind == KIND_Q5_0 else 8
-                qh = 2 if kind == KIND_Q5_0 else 4
-                while bp + 2 <= blocks:
-                    blk = w + block_bytes * bp
-                    blk2 = blk + block_bytes
-                    prefetch(blk + _PREFETCH_AHEAD)
-                    prefetch(blk2 + _PREFETCH_AHEAD)
+            for h in range(pairs):
+                blk = w + block_bytes * 2 * h
+                blk2 = blk + block_bytes
+                prefetch(blk + _PREFETCH_AHEAD)
+                prefetch(blk2 + _PREFETCH_AHEAD)
+                if kind == KIND_Q8_0:
+                    v2 = concat_si256(add_epi8(loadu_si256(blk + qs), set1_epi8(off)),
+                                      add_epi8(loadu_si256(blk2 + qs), set1_epi8(off)))
+                else:  # two blocks at a time: the offset weights are their nibbles (| the 5th bits)
                     v2 = nibble_pair_512(blk + qs, blk2 + qs)
                     if kind == KIND_Q5_0 or kind == KIND_Q5_1:
                         v2 = or_bit4_512(v2, np.uint64(load_u32(blk + qh)) |
                                          (np.uint64(load_u32(blk2 + qh)) << np.uint64(32)))
-                    storeu_si512(dbase + j * dstride + 32 * bp, v2)
-                    wd, wm = load_halves(blk)
-                    wd2, wm2 = load_halves(blk2)
-                    storeu_ps_512(sbase + j * sstride + 32 * bp, set2_ps_512(wd, wd2))
-                    if has_min:
-                        wmins[bp, j] = wm
-                        wmins[bp + 1, j] = wm2
-                    bp += 2
-            for b in range(bp, blocks):
+                storeu_si512(dbase + j * dstride + 64 * h, interleave_dwords_512(v2))
+                wd, wm = load_halves(blk)
+                wd2, wm2 = load_halves(blk2)
+                wsc[h, 4 * j] = wd
+                wsc[h, 4 * j + 1] = wd2
+                wsc[h, 4 * j + 2] = wd
+                wsc[h, 4 * j + 3] = wd2
+                if has_min:
+                    wmins[2 * h, j] = wm
+                    wmins[2 * h + 1, j] = wm2
+            if blocks % 2:
+                b = blocks - 1
                 blk = w + block_bytes * b
                 prefetch(blk + _PREFETCH_AHEAD)  # (a block is at most 34 bytes: one line each covers the rows)
                 v = _decode_32_avx2(blk, kind)
                 if off:
                     v = add_epi8(v, set1_epi8(off))
-                storeu_si256(dbase + j * dstride + 32 * b, v)
+                storeu_si256(dbase + j * dstride + 64 * pairs, v)
                 wd, wm = load_halves(blk)
-                storeu_ps(sbase + j * sstride + 32 * b, set1_ps(wd))
+                wlast[j] = wd
                 if has_min:
                     wmins[b, j] = wm
         for i in range(n * 4):
             storeu_ps_512(abase + 64 * i, setzero_ps_512())
         for p0 in range(0, pairs, _TILE_PASS_PAIRS):
             p1 = min(p0 + _TILE_PASS_PAIRS, pairs)
-            i0 = 0
-            while i0 + 2 <= n:  # two x-rows at a time: each weight and scale load serves both (8 accumulators)
-                y, y2 = ybase + i0 * ystride, ybase + (i0 + 1) * ystride
-                d, d2 = xdbase + 4 * i0 * blocks, xdbase + 4 * (i0 + 1) * blocks
-                a, e = abase + 256 * i0, abase + 256 * (i0 + 1)
+            for ip in range(half_pairs):
+                i0 = 2 * ip
+                y = ysbase + i0 * ylen
+                a = abase + 256 * i0
                 a0, a1, a2, a3 = loadu_ps_512(a), loadu_ps_512(a + 64), loadu_ps_512(a + 128), loadu_ps_512(a + 192)
-                b0, b1, b2, b3 = loadu_ps_512(e), loadu_ps_512(e + 64), loadu_ps_512(e + 128), loadu_ps_512(e + 192)
-                for h in range(p0, p1):
-                    o = 64 * h
-                    yv, yw = loadu_si512(y + o), loadu_si512(y2 + o)
-                    cv = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yv)) if off else zero
-                    cw = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yw)) if off else zero
-                    dv, dw = pair_ps_512(d + 8 * h), pair_ps_512(d2 + 8 * h)
-                    w, sc = loadu_si512(dbase + o), loadu_ps_512(sbase + o)
-                    a0 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a0)
-                    b0 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b0)
-                    w, sc = loadu_si512(dbase + dstride + o), loadu_ps_512(sbase + sstride + o)
-                    a1 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a1)
-                    b1 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b1)
-                    w, sc = loadu_si512(dbase + 2 * dstride + o), loadu_ps_512(sbase + 2 * sstride + o)
-                    a2 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a2)
-                    b2 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b2)
-                    w, sc = loadu_si512(dbase + 3 * dstride + o), loadu_ps_512(sbase + 3 * sstride + o)
-                    a3 = fmadd_ps_512(mul_ps_512(sc, dv), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a3)
-                    b3 = fmadd_ps_512(mul_ps_512(sc, dw), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b3)
-                storeu_ps_512(a, a0)
-                storeu_ps_512(a + 64, a1)
-                storeu_ps_512(a + 128, a2)
-                storeu_ps_512(a + 192, a3)
-                storeu_ps_512(e, b0)
-                storeu_ps_512(e + 64, b1)
-                storeu_ps_512(e + 128, b2)
-                storeu_ps_512(e + 192, b3)
-                i0 += 2
-            for i in range(i0, n):
-                y = ybase + i * ystride
-                d = xdbase + 4 * i * blocks
-                a = abase + 256 * i
-                a0, a1, a2, a3 = loadu_ps_512(a), loadu_ps_512(a + 64), loadu_ps_512(a + 128), loadu_ps_512(a + 192)
-                for h in range(p0, p1):
-                    o = 64 * h
-                    yv = loadu_si512(y + o)
-                    cv = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yv)) if off else zero
-                    dv = pair_ps_512(d + 8 * h)
-                    a0 = fmadd_ps_512(mul_ps_512(loadu_ps_512(sbase + o), dv),
-                                      cvtepi32_ps_512(dpbusd_epi32_512(cv, loadu_si512(dbase + o), yv)), a0)
-                    a1 = fmadd_ps_512(mul_ps_512(loadu_ps_512(sbase + sstride + o), dv),
-                                      cvtepi32_ps_512(dpbusd_epi32_512(cv, loadu_si512(dbase + dstride + o), yv)), a1)
-                    a2 = fmadd_ps_512(mul_ps_512(loadu_ps_512(sbase + 2 * sstride + o), dv),
-                                      cvtepi32_ps_512(dpbusd_epi32_512(cv, loadu_si512(dbase + 2 * dstride + o), yv)),
-                                      a2)
-                    a3 = fmadd_ps_512(mul_ps_512(loadu_ps_512(sbase + 3 * sstride + o), dv),
-                                      cvtepi32_ps_512(dpbusd_epi32_512(cv, loadu_si512(dbase + 3 * dstride + o), yv)),
-                                      a3)
+                if i0 + 1 < n:  # two x-rows: each weight load serves both (8 accumulators)
+                    y2 = y + ylen
+                    e = a + 256
+                    b0, b1, b2, b3 = loadu_ps_512(e), loadu_ps_512(e + 64), loadu_ps_512(e + 128), loadu_ps_512(e + 192)
+                    for h in range(p0, p1):
+                        o = 64 * h
+                        # the 16 scale products of this pair: lane (j, i, b) = row j's d x x-row i's d, block b
+                        pr = mul_ps_512(loadu_ps_512(wscbase + 64 * h), repeat4_ps_512(xdsbase + 16 * (ip * pairs + h)))
+                        yv, yw = loadu_si512(y + o), loadu_si512(y2 + o)
+                        cv = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yv)) if off else zero
+                        cw = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yw)) if off else zero
+                        w = loadu_si512(dbase + o)
+                        a0 = fmadd_ps_512(repeat_pair_ps_512(pr, 0), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a0)
+                        b0 = fmadd_ps_512(repeat_pair_ps_512(pr, 1), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b0)
+                        w = loadu_si512(dbase + dstride + o)
+                        a1 = fmadd_ps_512(repeat_pair_ps_512(pr, 2), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a1)
+                        b1 = fmadd_ps_512(repeat_pair_ps_512(pr, 3), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b1)
+                        w = loadu_si512(dbase + 2 * dstride + o)
+                        a2 = fmadd_ps_512(repeat_pair_ps_512(pr, 4), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a2)
+                        b2 = fmadd_ps_512(repeat_pair_ps_512(pr, 5), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b2)
+                        w = loadu_si512(dbase + 3 * dstride + o)
+                        a3 = fmadd_ps_512(repeat_pair_ps_512(pr, 6), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a3)
+                        b3 = fmadd_ps_512(repeat_pair_ps_512(pr, 7), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b3)
+                    storeu_ps_512(e, b0)
+                    storeu_ps_512(e + 64, b1)
+                    storeu_ps_512(e + 128, b2)
+                    storeu_ps_512(e + 192, b3)
+                else:
+                    for h in range(p0, p1):
+                        o = 64 * h
+                        pr = mul_ps_512(loadu_ps_512(wscbase + 64 * h), repeat4_ps_512(xdsbase + 16 * (ip * pairs + h)))
+                        yv = loadu_si512(y + o)
+                        cv = neg_epi32_512(dpbusd_epi32_512(zero, offsets, yv)) if off else zero
+                        a0 = fmadd_ps_512(repeat_pair_ps_512(pr, 0), cvtepi32_ps_512(
+                            dpbusd_epi32_512(cv, loadu_si512(dbase + o), yv)), a0)
+                        a1 = fmadd_ps_512(repeat_pair_ps_512(pr, 2), cvtepi32_ps_512(
+                            dpbusd_epi32_512(cv, loadu_si512(dbase + dstride + o), yv)), a1)
+                        a2 = fmadd_ps_512(repeat_pair_ps_512(pr, 4), cvtepi32_ps_512(
+                            dpbusd_epi32_512(cv, loadu_si512(dbase + 2 * dstride + o), yv)), a2)
+                        a3 = fmadd_ps_512(repeat_pair_ps_512(pr, 6), cvtepi32_ps_512(
+                            dpbusd_epi32_512(cv, loadu_si512(dbase + 3 * dstride + o), yv)), a3)
                 storeu_ps_512(a, a0)
                 storeu_ps_512(a + 64, a1)
                 storeu_ps_512(a + 128, a2)
@@ -958,23 +1014,32 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                     sb = sums_t[b, i]
                     for j in range(4):
                         summs[i, j] = summs[i, j] + wmins[b, j] * sb
+        if blocks % 2 == 0:  # the tile's four sums of each x-row at once (rows past r1 land in res's spare columns)
+            for i in range(n):
+                a = abase + 256 * i
+                store_pair_sums_4(resbase + 4 * (i * res_cols + r - r0), loadu_ps_512(a), loadu_ps_512(a + 64),
+                                  loadu_ps_512(a + 128), loadu_ps_512(a + 192))
+                if has_min:
+                    for j in range(4):
+                        res[i, r - r0 + j] = res[i, r - r0 + j] + summs[i, j]
+            continue
         for j in range(min(4, r1 - r)):
             for i in range(n):
-                a = abase + 256 * i + 64 * j
-                even, odd = loadu_ps(a), loadu_ps(a + 32)
+                lanes16 = loadu_ps_512(abase + 256 * i + 64 * j)
+                even, odd = even_ps_256(lanes16), odd_ps_256(lanes16)
                 if blocks % 2:  # the last block, alone, into the even lanes (as the AVX2 kernel steps it)
                     b = blocks - 1
                     yv = loadu_si256(ybase + i * ystride + 32 * b)
                     cv = _neg_offset_sums_256(yv, off)
-                    lanes = dpbusd_epi32_256(cv, loadu_si256(dbase + j * dstride + 32 * b), yv)
-                    even = fmadd_ps(set1_ps(load_f32(sbase + j * sstride + 32 * b) * xd[i, b]), cvtepi32_ps(lanes),
-                                    even)
+                    lanes = dpbusd_epi32_256(cv, loadu_si256(dbase + j * dstride + 64 * pairs), yv)
+                    even = fmadd_ps(set1_ps(wlast[j] * xd[i, b]), cvtepi32_ps(lanes), even)
                 total = hsum_float_8(add_ps(even, odd))
                 res[i, r - r0 + j] = total + summs[i, j] if has_min else total
     for i in range(n):  # out's rows are far apart (a whole weight's width): written here, each in one run
         for r in range(r0, r1):
             out[i, r] = res[i, r - r0]
-    keep_alive(decoded, wscale, acc)  # used through their addresses until here
+    keep_alive(decoded, wsc, acc)  # used through their addresses until here
+    keep_alive(ys, xds, res)
 
 
 @njit(cache=True, inline="always")

@@ -1240,6 +1240,101 @@ low_ps_256 = _half_ps_256(False, "Lanes 0-7 of a float zmm (`_mm512_castps512_ps
 high_ps_256 = _half_ps_256(True, "Lanes 8-15 of a float zmm (`_mm512_extractf32x8_ps(a, 1)`).")
 
 
+def _alternate_ps_256(odd: bool, doc: str):
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, a):
+        if a != m512:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.shuffle_vector(args[0], ir.Constant(F32x16, ir.Undefined),
+                                          ir.Constant(ir.VectorType(_I32, 8), [2 * k + odd for k in range(8)]))
+
+        return m256(a), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+even_ps_256 = _alternate_ps_256(False, "Lanes 0, 2, ..., 14 of a float zmm (a vpermps).")
+odd_ps_256 = _alternate_ps_256(True, "Lanes 1, 3, ..., 15 of a float zmm (a vpermps).")
+
+
+@intrinsic(prefer_literal=True)
+def interleave_dwords_512(typingctx, a):
+    """int32 lanes [a0, a8, a1, a9, ..., a7, a15]: the two 256-bit halves' 4-byte groups alternated (a vpermd)."""
+    if a != m512i:
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.bitcast(args[0], I32x16)
+        order = [k // 2 + 8 * (k % 2) for k in range(16)]
+        return builder.bitcast(builder.shuffle_vector(v, ir.Constant(I32x16, ir.Undefined),
+                                                      ir.Constant(ir.VectorType(_I32, 16), order)), I64x8)
+
+    return m512i(a), codegen
+
+
+@intrinsic(prefer_literal=True)
+def repeat4_ps_512(typingctx, address):
+    """The 4 floats at `address` repeated: [f0 .. f3] x 4 (one vbroadcastf32x4)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = builder.load(_ptr(builder, args[0], ir.VectorType(_F32, 4)), align=1)
+        return builder.shuffle_vector(f, ir.Constant(ir.VectorType(_F32, 4), ir.Undefined),
+                                      ir.Constant(ir.VectorType(_I32, 16), list(range(4)) * 4))
+
+    return m512(address), codegen
+
+
+
+@intrinsic(prefer_literal=True)
+def repeat_pair_ps_512(typingctx, a, m):
+    """a's lanes 2m and 2m + 1 repeated: [a[2m], a[2m + 1]] x 8 (m a literal 0..7; one vpermpd)."""
+    if a != m512 or not isinstance(m, types.IntegerLiteral):
+        return None
+    k = m.literal_value
+
+    def codegen(context, builder, signature, args):
+        return builder.shuffle_vector(args[0], ir.Constant(F32x16, ir.Undefined),
+                                      ir.Constant(ir.VectorType(_I32, 16), [2 * k, 2 * k + 1] * 8))
+
+    return m512(a, m), codegen
+
+
+@intrinsic(prefer_literal=True)
+def store_pair_sums_4(typingctx, address, v0, v1, v2, v3):
+    """Four floats to `address`: for each of v0..v3, hsum_float_8 of (its even lanes + its odd lanes), the sums
+    in hsum_float_8's order, ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) with s_k = lane 2k + lane 2k + 1,
+    four vectors at a time (shuffles and adds on whole registers where four scalar sums cost a dozen steps)."""
+    if not isinstance(address, types.Integer) or any(v != m512 for v in (v0, v1, v2, v3)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        def sh(a, b, order):
+            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(order)), order))
+
+        v = args[1:]
+        evens = [2 * k for k in range(8)] + [16 + 2 * k for k in range(8)]
+        s01 = builder.fadd(sh(v[0], v[1], evens), sh(v[0], v[1], [e + 1 for e in evens]))
+        s23 = builder.fadd(sh(v[2], v[3], evens), sh(v[2], v[3], [e + 1 for e in evens]))
+        # lanes of (s01, s23): row r's s_k at 8r + k; per row [s0 + s4, s2 + s6, s1 + s5, s3 + s7]
+        first = [8 * r + k for r in range(4) for k in (0, 2, 1, 3)]
+        u = builder.fadd(sh(s01, s23, first), sh(s01, s23, [f + 4 for f in first]))
+        half = ir.Constant(F32x16, ir.Undefined)
+        # per row [a, c] + [b, d] = [(s0 + s4) + (s2 + s6), (s1 + s5) + (s3 + s7)], then the two added
+        w = builder.fadd(sh(u, half, [4 * r + k for r in range(4) for k in (0, 2)]),
+                         sh(u, half, [4 * r + k for r in range(4) for k in (1, 3)]))
+        half8 = ir.Constant(ir.VectorType(_F32, 8), ir.Undefined)
+        total = builder.fadd(sh(w, half8, [2 * r for r in range(4)]), sh(w, half8, [2 * r + 1 for r in range(4)]))
+        builder.store(total, _ptr(builder, args[0], ir.VectorType(_F32, 4)), align=1)
+        return context.get_dummy_value()
+
+    return types.none(address, v0, v1, v2, v3), codegen
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ggml's composite helpers (arch/x86/quants.c), built from the primitives above
 # ---------------------------------------------------------------------------------------------------------------
