@@ -381,7 +381,8 @@ def test_the_vnni_32_block_row_kernels_give_the_avx2_kernels_bits(qtype):
     kind = quant_dot._KIND_32[qtype]
     block_bytes = FORMATS[qtype].type_size
     rng = np.random.default_rng(5)
-    for cols in (32 * 7, 32 * 8, 32 * 67):  # an odd last block, pairs only, three column passes and an odd block
+    for cols in (32 * 7, 32 * 8, 32 * 66, 32 * 67):  # an odd last block; pairs only; three column passes, without
+        # and with an odd block
         raw = random_blocks(qtype, 29, cols, seed=6).reshape(29, -1)
         raw.flags.writeable = False
         for n, (r0, r1) in [(1, (0, 29)), (2, (0, 29)), (3, (2, 29)), (4, (3, 28)), (7, (0, 29)), (16, (1, 2))]:

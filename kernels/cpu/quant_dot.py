@@ -949,19 +949,26 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                 wlast[j] = wd
                 if has_min:
                     wmins[b, j] = wm
-        for i in range(n * 4):
-            storeu_ps_512(abase + 64 * i, setzero_ps_512())
+        direct = blocks % 2 == 0  # the last pass sums its registers straight into res (else: `acc`, then below)
         for p0 in range(0, pairs, _TILE_PASS_PAIRS):
             p1 = min(p0 + _TILE_PASS_PAIRS, pairs)
+            last = p1 == pairs and direct
             for ip in range(half_pairs):
                 i0 = 2 * ip
                 y = ysbase + i0 * ylen
                 a = abase + 256 * i0
-                a0, a1, a2, a3 = loadu_ps_512(a), loadu_ps_512(a + 64), loadu_ps_512(a + 128), loadu_ps_512(a + 192)
+                if p0 == 0:
+                    a0 = a1 = a2 = a3 = setzero_ps_512()
+                else:
+                    a0, a1, a2, a3 = loadu_ps_512(a), loadu_ps_512(a + 64), loadu_ps_512(a + 128), loadu_ps_512(a + 192)
                 if i0 + 1 < n:  # two x-rows: each weight load serves both (8 accumulators)
                     y2 = y + ylen
                     e = a + 256
-                    b0, b1, b2, b3 = loadu_ps_512(e), loadu_ps_512(e + 64), loadu_ps_512(e + 128), loadu_ps_512(e + 192)
+                    if p0 == 0:
+                        b0 = b1 = b2 = b3 = setzero_ps_512()
+                    else:
+                        b0, b1, b2, b3 = (loadu_ps_512(e), loadu_ps_512(e + 64), loadu_ps_512(e + 128),
+                                          loadu_ps_512(e + 192))
                     for h in range(p0, p1):
                         o = 64 * h
                         # the 16 scale products of this pair: lane (j, i, b) = row j's d x x-row i's d, block b
@@ -981,10 +988,13 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                         w = loadu_si512(dbase + 3 * dstride + o)
                         a3 = fmadd_ps_512(repeat_pair_ps_512(pr, 6), cvtepi32_ps_512(dpbusd_epi32_512(cv, w, yv)), a3)
                         b3 = fmadd_ps_512(repeat_pair_ps_512(pr, 7), cvtepi32_ps_512(dpbusd_epi32_512(cw, w, yw)), b3)
-                    storeu_ps_512(e, b0)
-                    storeu_ps_512(e + 64, b1)
-                    storeu_ps_512(e + 128, b2)
-                    storeu_ps_512(e + 192, b3)
+                    if last:  # rows past r1 land in res's spare columns
+                        store_pair_sums_4(resbase + 4 * ((i0 + 1) * res_cols + r - r0), b0, b1, b2, b3)
+                    else:
+                        storeu_ps_512(e, b0)
+                        storeu_ps_512(e + 64, b1)
+                        storeu_ps_512(e + 128, b2)
+                        storeu_ps_512(e + 192, b3)
                 else:
                     for h in range(p0, p1):
                         o = 64 * h
@@ -999,10 +1009,13 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                             dpbusd_epi32_512(cv, loadu_si512(dbase + 2 * dstride + o), yv)), a2)
                         a3 = fmadd_ps_512(repeat_pair_ps_512(pr, 6), cvtepi32_ps_512(
                             dpbusd_epi32_512(cv, loadu_si512(dbase + 3 * dstride + o), yv)), a3)
-                storeu_ps_512(a, a0)
-                storeu_ps_512(a + 64, a1)
-                storeu_ps_512(a + 128, a2)
-                storeu_ps_512(a + 192, a3)
+                if last:
+                    store_pair_sums_4(resbase + 4 * (i0 * res_cols + r - r0), a0, a1, a2, a3)
+                else:
+                    storeu_ps_512(a, a0)
+                    storeu_ps_512(a + 64, a1)
+                    storeu_ps_512(a + 128, a2)
+                    storeu_ps_512(a + 192, a3)
         if has_min:  # summs += m * s per block, in block order (ggml_vec_dot_q4_1_q8_1 / q5_1_q8_1): each
             # (x-row, row) lane the scalar sequence, the tile's 4 rows side by side (a loop per row and x-row cost
             # more than the products at 1-4 x-rows)
@@ -1014,12 +1027,9 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
                     sb = sums_t[b, i]
                     for j in range(4):
                         summs[i, j] = summs[i, j] + wmins[b, j] * sb
-        if blocks % 2 == 0:  # the tile's four sums of each x-row at once (rows past r1 land in res's spare columns)
-            for i in range(n):
-                a = abase + 256 * i
-                store_pair_sums_4(resbase + 4 * (i * res_cols + r - r0), loadu_ps_512(a), loadu_ps_512(a + 64),
-                                  loadu_ps_512(a + 128), loadu_ps_512(a + 192))
-                if has_min:
+        if direct:
+            if has_min:
+                for i in range(n):
                     for j in range(4):
                         res[i, r - r0 + j] = res[i, r - r0 + j] + summs[i, j]
             continue
