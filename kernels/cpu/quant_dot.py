@@ -835,8 +835,8 @@ def _rows_32_avx2_one(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 1, 0)
 
 
-# Block pairs per pass of _rows_32_avx512 (512 columns): a 4-row tile decoded (2 KiB) with its scales (1 KiB) and
-# 16 x-rows' bytes (8 KiB) stay in L1.
+# Block pairs per column pass of _rows_32_avx512 (512 columns): a 4-row tile decoded (2 KiB) with its scales (1 KiB)
+# stays in L1 while the x-rows' bytes and corrections for those columns (1 KiB an x-row) stream from L1/L2.
 _TILE_PASS_PAIRS = 16
 
 
@@ -850,7 +850,8 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
 
     Signed weights are stored offset to unsigned bytes (Q4_0 + 8, Q5_0 + 16, Q8_0 + 128) so one `vpdpbusd`
     takes them with no sign juggling; its accumulator starts at -offset * (the x-row's bytes summed in fours),
-    which makes every int32 lane exactly the signed dot's lane.
+    which makes every int32 lane exactly the signed dot's lane (made once per call for the x-rows that go in
+    twos, and loaded).
 
     A block pair's two blocks have their 4-byte groups alternated, in the decoded weights and in the x-rows
     alike (interleave_dwords_512): int32 lane 2k is the first block's group k, lane 2k + 1 the second's. A
