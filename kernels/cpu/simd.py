@@ -1219,28 +1219,10 @@ def set2_ps_512(typingctx, low, high):
     return m512(low, high), codegen
 
 
-def _half_ps_256(high: bool, doc: str):
-    @intrinsic(prefer_literal=True)
-    def fn(typingctx, a):
-        if a != m512:
-            return None
+def _lanes_ps_256(lanes, doc: str):
+    """An intrinsic giving 8 of a float zmm's lanes, `lanes`, as a ymm (one shuffle)."""
+    order = list(lanes)
 
-        def codegen(context, builder, signature, args):
-            lanes = list(range(8, 16)) if high else list(range(8))
-            return builder.shuffle_vector(args[0], ir.Constant(F32x16, ir.Undefined),
-                                          ir.Constant(ir.VectorType(_I32, 8), lanes))
-
-        return m256(a), codegen
-
-    fn.__doc__ = doc
-    return fn
-
-
-low_ps_256 = _half_ps_256(False, "Lanes 0-7 of a float zmm (`_mm512_castps512_ps256`).")
-high_ps_256 = _half_ps_256(True, "Lanes 8-15 of a float zmm (`_mm512_extractf32x8_ps(a, 1)`).")
-
-
-def _alternate_ps_256(odd: bool, doc: str):
     @intrinsic(prefer_literal=True)
     def fn(typingctx, a):
         if a != m512:
@@ -1248,7 +1230,7 @@ def _alternate_ps_256(odd: bool, doc: str):
 
         def codegen(context, builder, signature, args):
             return builder.shuffle_vector(args[0], ir.Constant(F32x16, ir.Undefined),
-                                          ir.Constant(ir.VectorType(_I32, 8), [2 * k + odd for k in range(8)]))
+                                          ir.Constant(ir.VectorType(_I32, 8), order))
 
         return m256(a), codegen
 
@@ -1256,8 +1238,10 @@ def _alternate_ps_256(odd: bool, doc: str):
     return fn
 
 
-even_ps_256 = _alternate_ps_256(False, "Lanes 0, 2, ..., 14 of a float zmm (a vpermps).")
-odd_ps_256 = _alternate_ps_256(True, "Lanes 1, 3, ..., 15 of a float zmm (a vpermps).")
+low_ps_256 = _lanes_ps_256(range(8), "Lanes 0-7 of a float zmm (`_mm512_castps512_ps256`).")
+high_ps_256 = _lanes_ps_256(range(8, 16), "Lanes 8-15 of a float zmm (`_mm512_extractf32x8_ps(a, 1)`).")
+even_ps_256 = _lanes_ps_256(range(0, 16, 2), "Lanes 0, 2, ..., 14 of a float zmm (a vpermps).")
+odd_ps_256 = _lanes_ps_256(range(1, 16, 2), "Lanes 1, 3, ..., 15 of a float zmm (a vpermps).")
 
 
 @intrinsic(prefer_literal=True)
@@ -1287,7 +1271,6 @@ def repeat4_ps_512(typingctx, address):
                                       ir.Constant(ir.VectorType(_I32, 16), list(range(4)) * 4))
 
     return m512(address), codegen
-
 
 
 @intrinsic(prefer_literal=True)
