@@ -93,7 +93,8 @@ class Weight:
         self._dense = view.view(np.float32) if fmt.qtype == GGMLQuantizationType.F32 else None
         self._fused = fmt.matmul
         self._use_quant_dot = fmt.qtype in _QUANT_DOT_SUPPORTED
-        self._pass = _quant_dot.rows_per_pass.py_func(int(fmt.qtype)) if self._use_quant_dot else 16  # x-rows a call
+        # x-rows per integer-kernel call (quant_dot.rows_per_pass); only the integer path reads it
+        self._pass = _quant_dot.rows_per_pass.py_func(int(fmt.qtype)) if self._use_quant_dot else None
         self._bound = None  # quant_dot.bind's kernel, on first use: the fused forward never asks (211 weights of
         # smollm2 bound at load were 60 ms of a 1-second warm start)
         self._tile_rows = max(1, min(self.rows, TILE_BYTES // (4 * max(self.cols, 1))))
@@ -337,7 +338,7 @@ def warm_up_calls(weights, kv_type: str | None = None) -> list[tuple[str, object
         if w._dense is not None:
             continue
         small = Weight(w.raw[: min(w.rows, 64)], w.qtype)
-        variants = [("decode", w, 1), ("prompt", small, 16), ("embed", small, 0)]
+        variants = [("decode", w, 1), ("prompt", small, 16), ("embed", small, 0)]  # (any n > 1 is the prompt code)
         if w._use_quant_dot:
             for count in (2, 3):  # the Q/K/V and gate/up groups
                 variants.append((f"group of {count}", WeightGroup([small] * count), 1))

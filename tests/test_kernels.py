@@ -220,7 +220,8 @@ def test_matmul_is_batch_invariant(qtype):
     """Each output row is bitwise what n=1 gives for that x row alone: for every n on formats with an integer
     kernel (prompts, speculative verify, server batches), on the small-n path for the others."""
     w = make_weight(qtype, seed=5)
-    invariant_up_to = 40 if w._use_quant_dot else ops.BLAS_MIN_N - 1  # 40: several passes, the last partial
+    # on the integer path: two passes of the format's x-rows (quant_dot.rows_per_pass), the second partial
+    invariant_up_to = w._pass + 8 if w._use_quant_dot else ops.BLAS_MIN_N - 1
     x = np.random.default_rng(6).standard_normal((invariant_up_to, w.cols)).astype(np.float32)
     alone = np.concatenate([ops.matmul(w, x[i : i + 1]) for i in range(x.shape[0])])
     for n in range(2, x.shape[0] + 1):

@@ -134,6 +134,11 @@ Q = GGMLQuantizationType
 # ~ 280K weights; smaller matrices (e.g. the 128x896 K/V projections of Qwen2.5-0.5B) stay serial.
 SERIAL_BELOW_WEIGHTS = 256 * 1024
 
+# Kernel-family codes (ints, so one compiled kernel serves a family; compared inside the jitted code).
+KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
+QT_Q2_K, QT_Q3_K, QT_Q4_K, QT_Q5_K, QT_Q6_K = int(Q.Q2_K), int(Q.Q3_K), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
+QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_Q8_0 = int(Q.Q4_0), int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.Q8_0)
+
 # x-rows per pass of the integer kernels: callers (kernels/ops.py, the fused forward) feed x in slices of this
 # many rows, each slice's 8-bit activations staying in L1/L2 while the weight's rows stream past them. The 32-block
 # kernels decode each weight tile once per slice, so longer slices decode less often; the K-quant kernels, which
@@ -149,16 +154,12 @@ PASS_OTHER = 16
 @njit(cache=True, inline="always")
 def rows_per_pass(qtype):
     """x-rows per pass for weights of GGML type `qtype` (see PASS_32_BLOCK)."""
-    if qtype == 2 or qtype == 3 or qtype == 6 or qtype == 7 or qtype == 8:  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+    if qtype == QT_Q4_0 or qtype == QT_Q4_1 or qtype == QT_Q5_0 or qtype == QT_Q5_1 or qtype == QT_Q8_0:
         return PASS_32_BLOCK
-    if 10 <= qtype <= 14:  # Q2_K .. Q6_K
+    if QT_Q2_K <= qtype <= QT_Q6_K:
         return PASS_K_QUANT
     return PASS_OTHER
 
-
-# Kernel-family codes (ints, so one compiled kernel serves a family; compared inside the jitted code).
-KIND_Q8_0, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1 = 0, 1, 2, 3, 4
-QT_Q2_K, QT_Q3_K, QT_Q4_K, QT_Q5_K, QT_Q6_K = int(Q.Q2_K), int(Q.Q3_K), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 
 _F0 = np.float32(0.0)
 _F127 = np.float32(127.0)
@@ -857,15 +858,16 @@ def _rows_32_avx512(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     alike (interleave_dwords_512): int32 lane 2k is the first block's group k, lane 2k + 1 the second's. A
     pair's float step then needs its two scale products (weight d x x-row d) as [pa, pb] x 8, one vpermpd out
     of a register holding all 16 of the pair's products for the tile (4 rows x 2 x-rows x 2 blocks, one
-    vmulps), where [pa x 8 | pb x 8] took a vmulps for each (row, x-row): 19 where there were 26 multiplies,
-    dot products and fmas a pair, on the two pipes that run all three. Each product is the same float product
-    and each lane sees the same float steps in the same order, so the bits are unchanged; the tile's four rows
-    are summed together at the end (store_pair_sums_4, hsum_float_8's order). One Zen 5 core, G MAC/s at 8 / 16
-    x-rows: Q5_0 4864x896 91.9 / 106.2 -> 98.2 / 115.5, Q8_0 151936x896 90.7 / 104.2 -> 94.9 / 109.0.
+    vmulps), where [pa x 8 | pb x 8] took a vmulps for each (row, x-row): with the corrections loaded, 17 where
+    there were 26 multiplies, dot products and fmas a pair, on the two pipes that run all three. Each product is
+    the same float product and each lane sees the same float steps in the same order, so the bits are unchanged;
+    the tile's four rows are summed together at the end (store_pair_sums_4, hsum_float_8's order).
 
     Columns go in passes of _TILE_PASS_PAIRS block pairs so a tile's decoded weights and the x-rows' bytes stay
     in L1; the accumulators wait in `acc` between passes (the same float operations in the same order, only
-    stored and reloaded)."""
+    stored and reloaded), and the last pass sums them from the registers. One Zen 5 core, G MAC/s at 8 / 16
+    x-rows, against the kernel with a vmulps per (row, x-row), corrections made per tile and the sums from `acc`
+    (f9bc2e6): Q5_0 4864x896 96.7 / 109.6 -> 108.4 / 129.8, Q8_0 151936x896 90.8 / 105.1 -> 108.3 / 127.0."""
     literally(kind)
     has_min = kind == KIND_Q4_1 or kind == KIND_Q5_1
     off = 128 if kind == KIND_Q8_0 else 8 if kind == KIND_Q4_0 else 16 if kind == KIND_Q5_0 else 0
