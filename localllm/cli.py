@@ -409,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput SLO: TPOT at most S seconds (default 0.2)")
     p.add_argument("--api-key", metavar="KEY", help="bearer token, if the server wants one")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--seed", default=None, metavar="S",
+                   help="make the prompts from S (the same S, the same prompts; default: new ones every run, so "
+                        "none is already in the server's prompt cache)")
     p.add_argument("--workload", choices=["openai", "llama-vim"], default="openai",
                    help="openai (default): the load test above; llama-vim: replay llama.vim's requests while a "
                         "user types (ring warm-ups, then one /infill per keystroke) and report the time to "

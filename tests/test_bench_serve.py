@@ -1,0 +1,131 @@
+"""bench-serve's load generator: its HTTP/1.1 streaming client against a scripted server (chunk boundaries that
+cut lines, keep-alive, error answers, a connection cut mid-answer), and prompts that never repeat across runs.
+The end-to-end run against a real server is tests/test_server.py's test_bench_serve_reports_latencies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from localllm.bench_serve import StreamingClient, make_prompt, one_request
+from localllm.errors import LocalLLMError
+
+
+def sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events) + b"data: [DONE]\r\n\r\n"
+
+
+def chunked(data: bytes, sizes: list[int]) -> bytes:
+    """data in chunks of the given sizes (the rest in one more), then the last chunk."""
+    out, i = b"", 0
+    for n in sizes + [len(data)]:
+        part, i = data[i:i + n], i + n
+        if part:
+            out += b"%x\r\n" % len(part) + part + b"\r\n"
+    return out + b"0\r\n\r\n"
+
+
+async def scripted_server(answers: list[bytes]):
+    """A server that reads each request (headers and Content-Length body) and writes the next scripted answer,
+    closing the connection after the last one or one that says Connection: close. Returns (server, url, requests
+    seen)."""
+    seen: list[bytes] = []
+    queue = list(answers)
+
+    async def handle(reader, writer):
+        while queue:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            seen.append(head + await reader.readexactly(length))
+            answer = queue.pop(0)
+            writer.write(answer)
+            await writer.drain()
+            if b"Connection: close" in answer:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", seen
+
+
+def ok_head(extra: str = "") -> bytes:
+    return f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n{extra}".encode()
+
+
+EVENTS = [{"choices": [{"text": "Hello"}]}, {"choices": [{"text": " world"}]},
+          {"choices": [], "usage": {"completion_tokens": 2}}]
+
+
+def test_a_streamed_answer_is_read_whole_whatever_its_chunks_cut_and_the_connection_is_reused():
+    async def main():
+        body = sse(*EVENTS)
+        answers = [ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [3, 1, 17, 2, 40]),
+                   ok_head(f"content-length: {len(body)}\r\n\r\n") + body]
+        server, url, seen = await scripted_server(answers)
+        client = StreamingClient(url + "/", {"Authorization": "Bearer k"})
+        first = await one_request(client, "/v1/completions", {"prompt": "a"})
+        second = await one_request(client, "/v1/completions", {"prompt": "b"})
+        client.close()
+        server.close()
+        return first, second, seen
+
+    first, second, seen = asyncio.run(main())
+    for res in (first, second):
+        assert res["ok"] and res["tokens"] == 2 and len(res["itl"]) == 1
+    assert len(seen) == 2 and all(s.startswith(b"POST /v1/completions HTTP/1.1\r\n") for s in seen)
+    assert all(b"Authorization: Bearer k\r\n" in s for s in seen)
+    assert json.loads(seen[1].split(b"\r\n\r\n", 1)[1]) == {"prompt": "b"}
+
+
+def test_an_error_answer_fails_that_request_with_its_status_and_text():
+    async def main():
+        text = b'{"error": "bad key"}'
+        server, url, _ = await scripted_server(
+            [f"HTTP/1.1 401 Unauthorized\r\ncontent-length: {len(text)}\r\n\r\n".encode() + text,
+             ok_head("Connection: close\r\n\r\n") + sse(*EVENTS)])  # no length: the body ends at the close
+        client = StreamingClient(url, {})
+        failed = await one_request(client, "/v1/completions", {})
+        ok = await one_request(client, "/v1/completions", {})
+        server.close()
+        return failed, ok, client.writer
+
+    failed, ok, writer = asyncio.run(main())
+    assert failed == {"ok": False, "error": 'HTTP 401: {"error": "bad key"}'}
+    assert ok["ok"] and ok["tokens"] == 2
+    assert writer is None  # closed after the server's Connection: close
+
+
+def test_an_answer_cut_mid_stream_raises_and_the_next_request_reconnects():
+    async def main():
+        body = sse(*EVENTS)
+        cut = ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [10])[:30]
+        server, url, seen = await scripted_server([cut])  # its last answer: the connection closes after it
+        client = StreamingClient(url, {})
+        with pytest.raises(asyncio.IncompleteReadError):  # an EOFError: bench-serve counts it as a failure
+            await one_request(client, "/v1/completions", {})
+        assert client.writer is None
+        server.close()
+        server2, url2, _ = await scripted_server([ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [])])
+        client2 = StreamingClient(url2, {})
+        res = await one_request(client2, "/v1/completions", {})
+        client2.close()
+        server2.close()
+        return res
+
+    assert asyncio.run(main())["ok"]
+
+
+def test_a_server_url_that_is_not_http_is_refused_with_a_message():
+    with pytest.raises(LocalLLMError, match="http://HOST:PORT"):
+        StreamingClient("127.0.0.1:8080", {})
+
+
+def test_prompts_differ_between_requests_and_between_runs_unless_the_seed_is_repeated():
+    run_a = [make_prompt(i, 48, "a") for i in range(8)]
+    assert len(set(run_a)) == 8
+    assert run_a == [make_prompt(i, 48, "a") for i in range(8)]
+    assert not set(run_a) & {make_prompt(i, 48, "b") for i in range(8)}
