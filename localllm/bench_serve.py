@@ -50,6 +50,10 @@ def make_prompt(i: int, n_words: int, seed: str = "") -> str:
     return "Continue the story: " + " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+class _Unanswered(ConnectionError):
+    """The connection closed (or was reset) before the first byte of the answer."""
+
+
 class StreamingClient:
     """One client's keep-alive HTTP/1.1 connection: one request at a time, a 200 answer's body handed over line
     by line as it arrives (chunked, Content-Length or read to the close), any other answer's body returned whole.
@@ -75,12 +79,21 @@ class StreamingClient:
 
     async def post(self, path: str, payload: bytes, on_line) -> tuple[int, bytes]:
         """POST the JSON `payload` to `path`: (status, body), where a 200 answer's body went to on_line(line)
-        line by line (without its line ending) and comes back empty."""
-        try:
-            return await self._post(path, payload, on_line)
-        except BaseException:
-            self.close()  # a half-read answer leaves the connection unusable
-            raise
+        line by line (without its line ending) and comes back empty. A kept-alive connection the server closed
+        before answering (llama.cpp's server closes it after each streamed answer) is opened again and the
+        request sent once more, as HTTP/1.1 clients do: nothing of it was read."""
+        reused = self.writer is not None
+        for attempt in range(2):
+            try:
+                return await self._post(path, payload, on_line)
+            except _Unanswered:
+                self.close()
+                if not reused or attempt:
+                    raise ConnectionError("the server closed the connection without answering") from None
+            except BaseException:
+                self.close()  # a half-read answer leaves the connection unusable
+                raise
+        raise AssertionError("unreachable")
 
     async def _post(self, path: str, payload: bytes, on_line) -> tuple[int, bytes]:
         if self.writer is None:
@@ -89,11 +102,15 @@ class StreamingClient:
         self.writer.write(f"POST {self.prefix}{path} HTTP/1.1\r\n{self.head}Content-Type: application/json\r\n"
                           f"Content-Length: {len(payload)}\r\n\r\n".encode("latin-1") + payload)
         reader = self.reader
-        status_line = await reader.readline()
+        try:
+            status_line = await reader.readline()
+        except (ConnectionResetError, BrokenPipeError):
+            raise _Unanswered() from None
+        if not status_line:
+            raise _Unanswered()
         version, status, *_ = status_line.split(None, 2) + [b"", b""]
         if not version.startswith(b"HTTP/") or not status.isdigit():
-            raise ConnectionError(f"not an HTTP answer: {status_line[:80]!r}" if status_line
-                                  else "the server closed the connection")
+            raise ConnectionError(f"not an HTTP answer: {status_line[:80]!r}")
         status_code = int(status)
         chunked, length, close = False, None, version == b"HTTP/1.0"
         while True:

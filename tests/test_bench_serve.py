@@ -27,10 +27,10 @@ def chunked(data: bytes, sizes: list[int]) -> bytes:
     return out + b"0\r\n\r\n"
 
 
-async def scripted_server(answers: list[bytes]):
+async def scripted_server(answers: list[bytes], close_each: bool = False):
     """A server that reads each request (headers and Content-Length body) and writes the next scripted answer,
-    closing the connection after the last one or one that says Connection: close. Returns (server, url, requests
-    seen)."""
+    closing the connection after the last one, one that says Connection: close, or (close_each) every one without
+    saying so, as llama.cpp's server does after a streamed answer. Returns (server, url, requests seen)."""
     seen: list[bytes] = []
     queue = list(answers)
 
@@ -43,7 +43,7 @@ async def scripted_server(answers: list[bytes]):
             answer = queue.pop(0)
             writer.write(answer)
             await writer.drain()
-            if b"Connection: close" in answer:
+            if b"Connection: close" in answer or close_each:
                 break
         writer.close()
 
@@ -117,6 +117,39 @@ def test_an_answer_cut_mid_stream_raises_and_the_next_request_reconnects():
         return res
 
     assert asyncio.run(main())["ok"]
+
+
+def test_a_kept_alive_connection_the_server_closed_is_opened_again_and_the_request_sent_once_more():
+    async def main():
+        body = sse(*EVENTS)
+        answer = ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [7])
+        server, url, seen = await scripted_server([answer, answer, answer], close_each=True)
+        client = StreamingClient(url, {})
+        results = [await one_request(client, "/v1/completions", {"i": i}) for i in range(3)]
+        client.close()
+        server.close()
+        return results, seen
+
+    results, seen = asyncio.run(main())
+    assert all(r["ok"] and r["tokens"] == 2 for r in results)
+    assert [json.loads(s.split(b"\r\n\r\n", 1)[1]) for s in seen] == [{"i": 0}, {"i": 1}, {"i": 2}]
+
+
+def test_a_fresh_connection_closed_before_any_answer_fails_the_request():
+    async def main():
+        async def hang_up(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        client = StreamingClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", {})
+        try:
+            with pytest.raises(ConnectionError, match="closed the connection without answering"):
+                await one_request(client, "/v1/completions", {})
+        finally:
+            server.close()
+
+    asyncio.run(main())
 
 
 def test_a_server_url_that_is_not_http_is_refused_with_a_message():
