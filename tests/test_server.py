@@ -434,6 +434,32 @@ def test_bench_serve_reports_latencies(server):
     assert res["goodput_requests_per_s"] <= res["requests_per_s"]
 
 
+def test_connections_the_server_accepts_send_each_streamed_token_at_once():
+    """Nagle's algorithm is off on accepted connections (TCP_NODELAY): with it on, a kept-alive connection's tokens
+    waited for the client's delayed ACK and the first ~40 ms of each answer after the first arrived in one burst."""
+    from localllm.server import bind
+
+    async def main():
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        listening = bind("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listening)  # as uvicorn serves it
+        _, writer = await asyncio.open_connection("127.0.0.1", listening.getsockname()[1])
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(main()) != 0
+
+
 def test_serve_says_so_when_the_port_is_taken():
     with closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
