@@ -74,6 +74,24 @@ def test_requests_are_decoded_together_and_match_alone(engine, monkeypatch):
     assert engine.kv_pool.blocks_held() == 0 and sched.live_sequences == 0
 
 
+def test_a_requests_first_token_goes_out_before_the_forward_that_evaluates_it_and_later_ones_after(engine,
+                                                                                                   monkeypatch):
+    sched = Scheduler(engine, parallel=2)
+    delivered_at_decode = []  # tokens handed to streams when each decode step's forward starts
+    real = engine.evaluate_batch
+
+    def spy(items):
+        if all(len(tokens) == 1 for _, tokens in items):
+            delivered_at_decode.append(sched.metrics.generated_tokens)
+        return real(items)
+
+    monkeypatch.setattr(engine, "evaluate_batch", spy)
+    [(tokens, final)] = decode_together(sched, [(prompts(engine)[0], greedy(4))])
+    assert len(tokens) == 4 and final.completion_tokens == 4
+    # token 1 before its forward (the time to first token is the prefill alone); tokens 2, 3 after theirs
+    assert delivered_at_decode == [1, 1, 2]
+
+
 def test_cancel_closes_the_sequence_at_the_next_step(engine):
     sched = Scheduler(engine, parallel=2)
     sched.start()
