@@ -103,20 +103,20 @@ def test_an_answer_cut_mid_stream_raises_and_the_next_request_reconnects():
     async def main():
         body = sse(*EVENTS)
         cut = ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [10])[:30]
-        server, url, seen = await scripted_server([cut])  # its last answer: the connection closes after it
+        whole = ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [])
+        server, url, seen = await scripted_server([cut, whole], close_each=True)
         client = StreamingClient(url, {})
         with pytest.raises(asyncio.IncompleteReadError):  # an EOFError: bench-serve counts it as a failure
-            await one_request(client, "/v1/completions", {})
-        assert client.writer is None
+            await one_request(client, "/v1/completions", {"i": 0})
+        assert client.writer is None  # the half-read connection is dropped
+        res = await one_request(client, "/v1/completions", {"i": 1})  # the same client, a new connection
+        client.close()
         server.close()
-        server2, url2, _ = await scripted_server([ok_head("transfer-encoding: chunked\r\n\r\n") + chunked(body, [])])
-        client2 = StreamingClient(url2, {})
-        res = await one_request(client2, "/v1/completions", {})
-        client2.close()
-        server2.close()
-        return res
+        return res, seen
 
-    assert asyncio.run(main())["ok"]
+    res, seen = asyncio.run(main())
+    assert res["ok"] and res["tokens"] == 2
+    assert [json.loads(s.split(b"\r\n\r\n", 1)[1]) for s in seen] == [{"i": 0}, {"i": 1}]
 
 
 def test_a_kept_alive_connection_the_server_closed_is_opened_again_and_the_request_sent_once_more():
