@@ -37,6 +37,7 @@ from localllm.kernels.formats import row_range
 
 try:  # the integer SIMD fast path, written separately; the portable path stands alone without it
     from localllm.kernels.cpu import quant_dot as _quant_dot
+    from localllm.kernels.cpu import tiled as _tiled
 
     _QUANT_DOT_SUPPORTED = frozenset(_quant_dot.SUPPORTED)
 except ImportError:
@@ -66,15 +67,38 @@ _F32 = np.dtype(np.float32)
 _scratch = threading.local()
 
 
+class _TiledFormat:
+    """A CpuFormat seen through the tiled layout: dequantize_rows and the portable matmul untile the rows they
+    read first (embedding lookups, `dequantize`, the precise path); the integer kernels read the tiles."""
+
+    def __init__(self, fmt: CpuFormat):
+        self.inner = fmt
+        self.format, self.quantize, self.quantize_imatrix = fmt.format, fmt.quantize, fmt.quantize_imatrix
+        self.qtype, self.name, self.block_size, self.type_size = fmt.qtype, fmt.name, fmt.block_size, fmt.type_size
+
+    def row_bytes(self, cols: int) -> int:
+        return self.inner.row_bytes(cols)
+
+    def dequantize_rows(self, raw, ids, out, n16):
+        ids = np.asarray(ids, np.int64)
+        self.inner.dequantize_rows(_tiled.untile_rows(raw, self.qtype, ids), _row_ids(len(ids))[: len(ids)], out,
+                                   n16)
+
+    def matmul(self, raw, x, out, n16):
+        self.inner.matmul(_tiled.untile_rows(raw, self.qtype, _row_ids(raw.shape[0])[: raw.shape[0]]), x, out, n16)
+
+
 class Weight:
-    """A 2-D weight matrix in any format, as stored: `raw` is a read-only uint8 view (rows, row_bytes)."""
+    """A 2-D weight matrix in any format, as stored: `raw` is a read-only uint8 view (rows, row_bytes), in the
+    file's layout or (`tiled`) in kernels/cpu/tiled.py's 16-row tiles of the same bytes."""
 
     __slots__ = (
-        "raw", "qtype", "rows", "cols", "format",
+        "raw", "qtype", "rows", "cols", "format", "tiled", "kernel_type",
         "_dense", "_fused", "_use_quant_dot", "_bound", "_tile_rows", "_pass",
     )
 
-    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType):
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, tiled: bool = False):
+        """`tiled`: raw is already in kernels/cpu/tiled.py's 16-row tiles (`Weight.tiled_from`)."""
         _ensure_runtime()  # before any kernel runs; a model's first weight comes before its first call
         fmt: CpuFormat = format_of(qtype)
         if raw.dtype != np.uint8 or raw.ndim != 2 or not raw.flags.c_contiguous:
@@ -87,7 +111,12 @@ class Weight:
         view.flags.writeable = False
         self.raw = view
         self.qtype = fmt.qtype
-        self.format = fmt
+        self.tiled = bool(tiled)
+        if self.tiled and not _tiled.can_tile(fmt.qtype, raw.shape[0]):
+            raise ValueError(f"a {fmt.name} weight of {raw.shape[0]} rows cannot be tiled on this CPU")
+        # what the integer kernels dispatch on: the GGML type, or its tiled twin (kernels/cpu/tiled.py)
+        self.kernel_type = _tiled.kernel_type(fmt.qtype) if self.tiled else int(fmt.qtype)
+        self.format = _TiledFormat(fmt) if self.tiled else fmt
         self.rows = int(raw.shape[0])
         self.cols = int(raw.shape[1] // fmt.type_size * fmt.block_size)
         self._dense = view.view(np.float32) if fmt.qtype == GGMLQuantizationType.F32 else None
@@ -103,13 +132,23 @@ class Weight:
     def _quant_dot(self):
         """`kernel(x, out, n_threads)` for this weight (quant_dot.bind), or None where quant_dot has no kernel."""
         if self._bound is None and self._use_quant_dot:
-            self._bound = _quant_dot.bind(self.raw, self.qtype)
+            self._bound = _quant_dot.bind_tiled(self.raw, self.qtype) if self.tiled else _quant_dot.bind(self.raw, self.qtype)
         return self._bound
 
     @classmethod
-    def from_gguf(cls, gguf_file, name: str, rows: tuple[int, int] | None = None) -> "Weight":
+    def from_gguf(cls, gguf_file, name: str, rows: tuple[int, int] | None = None, tile: bool = False) -> "Weight":
+        """The tensor `name` (rows: a row range of it) read in place from the file's memory map; `tile`: repacked
+        into 16-row tiles where this CPU has the tiled kernel (kernels/cpu/tiled.py), a private copy of the same
+        size, whose file pages are then dropped from this process (the file is read once, not kept twice)."""
         info = gguf_file.tensor_info(name)
-        return cls(row_range(gguf_file.raw(name), rows, name), info.qtype)
+        raw = row_range(gguf_file.raw(name), rows, name)
+        if tile and _tiled.can_tile(info.qtype, raw.shape[0]):
+            tiled = _tiled.tile(raw, info.qtype)
+            release = getattr(gguf_file, "release", None)  # (a GGUFFile; stand-ins for one may not map a file)
+            if release is not None:
+                release(raw)
+            return cls(tiled, info.qtype, tiled=True)
+        return cls(raw, info.qtype)
 
     @property
     def nbytes(self) -> int:
@@ -184,9 +223,10 @@ class WeightGroup:
 
     def __init__(self, weights: list[Weight]):
         self.weights = list(weights)
-        fusable = (all(w._use_quant_dot for w in self.weights) and len({w.qtype for w in self.weights}) == 1
+        fusable = (all(w._use_quant_dot for w in self.weights) and len({w.kernel_type for w in self.weights}) == 1
                    and len({w.cols for w in self.weights}) == 1)
-        self._many = _quant_dot.bind_many([w.raw for w in self.weights], self.weights[0].qtype) if fusable else None
+        bind_many = _quant_dot.bind_many_tiled if self.weights[0].tiled else _quant_dot.bind_many
+        self._many = bind_many([w.raw for w in self.weights], self.weights[0].qtype) if fusable else None
 
     def __call__(self, x: np.ndarray, precise: bool = False) -> list[np.ndarray]:
         n = x.shape[0]
@@ -337,7 +377,7 @@ def warm_up_calls(weights, kv_type: str | None = None) -> list[tuple[str, object
     for w in weights:
         if w._dense is not None:
             continue
-        small = Weight(w.raw[: min(w.rows, 64)], w.qtype)
+        small = Weight(w.raw[: min(w.rows, 64)], w.qtype, tiled=w.tiled)
         variants = [("decode", w, 1), ("prompt", small, 16), ("embed", small, 0)]  # (any n > 1 is the prompt code)
         if w._use_quant_dot:
             for count in (2, 3):  # the Q/K/V and gate/up groups
@@ -345,7 +385,7 @@ def warm_up_calls(weights, kv_type: str | None = None) -> list[tuple[str, object
         for kind, target, n in variants:
             # quant_dot's serial/threaded split (groups: the threads wake either way)
             serial = isinstance(target, Weight) and target.rows * target.cols < 256 * 1024
-            key = (w.qtype, kind, serial)
+            key = (w.kernel_type, kind, serial)
             if key in seen:
                 continue
             seen.add(key)
@@ -385,7 +425,7 @@ class FusedForward:
         self.available = (_fused is not None and _quant_dot.USES_AVX2
                           and all(w._use_quant_dot for w in everything)
                           and all(w._use_quant_dot for layer in stacked for mats in layer for w in mats)
-                          and all(len({w.qtype for w in mats}) == 1 for layer in stacked for mats in layer))
+                          and all(len({w.kernel_type for w in mats}) == 1 for layer in stacked for mats in layer))
         if not self.available:
             return
         # A mixture of experts' layers have no dense FFN: an empty matrix holds its places (never read).
@@ -394,9 +434,9 @@ class FusedForward:
         mats = [w.raw if w is not None else hole for mats in layer_mats for w in mats] + [output.raw]
         kinds = [w if w is not None else first for mats in layer_mats for w in mats] + [output]
         self.mats = typed_list(mats)
-        self.mat_types = np.array([int(w.qtype) for w in kinds], np.int64)
+        self.mat_types = np.array([w.kernel_type for w in kinds], np.int64)
         # what the compiled forward dispatches on: one compile (and cache entry) per set of formats
-        self.formats = FormatSet({w.qtype for w in everything} | {w.qtype for layer in stacked for mats in layer
+        self.formats = FormatSet({w.kernel_type for w in everything} | {w.kernel_type for layer in stacked for mats in layer
                                                                    for w in mats})
         self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in kinds], np.int64)
         self.moe = None

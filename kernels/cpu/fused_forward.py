@@ -46,13 +46,16 @@ import numpy as np
 from numba import njit, prange, typeof, types
 from numba.core.compiler_lock import global_compiler_lock
 
-from localllm.kernels.cpu import attention, blocks, by_address, forget_stale_cache, format_set, quant_dot, simd, team
+from localllm.kernels.cpu import (
+    attention, blocks, by_address, forget_stale_cache, format_set, quant_dot, simd, team, tiled,
+)
 from localllm.kernels.cpu import moe as moe_kernels
 from localllm.kernels.cpu.by_address import AddressType, Compiled, call
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation_part, rms_norm_rows, rope_rows
 from localllm.kernels.cpu.moe import route_row, router_row
 from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2, rows_per_pass
+from localllm.kernels.cpu.tiled import TILE
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
 
 MATS_PER_LAYER = 7
@@ -84,7 +87,7 @@ def _products(ctl, p, tasks, formats, mats, mat_types, mat_families, first, coun
         t = next_task(ctl, p, tasks)
         if t < 0:
             break
-        lo, hi = task_bounds(t, tasks, total, 1)
+        lo, hi = task_bounds(t, tasks, total, TILE)  # whole tiles of a tiled weight (kernels/cpu/tiled.py)
         start = 0
         for j in range(count):
             raw = mats[first + j]
@@ -447,4 +450,4 @@ def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_sc
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, attention, blocks, moe_kernels, format_set, by_address)])
+                   [m.__file__ for m in (simd, team, quant_dot, tiled, attention, blocks, moe_kernels, format_set, by_address)])

@@ -43,7 +43,10 @@ from numba.extending import overload
 
 from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu import tiled as _tiled
 from localllm.kernels.cpu.format_set import FormatSetType
+from localllm.kernels.cpu.tiled import TILE as _TILE
+from localllm.kernels.cpu.tiled import rows_fast as tiled_rows
 from localllm.kernels.cpu.simd import (
     HAVE_AVX2,
     HAVE_AVX512,
@@ -155,6 +158,8 @@ PASS_OTHER = 16
 def rows_per_pass(qtype):
     """x-rows per pass for weights of GGML type `qtype` (see PASS_32_BLOCK)."""
     if qtype == QT_Q4_0 or qtype == QT_Q4_1 or qtype == QT_Q5_0 or qtype == QT_Q5_1 or qtype == QT_Q8_0:
+        return PASS_32_BLOCK
+    if qtype >= 100:  # a tiled twin (kernels/cpu/tiled.py: 100 + the GGML type)
         return PASS_32_BLOCK
     if QT_Q2_K <= qtype <= QT_Q6_K:
         return PASS_K_QUANT
@@ -1883,7 +1888,10 @@ ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 1, 2, 4  # activation families, as bits of a mask
 
 
 def activation_family(qtype) -> int:
-    """The activation family (ACT_*) that weights of `qtype` are multiplied with."""
+    """The activation family (ACT_*) that weights of `qtype` (or its tiled twin's kernel type) are multiplied
+    with."""
+    if int(qtype) >= 100:  # tiled Q4_0 / Q5_0 / Q8_0 (kernels/cpu/tiled.py)
+        return ACT_Q8_0
     qtype = GGMLQuantizationType(qtype)
     if qtype in (Q.Q4_1, Q.Q5_1):
         return ACT_Q8_1
@@ -1902,7 +1910,7 @@ def _quantize_activations_for(formats, x, families):
     if not isinstance(formats, FormatSetType):
         return None
     needed = 0
-    for qtype in SUPPORTED:
+    for qtype in list(SUPPORTED) + [100 + int(q) for q in (Q.Q8_0, Q.Q4_0, Q.Q5_0)]:
         if formats.has(qtype):
             needed |= activation_family(qtype)
     # Constants of the closure: Numba prunes the branches they rule out before typing them.
@@ -1939,9 +1947,20 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
         return None
     q8_0, q4_0, q4_1, q5_0, q5_1 = (formats.has(q) for q in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1))
     q2_k, q3_k, q4_k, q5_k, q6_k = (formats.has(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+    # tiled twins (kernels/cpu/tiled.py): kernel type 100 + the GGML type
+    t8_0, t4_0, t5_0 = (formats.has(100 + int(q)) for q in (Q.Q8_0, Q.Q4_0, Q.Q5_0))
 
     def impl(formats, raw, qtype, acts, out, r0, r1):
         q0, d0, q1, d1, s1, qk, dk, bk = acts
+        if t8_0:
+            if qtype == 108:
+                tiled_rows(raw, 0, q0, d0, out, r0, r1)
+        if t4_0:
+            if qtype == 102:
+                tiled_rows(raw, 1, q0, d0, out, r0, r1)
+        if t5_0:
+            if qtype == 106:
+                tiled_rows(raw, 3, q0, d0, out, r0, r1)
         if q8_0:
             if qtype == 8:
                 _rows_32(raw, 0, 34, q0, d0, d0, out, r0, r1)
@@ -1976,8 +1995,114 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
     return impl
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Weights in 16-row tiles (kernels/cpu/tiled.py): the drivers; the row kernels are tiled.py's
+# ---------------------------------------------------------------------------------------------------------------
+
+@njit(parallel=True, cache=True)
+def _tiled_matmul(raw, kind, xq, xd, out, chunks):
+    literally(kind)
+    tiles = raw.shape[0] // _TILE
+    if chunks == 1:
+        tiled_rows(raw, kind, xq, xd, out, 0, raw.shape[0])
+        return
+    for c in prange(chunks):
+        tiled_rows(raw, kind, xq, xd, out, _TILE * (c * tiles // chunks), _TILE * ((c + 1) * tiles // chunks))
+
+
+@njit(parallel=True, cache=True)
+def _tiled_matmul_many(raws, kind, xq, xd, outs, chunks):
+    """Several tiled weights of one format on one x, their tiles laid end to end and cut into `chunks`."""
+    literally(kind)
+    total = 0
+    for w in range(len(raws)):
+        total += raws[w].shape[0] // _TILE
+    for c in prange(chunks):
+        lo, hi = c * total // chunks, (c + 1) * total // chunks
+        start = 0
+        for w in range(len(raws)):
+            tiles = raws[w].shape[0] // _TILE
+            t0, t1 = max(lo - start, 0), min(hi - start, tiles)
+            if t0 < t1:
+                tiled_rows(raws[w], kind, xq, xd, outs[w], _TILE * t0, _TILE * t1)
+            start += tiles
+
+
+@njit(cache=True)
+def _tiled_matmul_q8_0(raw, xq, xd, out, chunks):
+    _tiled_matmul(raw, 0, xq, xd, out, chunks)
+
+
+@njit(cache=True)
+def _tiled_matmul_q4_0(raw, xq, xd, out, chunks):
+    _tiled_matmul(raw, 1, xq, xd, out, chunks)
+
+
+@njit(cache=True)
+def _tiled_matmul_q5_0(raw, xq, xd, out, chunks):
+    _tiled_matmul(raw, 3, xq, xd, out, chunks)
+
+
+@njit(cache=True)
+def _tiled_matmul_many_q8_0(raws, xq, xd, outs, chunks):
+    _tiled_matmul_many(raws, 0, xq, xd, outs, chunks)
+
+
+@njit(cache=True)
+def _tiled_matmul_many_q4_0(raws, xq, xd, outs, chunks):
+    _tiled_matmul_many(raws, 1, xq, xd, outs, chunks)
+
+
+@njit(cache=True)
+def _tiled_matmul_many_q5_0(raws, xq, xd, outs, chunks):
+    _tiled_matmul_many(raws, 3, xq, xd, outs, chunks)
+
+
+_TILED_ONE = {0: _tiled_matmul_q8_0, 1: _tiled_matmul_q4_0, 3: _tiled_matmul_q5_0}
+_TILED_MANY = {0: _tiled_matmul_many_q8_0, 1: _tiled_matmul_many_q4_0, 3: _tiled_matmul_many_q5_0}
+
+
+def _tiled_chunks(tiles: int, cols: int, threads: int) -> int:
+    if tiles * _TILE * cols < SERIAL_BELOW_WEIGHTS:
+        return 1
+    return max(1, min(threads, tiles))
+
+
+def bind_tiled(raw: np.ndarray, qtype):
+    """`bind` for a weight in kernels/cpu/tiled.py's 16-row tiles."""
+    one = _TILED_ONE[_tiled.KIND[Q(qtype)]]
+    tiles = raw.shape[0] // _TILE
+    cols = raw.shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 32
+
+    def kernel(x, out, threads):
+        xq, xd = quantize_q8_0(x)
+        one(raw, xq, xd, out, _tiled_chunks(tiles, cols, threads))
+
+    return kernel
+
+
+def bind_many_tiled(raws: list[np.ndarray], qtype):
+    """`kernel(x, outs, n_threads)` for several tiled weights of one format and width on one x."""
+    many = _TILED_MANY[_tiled.KIND[Q(qtype)]]
+    raws = tuple(raws)
+    tiles = sum(r.shape[0] for r in raws) // _TILE
+    cols = raws[0].shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 32
+
+    def kernel(x, outs, threads):
+        xq, xd = quantize_q8_0(x)
+        many(raws, xq, xd, outs, _tiled_chunks(tiles, cols, threads))
+
+    return kernel
+
+
+def matmul_tiled_portable(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
+    """The oracle: rows_portable over all rows, one thread."""
+    xq, xd = quantize_q8_0(np.ascontiguousarray(x, dtype=np.float32))
+    _tiled.rows_portable(raw, _tiled.KIND[Q(qtype)], xq, xd, out, 0, raw.shape[0])
+
+
 # Built with simd.py's intrinsics: recompile when that file changes (see kernels.cpu.forget_stale_cache).
-forget_stale_cache(__file__, _matmul_q8_0_avx2._cache.cache_path, [simd.__file__])
+forget_stale_cache(__file__, _matmul_q8_0_avx2._cache.cache_path, [simd.__file__, _tiled.__file__])
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public interface (called by kernels.ops.matmul)

@@ -202,6 +202,7 @@ def _scalar_load(nb_type, ir_type):
 
 
 load_u32 = _scalar_load(types.uint32, _I32)
+load_u64 = _scalar_load(types.uint64, ir.IntType(64))
 load_f32 = _scalar_load(types.float32, _F32)
 
 
@@ -1047,6 +1048,19 @@ def loadu_ps_512(typingctx, address):
 
 
 @intrinsic(prefer_literal=True)
+def cvtph_ps_512(typingctx, address):
+    """The 16 IEEE fp16 values at `address` as float32 lanes, exact (one vcvtph2ps from memory)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.load(_ptr(builder, args[0], ir.VectorType(ir.HalfType(), 16)), align=1)
+        return builder.fpext(h, F32x16)
+
+    return m512(address), codegen
+
+
+@intrinsic(prefer_literal=True)
 def setzero_ps_512(typingctx):
     """16 zero floats."""
 
@@ -1143,6 +1157,37 @@ def set1_epi8_512(typingctx, value):
         return builder.bitcast(_splat(builder, _int_arg(builder, args[0], _I8), I8x64), I64x8)
 
     return m512i(value), codegen
+
+
+@intrinsic(prefer_literal=True)
+def set1_epi32_512(typingctx, value):
+    """Every int32 lane of a zmm = value (the low 32 bits): fed straight from a load, LLVM folds it into the
+    instruction that uses it as a {1to16} broadcast operand."""
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(_splat(builder, _int_arg(builder, args[0], _I32), I32x16), I64x8)
+
+    return m512i(value), codegen
+
+
+@intrinsic(prefer_literal=True)
+def nibbles_512(typingctx, v, high):
+    """v's low nibbles (high = 0) or high nibbles (high = 1, a literal) as bytes in [0, 15] (vpsrlw, vpand)."""
+    if v != m512i or not isinstance(high, types.IntegerLiteral):
+        return None
+    shift = high.literal_value
+
+    def codegen(context, builder, signature, args):
+        x = args[0]
+        if shift:
+            i16x32 = ir.VectorType(ir.IntType(16), 32)
+            x = builder.lshr(builder.bitcast(x, i16x32), _splat(builder, ir.Constant(ir.IntType(16), 4), i16x32))
+        m = builder.and_(builder.bitcast(x, I8x64), _splat(builder, ir.Constant(_I8, 0x0F), I8x64))
+        return builder.bitcast(m, I64x8)
+
+    return m512i(v, high), codegen
 
 
 @intrinsic(prefer_literal=True)

@@ -26,7 +26,9 @@ class CpuBackend(Backend):
     ops = ops
 
     def matrix(self, gguf_file, name, rows=None):
-        return ops.Weight.from_gguf(gguf_file, name, rows)
+        # Dense weights go into 16-row tiles where the tiled kernel runs (kernels/cpu/tiled.py); the experts of a
+        # mixture keep the file's layout (their kernels cut rows anywhere)
+        return ops.Weight.from_gguf(gguf_file, name, rows, tile="_exps." not in name)
 
     def vector(self, values):
         return values

@@ -1,0 +1,324 @@
+"""Q4_0, Q5_0 and Q8_0 weights repacked at load into 16-row tiles for the VNNI kernel (llama.cpp's CPU backend
+repacks Q4_0 the same way, into its 4x8 / 8x8 interleaved blocks).
+
+Why: in the file's layout a row's 32-weight block is summed by one `vpdpbusd` into 8 int32 lanes that must be
+reduced, scaled (one float step per two blocks) and decoded first (nibbles spread, 5th bits merged, dwords
+interleaved): at 8 x-rows a third of the row kernel's time went to decoding, and most of the rest to the float
+steps (cvt, permute, fma for every 64 products). In a tile, int32 lane r of a zmm is ROW r of the tile: the
+8 `vpdpbusd` of a block (its 8 groups of 4 weights, against the x-row's 4 bytes broadcast) leave each lane holding
+that row's whole block sum, so a block costs one cvt, one multiply and one fma for 16 rows, with no reduction at
+all; the decode is two ops per 64 weights (and a masked or for the 5th bits).
+
+A tile (16 rows of `row_bytes`, so the same bytes as the rows it replaces; `tile` keeps the array shape), per
+block b of the row:
+  - qs:  Q8_0: 8 groups of 64 bytes, group g = the 16 rows' weights 4g..4g+3, each XOR 0x80 (= weight + 128,
+         unsigned for vpdpbusd); Q4_0 / Q5_0: 4 zmm of 64 bytes, zmm k = the 16 rows' bytes qs[4k..4k+3] as
+         stored (low nibbles: weights 4k..4k+3, high nibbles: weights 16 + 4k..)
+  - qh (Q5_0): 8 x 64 bits, word g: bit 4r + m = the 5th bit of row r's weight 4g + m (in the order of the
+         bytes the 8 weight zmm hold: word g is zmm g's mask)
+  - d:   16 fp16, row r's scale
+laid out per tile as all blocks' qs, then all blocks' qh, then all blocks' d (each part 64-byte aligned when the
+row has an even number of blocks: the tile is then a multiple of 64 bytes and so is every part).
+
+The sum: out[i, row] = sum over blocks b, in order, of fma(d_w * d_x, float(isum_b), acc), with isum_b the exact
+signed integer dot of the block (the unsigned weights' vpdpbusd plus -offset x the x-row block's byte sum). Every
+x-row and every row gets exactly this sequence whatever the batch, so results are batch invariant and the
+portable loops (`rows_portable`) give the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import literally, njit
+
+from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu.dequant import f16_to_f32
+from localllm.kernels.cpu.simd import HAVE_AVX512_VNNI, fma_f32
+
+TILE = 16  # rows per tile: one zmm of int32 lanes
+KIND = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q5_0: 3}  # quant_dot's KIND_* numbers
+OFFSET = {0: 128, 1: 8, 3: 16}  # what the stored unsigned weights add to the signed ones
+# Kernel type ids of tiled weights (what the fused forward dispatches on): this base + the GGML type id, past
+# every GGML type.
+TILED_BASE = 100
+TILED_TYPES = frozenset(TILED_BASE + int(q) for q in KIND)
+KT_Q8_0, KT_Q4_0, KT_Q5_0 = TILED_BASE + 8, TILED_BASE + 2, TILED_BASE + 6
+_CHUNK_TILES = 256  # tiles repacked per numpy pass: bounded temporaries (4096 rows)
+
+
+def can_tile(qtype, rows: int) -> bool:
+    """Whether a weight of this format and row count is tiled on this CPU (the kernel needs AVX-512 VNNI)."""
+    return HAVE_AVX512_VNNI and Q(qtype) in KIND and rows > 0 and rows % TILE == 0
+
+
+def kernel_type(qtype) -> int:
+    return TILED_BASE + int(qtype)
+
+
+def _aligned_empty(shape) -> np.ndarray:
+    n = int(np.prod(shape))
+    base = np.empty(n + 64, np.uint8)
+    start = -base.ctypes.data % 64
+    return base[start : start + n].reshape(shape)
+
+
+def _parts(qtype, blocks: int) -> tuple[int, int, int]:
+    """Byte offsets in a tile of (qs, qh, d) for a row of `blocks` blocks."""
+    qs = (512 if qtype == Q.Q8_0 else 256) * blocks
+    qh = 64 * blocks if qtype == Q.Q5_0 else 0
+    return 0, qs, qs + qh
+
+
+def tile(raw: np.ndarray, qtype) -> np.ndarray:
+    """raw (rows, row_bytes) in GGUF layout -> the same shape in tiles (see the module), 64-byte aligned."""
+    qtype = Q(qtype)
+    rows, row_bytes = raw.shape
+    bb = GGML_QUANT_SIZES[qtype][1]
+    blocks = row_bytes // bb
+    _, qh_at, d_at = _parts(qtype, blocks)
+    out = _aligned_empty((rows, row_bytes))
+    tiles_out = out.reshape(rows // TILE, TILE * row_bytes)
+    for t0 in range(0, rows // TILE, _CHUNK_TILES):
+        t1 = min(t0 + _CHUNK_TILES, rows // TILE)
+        blk = np.asarray(raw[t0 * TILE : t1 * TILE]).reshape(t1 - t0, TILE, blocks, bb)
+        dst = tiles_out[t0:t1]
+        # d: [tile][block][row] fp16
+        dst[:, d_at:] = blk[..., 0:2].transpose(0, 2, 1, 3).reshape(t1 - t0, blocks * 2 * TILE)
+        if qtype == Q.Q8_0:
+            qs = (blk[..., 2:34] ^ 0x80).reshape(t1 - t0, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+        else:
+            o = 6 if qtype == Q.Q5_0 else 2
+            qs = blk[..., o : o + 16].reshape(t1 - t0, TILE, blocks, 4, 4).transpose(0, 2, 3, 1, 4)
+        dst[:, :qh_at] = qs.reshape(t1 - t0, -1)
+        if qtype == Q.Q5_0:
+            qh = np.ascontiguousarray(blk[..., 2:6]).view(np.uint32)[..., 0].astype(np.uint64)  # (t, row, block)
+            masks = np.zeros((t1 - t0, blocks, 8), np.uint64)
+            for g in range(8):
+                for r in range(TILE):
+                    masks[:, :, g] |= ((qh[:, r, :] >> np.uint64(4 * g)) & np.uint64(0xF)) << np.uint64(4 * r)
+            dst[:, qh_at:d_at] = masks.view(np.uint8).reshape(t1 - t0, -1)
+    out.flags.writeable = False
+    return out
+
+
+def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
+    """The GGUF-layout bytes (len(ids), row_bytes) of rows `ids` of a tiled weight (`tile` inverted)."""
+    qtype = Q(qtype)
+    rows, row_bytes = tiled.shape
+    bb = GGML_QUANT_SIZES[qtype][1]
+    blocks = row_bytes // bb
+    _, qh_at, d_at = _parts(qtype, blocks)
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    t, lane = ids // TILE, ids % TILE
+    tiles = tiled.reshape(rows // TILE, TILE * row_bytes)
+    out = np.empty((len(ids), blocks, bb), np.uint8)
+    out[:, :, 0:2] = tiles[:, d_at:].reshape(-1, blocks, TILE, 2)[t, :, lane]
+    if qtype == Q.Q8_0:
+        qs = tiles[:, :qh_at].reshape(-1, blocks, 8, TILE, 4)[t, :, :, lane]  # (ids, blocks, 8, 4)
+        out[:, :, 2:34] = qs.reshape(len(ids), blocks, 32) ^ 0x80
+    else:
+        o = 6 if qtype == Q.Q5_0 else 2
+        qs = tiles[:, :qh_at].reshape(-1, blocks, 4, TILE, 4)[t, :, :, lane]
+        out[:, :, o : o + 16] = qs.reshape(len(ids), blocks, 16)
+        if qtype == Q.Q5_0:
+            masks = np.ascontiguousarray(tiles[:, qh_at:d_at]).view(np.uint64).reshape(-1, blocks, 8)[t]
+            shift = (4 * lane).astype(np.uint64)[:, None, None]
+            nib = (masks >> shift) & np.uint64(0xF)  # (ids, blocks, 8): bits 4g..4g+3 of qh
+            qh = np.zeros((len(ids), blocks), np.uint64)
+            for g in range(8):
+                qh |= nib[:, :, g] << np.uint64(4 * g)
+            out[:, :, 2:6] = qh.astype(np.uint32).view(np.uint8).reshape(len(ids), blocks, 4)
+    return out.reshape(len(ids), row_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The portable loops: the oracle (same integers, same float operations in the same order)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _half(raw_flat, at):
+    return f16_to_f32(raw_flat[at], raw_flat[at + 1])
+
+
+@njit(cache=True)
+def rows_portable(raw, kind, xq, xd, out, r0, r1):
+    """out[:, r0:r1] for a tiled weight (r0, r1 multiples of TILE), in plain loops."""
+    n, blocks = xd.shape
+    rows, row_bytes = raw.shape
+    flat = raw.reshape(rows * row_bytes)
+    qsb = 512 if kind == 0 else 256
+    qh_at = qsb * blocks
+    d_at = qh_at + (64 * blocks if kind == 3 else 0)
+    off = 128 if kind == 0 else 8 if kind == 1 else 16
+    w = np.empty(32, np.int32)
+    for r in range(r0, r1):
+        tb = (r // TILE) * TILE * row_bytes
+        lane = r % TILE
+        for i in range(n):
+            acc = np.float32(0.0)
+            for b in range(blocks):
+                for e in range(32):
+                    g = e // 4
+                    m = e % 4
+                    if kind == 0:
+                        w[e] = np.int32(flat[tb + 512 * b + 64 * g + 4 * lane + m]) - off
+                    else:
+                        k = g % 4
+                        byte = flat[tb + 256 * b + 64 * k + 4 * lane + m]
+                        v = np.int32(byte >> 4) if g >= 4 else np.int32(byte & 15)
+                        if kind == 3:
+                            at = tb + qh_at + 64 * b + 8 * g
+                            word = np.uint64(0)
+                            for q in range(8):
+                                word |= np.uint64(flat[at + q]) << np.uint64(8 * q)
+                            if (word >> np.uint64(4 * lane + m)) & np.uint64(1):
+                                v += 16
+                        w[e] = v - off
+                isum = np.int32(0)
+                for e in range(32):
+                    isum += w[e] * np.int32(xq[i, 32 * b + e])
+                dw = _half(flat, tb + d_at + 32 * b + 2 * lane)
+                acc = fma_f32(dw * xd[i, b], np.float32(isum), acc)
+            out[i, r] = acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The VNNI kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+if HAVE_AVX512_VNNI:
+    from localllm.kernels.cpu.simd import (
+        address_of, cvtepi32_ps_512, cvtph_ps_512, dpbusd_epi32_512, fmadd_ps_512, keep_alive, load_u32, load_u64,
+        loadu_si512, mul_ps_512, nibbles_512, or_bit4_512, prefetch, set1_epi32_512, set1_ps_512, setzero_ps_512,
+        storeu_ps_512, storeu_si512,
+    )
+
+    @njit(cache=True, inline="always")
+    def _weights(kind, tb, b, qh_at):
+        """Block b's 8 zmm of unsigned weights (zmm g: the 16 rows' weights 4g..4g+3) from the tile at tb."""
+        if kind == 0:
+            a = tb + 512 * b
+            return (loadu_si512(a), loadu_si512(a + 64), loadu_si512(a + 128), loadu_si512(a + 192),
+                    loadu_si512(a + 256), loadu_si512(a + 320), loadu_si512(a + 384), loadu_si512(a + 448))
+        a = tb + 256 * b
+        v0, v1, v2, v3 = loadu_si512(a), loadu_si512(a + 64), loadu_si512(a + 128), loadu_si512(a + 192)
+        w0, w1, w2, w3 = nibbles_512(v0, 0), nibbles_512(v1, 0), nibbles_512(v2, 0), nibbles_512(v3, 0)
+        w4, w5, w6, w7 = nibbles_512(v0, 1), nibbles_512(v1, 1), nibbles_512(v2, 1), nibbles_512(v3, 1)
+        if kind == 3:
+            m = tb + qh_at + 64 * b
+            w0, w1 = or_bit4_512(w0, load_u64(m)), or_bit4_512(w1, load_u64(m + 8))
+            w2, w3 = or_bit4_512(w2, load_u64(m + 16)), or_bit4_512(w3, load_u64(m + 24))
+            w4, w5 = or_bit4_512(w4, load_u64(m + 32)), or_bit4_512(w5, load_u64(m + 40))
+            w6, w7 = or_bit4_512(w6, load_u64(m + 48)), or_bit4_512(w7, load_u64(m + 56))
+        return w0, w1, w2, w3, w4, w5, w6, w7
+
+    @njit(cache=True, inline="always")
+    def _block_sums(c, w, x):
+        """The 16 rows' exact signed sums of one block against the x-row's 32 bytes at x, as floats: the
+        offset correction c (int32) plus 8 vpdpbusd, each with the x-row's 4 bytes broadcast."""
+        w0, w1, w2, w3, w4, w5, w6, w7 = w
+        a = dpbusd_epi32_512(set1_epi32_512(c), w0, set1_epi32_512(load_u32(x)))
+        a = dpbusd_epi32_512(a, w1, set1_epi32_512(load_u32(x + 4)))
+        a = dpbusd_epi32_512(a, w2, set1_epi32_512(load_u32(x + 8)))
+        a = dpbusd_epi32_512(a, w3, set1_epi32_512(load_u32(x + 12)))
+        a = dpbusd_epi32_512(a, w4, set1_epi32_512(load_u32(x + 16)))
+        a = dpbusd_epi32_512(a, w5, set1_epi32_512(load_u32(x + 20)))
+        a = dpbusd_epi32_512(a, w6, set1_epi32_512(load_u32(x + 24)))
+        a = dpbusd_epi32_512(a, w7, set1_epi32_512(load_u32(x + 28)))
+        return cvtepi32_ps_512(a)
+
+    @njit(cache=True)
+    def rows_vnni(raw, kind, xq, xd, out, r0, r1):
+        """out[:, r0:r1] for a tiled weight (r0, r1 multiples of TILE): bitwise rows_portable.
+
+        One x-row: each block's weights go from the tile straight into the products. More: a tile's weights
+        are decoded once into an L1 scratch (512 bytes a block), then read by x-rows in fours (4 accumulators,
+        the 8 weight zmm loaded once for the four) and the rest one by one. The next tile is prefetched while
+        this one's products run, a block's share at a time (one Zen 5 core, 16 copies of Q5_0 4864x896 out of
+        DRAM: n=8 146 us with it, 265 us without; a tile ahead beat two and four)."""
+        literally(kind)
+        n, blocks = xd.shape
+        rows, row_bytes = raw.shape
+        stride = TILE * row_bytes
+        off = 128 if kind == 0 else 8 if kind == 1 else 16
+        qh_at = (512 if kind == 0 else 256) * blocks
+        d_at = qh_at + (64 * blocks if kind == 3 else 0)
+        corr = np.empty((n, blocks), np.int32)  # -offset x each x-row block's byte sum
+        for i in range(n):
+            for b in range(blocks):
+                s = 0
+                for k in range(32):
+                    s += np.int32(xq[i, 32 * b + k])
+                corr[i, b] = -off * s
+        base = address_of(raw)
+        xb, xstride = address_of(xq), xq.strides[0]
+        ob, ostride = address_of(out), out.strides[0]
+        scratch = np.empty(512 * blocks, np.uint8)
+        sb = address_of(scratch)
+        chunk = (stride + blocks - 1) // blocks
+        group = n - n % 4
+        for t in range(r0 // TILE, r1 // TILE):
+            tb = base + t * stride
+            nxt = tb + stride
+            if n == 1:
+                f0 = setzero_ps_512()
+                for b in range(blocks):
+                    for q in range(b * chunk, (b + 1) * chunk, 64):
+                        prefetch(nxt + q)
+                    dw = cvtph_ps_512(tb + d_at + 32 * b)
+                    f0 = fmadd_ps_512(mul_ps_512(dw, set1_ps_512(xd[0, b])),
+                                      _block_sums(corr[0, b], _weights(kind, tb, b, qh_at), xb + 32 * b), f0)
+                storeu_ps_512(ob + 64 * t, f0)
+                continue
+            for b in range(blocks):
+                w0, w1, w2, w3, w4, w5, w6, w7 = _weights(kind, tb, b, qh_at)
+                a = sb + 512 * b
+                storeu_si512(a, w0)
+                storeu_si512(a + 64, w1)
+                storeu_si512(a + 128, w2)
+                storeu_si512(a + 192, w3)
+                storeu_si512(a + 256, w4)
+                storeu_si512(a + 320, w5)
+                storeu_si512(a + 384, w6)
+                storeu_si512(a + 448, w7)
+            for i0 in range(0, group, 4):
+                f0 = f1 = f2 = f3 = setzero_ps_512()
+                for b in range(blocks):
+                    if i0 == 0:
+                        for q in range(b * chunk, (b + 1) * chunk, 64):
+                            prefetch(nxt + q)
+                    w = _weights(0, sb, b, 0)
+                    dw = cvtph_ps_512(tb + d_at + 32 * b)
+                    x = xb + i0 * xstride + 32 * b
+                    f0 = fmadd_ps_512(mul_ps_512(dw, set1_ps_512(xd[i0, b])), _block_sums(corr[i0, b], w, x), f0)
+                    f1 = fmadd_ps_512(mul_ps_512(dw, set1_ps_512(xd[i0 + 1, b])),
+                                      _block_sums(corr[i0 + 1, b], w, x + xstride), f1)
+                    f2 = fmadd_ps_512(mul_ps_512(dw, set1_ps_512(xd[i0 + 2, b])),
+                                      _block_sums(corr[i0 + 2, b], w, x + 2 * xstride), f2)
+                    f3 = fmadd_ps_512(mul_ps_512(dw, set1_ps_512(xd[i0 + 3, b])),
+                                      _block_sums(corr[i0 + 3, b], w, x + 3 * xstride), f3)
+                o = ob + i0 * ostride + 64 * t
+                storeu_ps_512(o, f0)
+                storeu_ps_512(o + ostride, f1)
+                storeu_ps_512(o + 2 * ostride, f2)
+                storeu_ps_512(o + 3 * ostride, f3)
+            for i in range(group, n):
+                f0 = setzero_ps_512()
+                for b in range(blocks):
+                    if group == 0:
+                        for q in range(b * chunk, (b + 1) * chunk, 64):
+                            prefetch(nxt + q)
+                    dw = cvtph_ps_512(tb + d_at + 32 * b)
+                    f0 = fmadd_ps_512(mul_ps_512(dw, set1_ps_512(xd[i, b])),
+                                      _block_sums(corr[i, b], _weights(0, sb, b, 0), xb + i * xstride + 32 * b), f0)
+                storeu_ps_512(ob + i * ostride + 64 * t, f0)
+        keep_alive(scratch, corr, corr)
+
+    rows_fast = rows_vnni
+else:
+    rows_fast = rows_portable
+
+
+forget_stale_cache(__file__, rows_portable._cache.cache_path, [simd.__file__])
