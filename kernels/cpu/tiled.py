@@ -29,7 +29,7 @@ portable loops (`rows_portable`) give the same bits.
 from __future__ import annotations
 
 import numpy as np
-from numba import literally, njit
+from numba import literally, njit, prange
 
 from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from localllm.kernels.cpu import forget_stale_cache, simd
@@ -44,7 +44,6 @@ OFFSET = {0: 128, 1: 8, 3: 16}  # what the stored unsigned weights add to the si
 TILED_BASE = 100
 TILED_TYPES = frozenset(TILED_BASE + int(q) for q in KIND)
 KT_Q8_0, KT_Q4_0, KT_Q5_0 = TILED_BASE + 8, TILED_BASE + 2, TILED_BASE + 6
-_CHUNK_TILES = 256  # tiles repacked per numpy pass: bounded temporaries (4096 rows)
 
 
 def can_tile(qtype, rows: int) -> bool:
@@ -71,35 +70,62 @@ def _parts(qtype, blocks: int) -> tuple[int, int, int]:
 
 
 def tile(raw: np.ndarray, qtype) -> np.ndarray:
-    """raw (rows, row_bytes) in GGUF layout -> the same shape in tiles (see the module), 64-byte aligned."""
+    """raw (rows, row_bytes) in GGUF layout -> the same shape in tiles (see the module), 64-byte aligned.
+
+    Compiled and parallel: numpy's transposes took 1.03 s for qwen2.5-coder-0.5b's 393 MiB at every load,
+    this takes about a tenth of that (the bytes are read once and written once)."""
     qtype = Q(qtype)
-    rows, row_bytes = raw.shape
-    bb = GGML_QUANT_SIZES[qtype][1]
-    blocks = row_bytes // bb
-    _, qh_at, d_at = _parts(qtype, blocks)
-    out = _aligned_empty((rows, row_bytes))
-    tiles_out = out.reshape(rows // TILE, TILE * row_bytes)
-    for t0 in range(0, rows // TILE, _CHUNK_TILES):
-        t1 = min(t0 + _CHUNK_TILES, rows // TILE)
-        blk = np.asarray(raw[t0 * TILE : t1 * TILE]).reshape(t1 - t0, TILE, blocks, bb)
-        dst = tiles_out[t0:t1]
-        # d: [tile][block][row] fp16
-        dst[:, d_at:] = blk[..., 0:2].transpose(0, 2, 1, 3).reshape(t1 - t0, blocks * 2 * TILE)
-        if qtype == Q.Q8_0:
-            qs = (blk[..., 2:34] ^ 0x80).reshape(t1 - t0, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-        else:
-            o = 6 if qtype == Q.Q5_0 else 2
-            qs = blk[..., o : o + 16].reshape(t1 - t0, TILE, blocks, 4, 4).transpose(0, 2, 3, 1, 4)
-        dst[:, :qh_at] = qs.reshape(t1 - t0, -1)
-        if qtype == Q.Q5_0:
-            qh = np.ascontiguousarray(blk[..., 2:6]).view(np.uint32)[..., 0].astype(np.uint64)  # (t, row, block)
-            masks = np.zeros((t1 - t0, blocks, 8), np.uint64)
-            for g in range(8):
-                for r in range(TILE):
-                    masks[:, :, g] |= ((qh[:, r, :] >> np.uint64(4 * g)) & np.uint64(0xF)) << np.uint64(4 * r)
-            dst[:, qh_at:d_at] = masks.view(np.uint8).reshape(t1 - t0, -1)
+    out = _aligned_empty(raw.shape)
+    _tile_into(raw, KIND[qtype], out)
     out.flags.writeable = False
     return out
+
+
+@njit(cache=True, inline="always")
+def _u32_at(src, at):
+    """4 bytes of src from `at` as a little-endian uint32 (LLVM makes it one unaligned load)."""
+    return (np.uint32(src[at]) | (np.uint32(src[at + 1]) << np.uint32(8)) | (np.uint32(src[at + 2]) << np.uint32(16))
+            | (np.uint32(src[at + 3]) << np.uint32(24)))
+
+
+@njit(parallel=True, cache=True)
+def _tile_into(raw, kind, out):
+    rows, row_bytes = raw.shape
+    bb = 34 if kind == 0 else 18 if kind == 1 else 22
+    blocks = row_bytes // bb
+    qh_at = (512 if kind == 0 else 256) * blocks
+    d_at = qh_at + (64 * blocks if kind == 3 else 0)
+    o = 6 if kind == 3 else 2
+    flip = np.uint32(0x80808080) if kind == 0 else np.uint32(0)
+    for t in prange(rows // TILE):
+        dst = out[TILE * t : TILE * (t + 1)].reshape(TILE * row_bytes)
+        words = dst[: d_at].view(np.uint32)  # qs and qh: 4-byte aligned parts of a 64-byte aligned tile
+        halves = dst[d_at:].view(np.uint16)
+        if kind == 3:  # the 5th-bit masks, a block at a time: word g gathers the 16 rows' 4 bits of group g
+            qh = np.empty(TILE, np.uint32)
+            for b in range(blocks):
+                for r in range(TILE):
+                    qh[r] = _u32_at(raw[TILE * t + r], bb * b + 2)
+                for g in range(8):
+                    lo = np.uint32(0)
+                    hi = np.uint32(0)
+                    for r in range(8):
+                        lo |= ((qh[r] >> np.uint32(4 * g)) & np.uint32(0xF)) << np.uint32(4 * r)
+                        hi |= ((qh[r + 8] >> np.uint32(4 * g)) & np.uint32(0xF)) << np.uint32(4 * r)
+                    at = (qh_at + 64 * b + 8 * g) // 4
+                    words[at] = lo
+                    words[at + 1] = hi
+        for r in range(TILE):
+            src = raw[TILE * t + r]
+            for b in range(blocks):
+                s = bb * b
+                halves[16 * b + r] = np.uint16(src[s]) | (np.uint16(src[s + 1]) << np.uint16(8))
+                if kind == 0:
+                    for g in range(8):
+                        words[128 * b + 16 * g + r] = _u32_at(src, s + 2 + 4 * g) ^ flip
+                else:
+                    for k in range(4):
+                        words[64 * b + 16 * k + r] = _u32_at(src, s + o + 4 * k)
 
 
 def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
