@@ -129,33 +129,45 @@ def _tile_into(raw, kind, out):
 
 
 def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
-    """The GGUF-layout bytes (len(ids), row_bytes) of rows `ids` of a tiled weight (`tile` inverted)."""
-    qtype = Q(qtype)
-    rows, row_bytes = tiled.shape
-    bb = GGML_QUANT_SIZES[qtype][1]
-    blocks = row_bytes // bb
-    _, qh_at, d_at = _parts(qtype, blocks)
+    """The GGUF-layout bytes (len(ids), row_bytes) of rows `ids` of a tiled weight (`tile` inverted); each row
+    is gathered from its tile alone (an embedding lookup reads a few rows of a 150k-row table every step)."""
     ids = np.asarray(ids, np.int64).reshape(-1)
-    t, lane = ids // TILE, ids % TILE
-    tiles = tiled.reshape(rows // TILE, TILE * row_bytes)
-    out = np.empty((len(ids), blocks, bb), np.uint8)
-    out[:, :, 0:2] = tiles[:, d_at:].reshape(-1, blocks, TILE, 2)[t, :, lane]
-    if qtype == Q.Q8_0:
-        qs = tiles[:, :qh_at].reshape(-1, blocks, 8, TILE, 4)[t, :, :, lane]  # (ids, blocks, 8, 4)
-        out[:, :, 2:34] = qs.reshape(len(ids), blocks, 32) ^ 0x80
-    else:
-        o = 6 if qtype == Q.Q5_0 else 2
-        qs = tiles[:, :qh_at].reshape(-1, blocks, 4, TILE, 4)[t, :, :, lane]
-        out[:, :, o : o + 16] = qs.reshape(len(ids), blocks, 16)
-        if qtype == Q.Q5_0:
-            masks = np.ascontiguousarray(tiles[:, qh_at:d_at]).view(np.uint64).reshape(-1, blocks, 8)[t]
-            shift = (4 * lane).astype(np.uint64)[:, None, None]
-            nib = (masks >> shift) & np.uint64(0xF)  # (ids, blocks, 8): bits 4g..4g+3 of qh
-            qh = np.zeros((len(ids), blocks), np.uint64)
-            for g in range(8):
-                qh |= nib[:, :, g] << np.uint64(4 * g)
-            out[:, :, 2:6] = qh.astype(np.uint32).view(np.uint8).reshape(len(ids), blocks, 4)
-    return out.reshape(len(ids), row_bytes)
+    out = np.empty((len(ids), tiled.shape[1]), np.uint8)
+    _untile_into(tiled, KIND[Q(qtype)], ids, out)
+    return out
+
+
+@njit(cache=True)
+def _untile_into(tiled, kind, ids, out):
+    rows, row_bytes = tiled.shape
+    bb = 34 if kind == 0 else 18 if kind == 1 else 22
+    blocks = row_bytes // bb
+    qh_at = (512 if kind == 0 else 256) * blocks
+    d_at = qh_at + (64 * blocks if kind == 3 else 0)
+    o = 6 if kind == 3 else 2
+    for j in range(ids.shape[0]):
+        t, r = ids[j] // TILE, ids[j] % TILE
+        src = tiled[TILE * t : TILE * (t + 1)].reshape(TILE * row_bytes)
+        dst = out[j]
+        for b in range(blocks):
+            s = bb * b
+            dst[s] = src[d_at + 32 * b + 2 * r]
+            dst[s + 1] = src[d_at + 32 * b + 2 * r + 1]
+            if kind == 0:
+                for g in range(8):
+                    for m in range(4):
+                        dst[s + 2 + 4 * g + m] = src[512 * b + 64 * g + 4 * r + m] ^ np.uint8(0x80)
+            else:
+                for k in range(4):
+                    for m in range(4):
+                        dst[s + o + 4 * k + m] = src[256 * b + 64 * k + 4 * r + m]
+                if kind == 3:
+                    qh = np.uint32(0)
+                    for g in range(8):
+                        byte = src[qh_at + 64 * b + 8 * g + r // 2]
+                        qh |= np.uint32((byte >> np.uint8(4 * (r % 2))) & np.uint8(0xF)) << np.uint32(4 * g)
+                    for q in range(4):
+                        dst[s + 2 + q] = np.uint8((qh >> np.uint32(8 * q)) & np.uint32(0xFF))
 
 
 # ---------------------------------------------------------------------------------------------------------------
