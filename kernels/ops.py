@@ -132,7 +132,8 @@ class Weight:
     def _quant_dot(self):
         """`kernel(x, out, n_threads)` for this weight (quant_dot.bind), or None where quant_dot has no kernel."""
         if self._bound is None and self._use_quant_dot:
-            self._bound = _quant_dot.bind_tiled(self.raw, self.qtype) if self.tiled else _quant_dot.bind(self.raw, self.qtype)
+            bind = _quant_dot.bind_tiled if self.tiled else _quant_dot.bind
+            self._bound = bind(self.raw, self.qtype)
         return self._bound
 
     @classmethod
@@ -436,8 +437,8 @@ class FusedForward:
         self.mats = typed_list(mats)
         self.mat_types = np.array([w.kernel_type for w in kinds], np.int64)
         # what the compiled forward dispatches on: one compile (and cache entry) per set of formats
-        self.formats = FormatSet({w.kernel_type for w in everything} | {w.kernel_type for layer in stacked for mats in layer
-                                                                   for w in mats})
+        self.formats = FormatSet({w.kernel_type for w in everything}
+                                 | {w.kernel_type for layer in stacked for mats in layer for w in mats})
         self.mat_families = np.array([_quant_dot.activation_family(w.qtype) for w in kinds], np.int64)
         self.moe = None
         if experts is not None:
