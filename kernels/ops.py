@@ -144,10 +144,8 @@ class Weight:
         info = gguf_file.tensor_info(name)
         raw = row_range(gguf_file.raw(name), rows, name)
         if tile and _tiled.can_tile(info.qtype, raw.shape[0]):
-            tiled = _tiled.tile(raw, info.qtype)
-            release = getattr(gguf_file, "release", None)  # (a GGUFFile; stand-ins for one may not map a file)
-            if release is not None:
-                release(raw)
+            # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
+            tiled = _tiled.tile(raw, info.qtype, release=getattr(gguf_file, "release", None))
             return cls(tiled, info.qtype, tiled=True)
         return cls(raw, info.qtype)
 
