@@ -100,14 +100,21 @@ def _u32_at(src, at):
             | (np.uint32(src[at + 3]) << np.uint32(24)))
 
 
-@njit(parallel=True, cache=True)
-def _tile_into(raw, kind, out):
-    rows, row_bytes = raw.shape
+@njit(cache=True, inline="always")
+def _geometry(kind, row_bytes):
+    """A tiled row's layout for format `kind`: (file block bytes, blocks, where qh starts in a tile, where d
+    starts, where a file block's qs start, the offset its unsigned weights carry)."""
     bb = 34 if kind == 0 else 18 if kind == 1 else 22
     blocks = row_bytes // bb
     qh_at = (512 if kind == 0 else 256) * blocks
     d_at = qh_at + (64 * blocks if kind == 3 else 0)
-    o = 6 if kind == 3 else 2
+    return bb, blocks, qh_at, d_at, 6 if kind == 3 else 2, 128 if kind == 0 else 8 if kind == 1 else 16
+
+
+@njit(parallel=True, cache=True)
+def _tile_into(raw, kind, out):
+    rows, row_bytes = raw.shape
+    bb, blocks, qh_at, d_at, o, _ = _geometry(kind, row_bytes)
     flip = np.uint32(0x80808080) if kind == 0 else np.uint32(0)
     for t in prange(rows // TILE):
         dst = out[TILE * t : TILE * (t + 1)].reshape(TILE * row_bytes)
@@ -152,11 +159,7 @@ def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
 @njit(cache=True)
 def _untile_into(tiled, kind, ids, out):
     rows, row_bytes = tiled.shape
-    bb = 34 if kind == 0 else 18 if kind == 1 else 22
-    blocks = row_bytes // bb
-    qh_at = (512 if kind == 0 else 256) * blocks
-    d_at = qh_at + (64 * blocks if kind == 3 else 0)
-    o = 6 if kind == 3 else 2
+    bb, blocks, qh_at, d_at, o, _ = _geometry(kind, row_bytes)
     for j in range(ids.shape[0]):
         t, r = ids[j] // TILE, ids[j] % TILE
         src = tiled[TILE * t : TILE * (t + 1)].reshape(TILE * row_bytes)
@@ -195,13 +198,10 @@ def _half(raw_flat, at):
 @njit(cache=True)
 def rows_portable(raw, kind, xq, xd, out, r0, r1):
     """out[:, r0:r1] for a tiled weight (r0, r1 multiples of TILE), in plain loops."""
-    n, blocks = xd.shape
+    n = xd.shape[0]
     rows, row_bytes = raw.shape
     flat = raw.reshape(rows * row_bytes)
-    qsb = 512 if kind == 0 else 256
-    qh_at = qsb * blocks
-    d_at = qh_at + (64 * blocks if kind == 3 else 0)
-    off = 128 if kind == 0 else 8 if kind == 1 else 16
+    _, blocks, qh_at, d_at, _, off = _geometry(kind, row_bytes)
     w = np.empty(32, np.int32)
     for r in range(r0, r1):
         tb = (r // TILE) * TILE * row_bytes
@@ -289,12 +289,10 @@ if HAVE_AVX512_VNNI:
         this one's products run, a block's share at a time (one Zen 5 core, 16 copies of Q5_0 4864x896 out of
         DRAM: n=8 146 us with it, 265 us without; a tile ahead beat two and four)."""
         literally(kind)
-        n, blocks = xd.shape
+        n = xd.shape[0]
         rows, row_bytes = raw.shape
         stride = TILE * row_bytes
-        off = 128 if kind == 0 else 8 if kind == 1 else 16
-        qh_at = (512 if kind == 0 else 256) * blocks
-        d_at = qh_at + (64 * blocks if kind == 3 else 0)
+        _, blocks, qh_at, d_at, _, off = _geometry(kind, row_bytes)
         corr = np.empty((n, blocks), np.int32)  # -offset x each x-row block's byte sum
         for i in range(n):
             for b in range(blocks):
