@@ -41,7 +41,7 @@ try:  # the integer SIMD fast path, written separately; the portable path stands
 
     _QUANT_DOT_SUPPORTED = frozenset(_quant_dot.SUPPORTED)
 except ImportError:
-    _quant_dot = None
+    _quant_dot = _tiled = None
     _QUANT_DOT_SUPPORTED = frozenset()
 from localllm.kernels.cpu import moe as _moe
 
@@ -84,7 +84,7 @@ class _TiledFormat:
         self.inner.dequantize_rows(_tiled.untile_rows(raw, self.qtype, ids), _row_ids(len(ids))[: len(ids)], out,
                                    n16)
 
-    def matmul(self, raw, x, out, n16):
+    def matmul(self, raw, x, out, n16):  # (the oracle's and benchmarks' path: a tiled weight has integer kernels)
         self.inner.matmul(_tiled.untile_rows(raw, self.qtype, _row_ids(raw.shape[0])[: raw.shape[0]]), x, out, n16)
 
 
@@ -98,7 +98,7 @@ class Weight:
     )
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, tiled: bool = False):
-        """`tiled`: raw is already in kernels/cpu/tiled.py's 16-row tiles (`Weight.tiled_from`)."""
+        """`tiled`: raw is already in kernels/cpu/tiled.py's 16-row tiles (`Weight.from_gguf(..., tile=True)`)."""
         _ensure_runtime()  # before any kernel runs; a model's first weight comes before its first call
         fmt: CpuFormat = format_of(qtype)
         if raw.dtype != np.uint8 or raw.ndim != 2 or not raw.flags.c_contiguous:
@@ -112,7 +112,7 @@ class Weight:
         self.raw = view
         self.qtype = fmt.qtype
         self.tiled = bool(tiled)
-        if self.tiled and not _tiled.can_tile(fmt.qtype, raw.shape[0]):
+        if self.tiled and (_tiled is None or not _tiled.can_tile(fmt.qtype, raw.shape[0])):
             raise ValueError(f"a {fmt.name} weight of {raw.shape[0]} rows cannot be tiled on this CPU")
         # what the integer kernels dispatch on: the GGML type, or its tiled twin (kernels/cpu/tiled.py)
         self.kernel_type = _tiled.kernel_type(fmt.qtype) if self.tiled else int(fmt.qtype)
@@ -143,7 +143,7 @@ class Weight:
         size, whose file pages are then dropped from this process (the file is read once, not kept twice)."""
         info = gguf_file.tensor_info(name)
         raw = row_range(gguf_file.raw(name), rows, name)
-        if tile and _tiled.can_tile(info.qtype, raw.shape[0]):
+        if tile and _tiled is not None and _tiled.can_tile(info.qtype, raw.shape[0]):
             # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
             tiled = _tiled.tile(raw, info.qtype, release=getattr(gguf_file, "release", None))
             return cls(tiled, info.qtype, tiled=True)

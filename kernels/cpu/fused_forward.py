@@ -450,4 +450,5 @@ def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_sc
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, tiled, attention, blocks, moe_kernels, format_set, by_address)])
+                   [m.__file__ for m in (simd, team, quant_dot, tiled, attention, blocks, moe_kernels, format_set,
+                                         by_address)])
