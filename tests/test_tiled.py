@@ -105,12 +105,13 @@ def test_a_model_loaded_tiled_embeds_dequantizes_and_multiplies_like_the_file_la
         x = np.random.default_rng(0).standard_normal((3, plain.cols)).astype(np.float32)
         want, got = ops.matmul(plain, x), ops.matmul(tiled_w, x)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name
-    # a group of tiled weights is bitwise the weights one by one
-    group = [ops.Weight.from_gguf(g, f"blk.0.attn_{m}.weight", tile=True) for m in ("q", "k", "v")]
-    if len({w.kernel_type for w in group}) == 1:
-        x = np.random.default_rng(1).standard_normal((5, group[0].cols)).astype(np.float32)
-        for a, b in zip(ops.WeightGroup(group)(x), [ops.matmul(w, x) for w in group]):
-            assert np.array_equal(a, b)
+    # a group of tiled weights (gate and up: both Q5_0 in this file) runs as one call, bitwise the weights one by one
+    group = [ops.Weight.from_gguf(g, f"blk.0.ffn_{m}.weight", tile=True) for m in ("gate", "up")]
+    fused = ops.WeightGroup(group)
+    assert fused._many is not None and group[0].kernel_type == group[1].kernel_type
+    x = np.random.default_rng(1).standard_normal((5, group[0].cols)).astype(np.float32)
+    for a, b in zip(fused(x), [ops.matmul(w, x) for w in group]):
+        assert np.array_equal(a, b)
 
 
 def test_weights_that_do_not_fill_whole_tiles_keep_the_file_layout():
