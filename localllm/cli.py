@@ -12,6 +12,7 @@ import json
 import sys
 
 from localllm import __version__
+from localllm.cache_reuse import DEFAULT_CACHE_REUSE
 from localllm.errors import LocalLLMError
 from localllm.files import read_text_file
 from localllm.model_info import model_info
@@ -204,7 +205,7 @@ def cmd_serve(args) -> int:
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
           max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args),
           allowed_hosts=args.allowed_host, device=args.device, models=args.models, max_loaded=args.max_loaded,
-          pins=args.pin, keep_alive=args.keep_alive)
+          pins=args.pin, keep_alive=args.keep_alive, cache_reuse=args.cache_reuse)
     return 0
 
 
@@ -365,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together at most (default 4); more wait in the queue")
     p.add_argument("--ctx", type=whole_number(0), default=None,
                    help="context size per request (default: the model's, at most 4096)")
+    p.add_argument("--cache-reuse", type=whole_number(0), default=DEFAULT_CACHE_REUSE, metavar="N",
+                   help="as llama.cpp's: take chunks of at least N prompt tokens that a recent request holds at "
+                        "other positions from its KV cache, their keys re-rotated, instead of computing them (an "
+                        "editor's moved context, the text after the cursor; default %(default)s; 0: off, each "
+                        "answer then exactly what a fresh forward of its prompt gives)")
     p.add_argument("--max-tokens", type=whole_number(1), default=2048, metavar="N",
                    help="tokens one request may generate at most, and the default when it names none (default "
                         "2048, at most the context)")

@@ -21,6 +21,7 @@ import numpy as np
 from localllm.architectures import for_context, load_model_config
 from localllm import backends
 from localllm.architectures.transformer import Transformer
+from localllm.cache_reuse import Splice, find_splices
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.kv_cache import KV_TYPES, KVCache, KVPool
@@ -151,6 +152,13 @@ class Sequence:
         self.tokens[:] = tokens[:common]
         return common
 
+    def fork(self) -> "Sequence":
+        """A read-only twin holding the same KV blocks (refcounts, no copy): this sequence's history kept as a
+        donor of chunks (`Engine.cache_reuse`) while this one is rewritten."""
+        twin = Sequence(self.cache.fork())
+        twin.tokens = list(self.tokens)
+        return twin
+
     def truncate(self, n: int) -> None:
         """Roll back to the first n tokens (rejected speculative tokens leave the KV cache)."""
         self.cache.truncate(n)
@@ -205,6 +213,13 @@ class Engine:
         self.kv_type = kv_type
         self.device = backend
         self._draft_engines: dict[str, Engine] = {}
+        # Chunk-level KV reuse (llama.cpp's --cache-reuse N; cache_reuse.py): chunks of at least this many tokens
+        # of a new prompt are taken, shifted, from a donor sequence that holds them at other positions. 0: off,
+        # every answer bitwise what a fresh forward of its prompt gives. `retain` keeps up to `retained_max`
+        # finished sequences whole as donors (llama.cpp's slots keep their caches likewise).
+        self.cache_reuse = 0
+        self.retained_max = 1
+        self.retained: list[Sequence] = []
         if warm not in ("all", "first-token"):
             raise ValueError(f"warm={warm!r}")
         calls = self.model.warm_up_calls(kv_type)
@@ -243,6 +258,40 @@ class Engine:
 
     def new_sequence(self) -> Sequence:
         return Sequence(self.kv_pool.new_cache(self.ctx))
+
+    # ---- chunk-level KV reuse (cache_reuse.py) ---------------------------------------------------------
+
+    def retire(self, seq: Sequence) -> None:
+        """A finished sequence: kept whole as a donor of chunks while cache reuse is on (the oldest kept one
+        goes when more than `retained_max` are), else closed (its named blocks stay cached in the pool)."""
+        if self.cache_reuse <= 0 or not seq.tokens:
+            seq.close()
+            return
+        self.retained.append(seq)
+        while len(self.retained) > self.retained_max:
+            self.retained.pop(0).close()
+
+    def drop_retained(self) -> None:
+        while self.retained:
+            self.retained.pop().close()
+
+    def take_donor(self, tokens: list[int], n_past: int,
+                   extra: list[Sequence] = ()) -> tuple[Sequence | None, list[Splice]]:
+        """The donor (a retained sequence, or one of `extra`) that lets the most of tokens[n_past:-1] be
+        spliced instead of computed, taken out of the retained list, and its splices; (None, []) when none
+        has a chunk of at least `cache_reuse` tokens. The last prompt token is always computed (its logits)."""
+        if self.cache_reuse <= 0:
+            return None, []
+        best, best_splices, best_n = None, [], 0
+        for donor in list(extra) + self.retained[::-1]:
+            splices = find_splices(tokens, n_past, len(tokens) - 1, donor.tokens[: donor.cache.length],
+                                   donor.cache.held_from(), self.cache_reuse)
+            n = sum(s.n for s in splices)
+            if n > best_n:
+                best, best_splices, best_n = donor, splices, n
+        if best is not None and best in self.retained:
+            self.retained.remove(best)
+        return best, best_splices
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
@@ -325,18 +374,21 @@ class Engine:
                 seq.close()
             return
         gen = Generation(self, tokens, params, seq)
-        if params.speculation is not None:
-            yield from self.generate_speculative(gen)
-            return
-        logits = gen.prefill()
-        while True:
-            event = gen.step(logits)
-            if event.finish_reason is None:
-                logits = self.evaluate(seq, [event.token])
-            gen.record(event)
-            yield event
-            if event.finish_reason is not None:
+        try:
+            if params.speculation is not None:
+                yield from self.generate_speculative(gen)
                 return
+            logits = gen.prefill()
+            while True:
+                event = gen.step(logits)
+                if event.finish_reason is None:
+                    logits = self.evaluate(seq, [event.token])
+                gen.record(event)
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            gen.release_donor()  # a prefill that failed midway still gives the donor's blocks back
 
     def generate_speculative(self, gen: "Generation") -> Iterator[TokenEvent]:
         """generate() with speculative decoding: each round is one forward that verifies a draft and hands out
@@ -504,25 +556,73 @@ class Generation:
             float("inf") if self.shift else engine.ctx)
         self.finish_reason: str | None = None
         self._t_gen = self._t_tok = 0.0
+        self.donor: Sequence | None = None  # chunk-level KV reuse: where spliced chunks come from (start_prefill)
+        self.splices: list[Splice] = []
 
     def prefill(self) -> np.ndarray:
         """Reuse the cached prefix, evaluate the rest of the prompt; returns the last prompt token's logits."""
         t0 = time.perf_counter()
-        logits = self.engine.evaluate(self.seq, self.start_prefill())
+        logits = self.read_prompt()
         self.end_prefill()
         self.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
         return logits
 
+    def read_prompt(self) -> np.ndarray:
+        """`start_prefill`, then its tokens evaluated (and chunks spliced) on this sequence alone; returns the
+        last prompt token's logits."""
+        left = self.start_prefill()
+        while True:
+            left = left[self.splice_due() :]
+            n = min(len(left), self.until_splice())
+            logits = self.engine.evaluate(self.seq, left[:n])
+            left = left[n:]
+            if not left:
+                return logits
+
     def start_prefill(self) -> list[int]:
-        """The prompt tokens left to evaluate after reusing the longest cached prefix (for callers that batch
-        the prompt's forward themselves; `prefill()` does it all)."""
+        """The prompt tokens after the longest cached prefix (for callers that batch the prompt's forward
+        themselves; `prefill()` does it all). With the engine's cache reuse on, some of them may be spliced
+        from a donor instead: before each forward call `splice_due()` (then drop that many tokens from the
+        front) and evaluate at most `until_splice()` tokens."""
+        own = self.seq.fork() if self.engine.cache_reuse > 0 and self.seq.tokens else None
         self.timings.cache_n = self.seq.reuse_prefix(self.tokens)
+        self.donor, self.splices = self.engine.take_donor(self.tokens, self.timings.cache_n,
+                                                          [own] if own is not None else [])
+        if own is not None and own is not self.donor:
+            own.close()
+        if self.donor is None:
+            self.splices = []
+        spliced = sum(s.n for s in self.splices)
         new = self.tokens[self.timings.cache_n :]
-        self.timings.prompt_n = len(new)
+        self.timings.cache_n += spliced  # as llama.cpp counts a reused chunk: cached, not processed
+        self.timings.prompt_n = len(new) - spliced
         return new
+
+    def splice_due(self) -> int:
+        """Splice in the donor's chunks that start where the sequence now ends; how many tokens they hold."""
+        done = 0
+        while self.splices and self.splices[0].dst == len(self.seq.tokens):
+            s = self.splices.pop(0)
+            self.seq.cache.splice(self.donor.cache, s.src, s.n, self.engine.model.rotate_keys)
+            self.seq.tokens.extend(self.tokens[s.dst : s.dst + s.n])
+            done += s.n
+        if not self.splices:
+            self.release_donor()
+        return done
+
+    def until_splice(self) -> int | float:
+        """Tokens to evaluate before the next chunk is spliced in."""
+        return self.splices[0].dst - len(self.seq.tokens) if self.splices else float("inf")
+
+    def release_donor(self) -> None:
+        """Give back the donor's blocks (prefill done, or the request ended early)."""
+        if self.donor is not None:
+            self.donor.close()
+            self.donor, self.splices = None, []
 
     def end_prefill(self) -> None:
         # As llama.cpp's server does: the prompt counts for repetition penalties.
+        self.release_donor()
         self.sampler.accept_prompt(self.tokens)
         self._t_gen = time.perf_counter()
 

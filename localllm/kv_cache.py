@@ -380,6 +380,58 @@ class KVCache:
         self.name_limit = n_keep // BLOCK if self.name_limit is None else min(self.name_limit, n_keep // BLOCK)
         self.truncate(new_len)
 
+    def fork(self) -> "KVCache":
+        """Another holder of the same blocks (no copy: each block's refcount + 1, copy-on-write protects both):
+        this cache's contents kept readable, e.g. as the source of `splice` while this one is rewritten."""
+        if self._pending:
+            raise ValueError("cannot fork a cache during a forward")
+        twin = KVCache(self.pool, self.max_tokens)
+        for gi, table in enumerate(self.tables):
+            for b in table:
+                if b is not None:
+                    self.pool.ref(gi, b)
+            twin.tables[gi] = list(table)
+        twin.first, twin.length = list(self.first), self.length
+        twin.names, twin.name_limit = list(self.names), self.name_limit
+        return twin
+
+    def held_from(self) -> int:
+        """The first position whose keys every layer still holds (> 0 once a sliding group dropped blocks)."""
+        return max(f * BLOCK for f in self.first) if self.first else 0
+
+    def splice(self, donor: "KVCache", src: int, n: int, rotate) -> None:
+        """Append n tokens whose keys and values are taken from `donor`'s positions [src, src + n) instead of
+        computed: llama.cpp's `--cache-reuse` chunk (its llama_memory_seq_add). Keys are cached after RoPE, so
+        `rotate(layer, keys, delta)` moves them by delta = (new position - old position); values are copied as
+        stored. The result is not what a forward would give (those tokens attended to the donor's earlier
+        tokens, not to this cache's), so from the block holding the first spliced token on nothing is named
+        for exact prefix reuse."""
+        if donor.pool is not self.pool or self._pending:
+            raise ValueError("a splice needs a donor of the same pool, between forwards")
+        if n <= 0 or src < donor.held_from() or src + n > donor.length:
+            raise ValueError(f"the donor does not hold positions {src}..{src + n}")
+        dst = self.length
+        self.reserve(n)
+        delta = dst - src
+        storage = self.pool.storage
+        for gi, g in enumerate(self.pool.groups):
+            src_cols = donor._column_array(gi, src, src + n)
+            dst_cols = self._write_columns[gi]
+            for slot, layer in enumerate(g.layers):
+                if delta:
+                    keys = np.ascontiguousarray(storage.read_rows(g.k[slot], g.k_scale[slot], src_cols)
+                                                .transpose(1, 0, 2))
+                    rotate(layer, keys, delta)
+                    storage.write_rows(g.k[slot], g.k_scale[slot], dst_cols, keys)
+                else:
+                    for store in (g.k[slot], g.k_scale[slot]):
+                        storage.move_columns(store, src_cols, dst_cols)
+                for store in (g.v[slot], g.v_scale[slot]):
+                    storage.move_columns(store, src_cols, dst_cols)
+        limit = dst // BLOCK
+        self.name_limit = limit if self.name_limit is None else min(self.name_limit, limit)
+        self.commit()
+
     # ---- prefix sharing -------------------------------------------------------------------------------
 
     def can_truncate(self, n: int) -> bool:

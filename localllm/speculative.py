@@ -580,7 +580,7 @@ class SpeculativeRun:
         """Prompt processing for the target and the drafter; picks the first token."""
         gen = self.gen
         t0 = time.perf_counter()
-        logits = self.engine.evaluate(self.seq, gen.start_prefill())
+        logits = gen.read_prompt()
         self.begin(logits)
         gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
 

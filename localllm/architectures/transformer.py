@@ -322,15 +322,19 @@ class Transformer:
         """Context shift (llama.cpp's llama_memory_seq_add with a RoPE shift): drop n_discard tokens after the
         first n_keep. Cached keys are post-RoPE and RoPE is a rotation, so rotating them by the position delta
         gives exactly the keys those tokens would have at their new positions."""
-        neox = self.config.traits.rope_style == "neox"
+        cache.shift(n_keep, n_discard, self.rotate_keys)
 
-        def rotate(layer: int, keys: np.ndarray, delta: int) -> None:
-            angles = delta * self.layer_rope[layer].inv_freq
-            cos = np.broadcast_to(np.cos(angles).astype(np.float32), (len(keys), len(angles))).copy()
-            sin = np.broadcast_to(np.sin(angles).astype(np.float32), (len(keys), len(angles))).copy()
-            self.backend.rope(keys, cos, sin, self.config.rope_dim, neox)
-
-        cache.shift(n_keep, n_discard, rotate)
+    def rotate_keys(self, layer: int, keys: np.ndarray, delta: int) -> None:
+        """Move cached keys (T, n_kv_heads, head_dim), C-contiguous, post-RoPE, by `delta` positions, in place.
+        Every RoPE variant here is a rotation by angles linear in the position (plain, linear and YaRN scaling,
+        Llama 3's and LongRoPE's frequency factors; partial rotary turns the first rope_dim dims only; a NoPE
+        layer's angles are all 0), so rotating by delta * inv_freq gives the keys at the new positions up to
+        float rounding. YaRN's and LongRoPE's magnitude scale is already in the stored keys and not applied
+        again."""
+        angles = delta * self.layer_rope[layer].inv_freq
+        cos = np.broadcast_to(np.cos(angles).astype(np.float32), (len(keys), len(angles))).copy()
+        sin = np.broadcast_to(np.sin(angles).astype(np.float32), (len(keys), len(angles))).copy()
+        self.backend.rope(keys, cos, sin, self.config.rope_dim, self.config.traits.rope_style == "neox")
 
     def _soft_cap_logits(self, logits: np.ndarray) -> np.ndarray:
         """gemma2's final soft-cap, tanh(l / cap) * cap, on the host logits of every path (fused or not, any

@@ -62,14 +62,14 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
           allowed_hosts: list[str] | None = None, device: str = "cpu", models: list[str] | None = None,
           max_loaded: int | None = None, pins: list[str] | None = None, keep_alive: float | None = None,
-          offline: bool = False) -> None:
+          offline: bool = False, cache_reuse: int = 0) -> None:
     """Serve until Ctrl-C: `model` alone (loaded now, pinned), or several (`models`; none: any model of the store)
     loaded by the requests' `model` field, up to `max_loaded` at once (None: as many as fit in the memory
     available now), each kept `keep_alive` seconds after its last request (None: 5 minutes; the one model: for
     ever), `pins` always. `speculation` (a SpeculationParams): decode every request speculatively. A catalog model
     or hub reference named here that is not in the store yet is pulled first, unless `offline`.
     `allowed_hosts`: names clients may call the server by beyond localhost, IP addresses and this machine's
-    host name (see asgi.LocalNames; '*': any)."""
+    host name (see asgi.LocalNames; '*': any). `cache_reuse`: llama.cpp's --cache-reuse N (cache_reuse.py), 0 off."""
     import uvicorn
 
     from localllm.server.app import MAX_BODY
@@ -92,7 +92,7 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     try:
         registry, state, name = _registry(model, models or [], pins or [], max_loaded, keep_alive, ctx, device,
                                           parallel, max_queue, speculation, max_tokens, api_key,
-                                          max_body or MAX_BODY, offline)
+                                          max_body or MAX_BODY, offline, cache_reuse)
         engine = state.engine if model is not None else None
         app = create_app(state, cors_origins, allowed_hosts, host)
         if not is_loopback(host) and not api_key:
@@ -130,7 +130,7 @@ def _served_name(given: str, path) -> str:
 
 
 def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel, max_queue, speculation,
-              max_tokens, api_key, max_body, offline=False):
+              max_tokens, api_key, max_body, offline=False, cache_reuse=0):
     """(registry, the app's state, the one model's name or None) for serve()'s options; the one model and the
     pinned ones are loaded now, so that a bad file fails before the port opens."""
     from localllm import catalog, store
@@ -147,6 +147,7 @@ def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel
 
     def loader(path, quiet=True):
         engine = Engine(path, ctx=ctx, quiet=quiet, backend=device)
+        engine.cache_reuse, engine.retained_max = cache_reuse, parallel  # a kept donor per slot, as llama.cpp
         return engine, Scheduler(engine, parallel=parallel, max_queue=max_queue, speculation=speculation)
 
     base = ServerState(engine=None, scheduler=None, model_name="", model_path="", max_tokens=max_tokens,

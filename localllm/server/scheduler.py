@@ -276,8 +276,12 @@ class Scheduler:
         """Close the request's sequence and deliver its outcome (a Final or an exception), once."""
         if r.spec is not None:
             r.spec.close()  # releases the draft model's sequence
+        r.gen.release_donor()
         if r.gen.seq is not None:
-            r.gen.seq.close()
+            if isinstance(outcome, Final) or getattr(outcome, "status", None) == 499:
+                self.engine.retire(r.gen.seq)  # kept as a donor of chunks when cache reuse is on
+            else:
+                r.gen.seq.close()  # a failed forward: nothing of it is worth keeping
             self.live_sequences -= 1
         if outcome is not None:
             r.handle._put(outcome)
@@ -360,7 +364,12 @@ class Scheduler:
         budget = PREFILL_BUDGET
         for r in self._running:
             if r.prefill and budget > 0:
-                chunk = r.prefill[:budget]
+                try:  # chunks a donor holds (cache reuse) are copied in, not computed
+                    r.prefill = r.prefill[r.gen.splice_due():]
+                except Exception as e:
+                    done.append((r, _failure(e)))
+                    continue
+                chunk = r.prefill[: min(budget, r.gen.until_splice())]
                 budget -= len(chunk)
                 items.append((r.gen.seq, chunk))
                 prefilling.append((r, len(chunk)))
