@@ -12,8 +12,11 @@ default settings (n_prefix 256 lines, n_suffix 64 lines, n_predict 128, ring_n_c
 
 Time to suggestion is the wall time of one keystroke's request. llama-server speaks the same protocol, so the
 same command measures it: run both on the same model and machine, back to back, and compare the medians.
-Not replayed: llama.vim's speculative follow-up request after a suggestion is shown, and new chunks picked when
-the cursor jumps far (typing here never leaves the ring unchanged for long enough to send them).
+  3. when the cursor goes to the next retyped line, the ring moves: its oldest chunk leaves, a chunk of the
+     edited file joins, and the ring update (a warm-up) is sent before the next keystroke (--no-ring-moves:
+     the ring stays as it is).
+
+Not replayed: llama.vim's speculative follow-up request after a suggestion is shown.
 """
 
 from __future__ import annotations
@@ -71,8 +74,11 @@ def pick_ring(files: list[Path], n_chunks: int, rng: random.Random) -> list[dict
 
 
 def exchange(edit: Path, others: list[Path], n_lines: int, keystrokes: int, seed: int = 0,
-             ring_chunks: int = RING_N_CHUNKS):
-    """(warm-up bodies, keystroke bodies) of one editing session."""
+             ring_chunks: int = RING_N_CHUNKS, ring_moves: bool = True):
+    """(warm-up bodies, keystroke steps) of one editing session. A step is (body, after_ring_move), or
+    (body, None) for a ring update sent between keystrokes: with `ring_moves`, when the cursor goes to the
+    next line, llama.vim's s:pick_chunk takes the lines around it as a new chunk, and s:ring_update drops the
+    ring's oldest chunk for it and sends a warm-up (n_predict 0) before the next keystroke."""
     rng = random.Random(seed)
     ring = pick_ring(others, ring_chunks, rng)
     warmups = [ring_update_body(ring[:n]) for n in range(1, len(ring) + 1)]
@@ -80,14 +86,23 @@ def exchange(edit: Path, others: list[Path], n_lines: int, keystrokes: int, seed
     candidates = [y for y, s in enumerate(lines) if len(s.strip()) >= keystrokes + 8]
     if not candidates:
         raise LocalLLMError(f"{edit} has no line long enough to type {keystrokes} characters of")
-    keys = []
-    for y in sorted(rng.sample(candidates, min(n_lines, len(candidates)))):
+    steps = []
+    for i, y in enumerate(sorted(rng.sample(candidates, min(n_lines, len(candidates))))):
+        moved = False
+        if ring_moves and i and ring:
+            half = RING_CHUNK_SIZE // 2
+            l0 = max(0, y - half - N_PREFIX // 2)  # s:pick_chunk: a chunk of the file away from the cursor's window
+            chunk = {"text": "\n".join(lines[l0:l0 + half + 1]) + "\n", "time": [1767225700 + i, 0],
+                     "filename": edit.name}
+            ring = ring[1:] + [chunk]
+            steps.append((ring_update_body(ring), None))
+            moved = True
         original = lines[y]
         start = len(original) - len(original.lstrip())
         for x in range(start + 1, start + keystrokes + 1):
             typed = lines[:y] + [original[:x]] + lines[y + 1:]
-            keys.append(fim_body(typed, y, x, ring))
-    return warmups, keys
+            steps.append((fim_body(typed, y, x, ring), moved and x == start + 1))
+    return warmups, steps
 
 
 def default_files() -> tuple[Path, list[Path]]:
@@ -108,11 +123,12 @@ def session_files(edit: str | None) -> tuple[Path, list[Path]]:
 
 
 def run(url: str, edit: str | None = None, n_lines: int = 3, keystrokes: int = 8, api_key: str | None = None,
-        seed: int = 0, ring_chunks: int = RING_N_CHUNKS) -> dict:
+        seed: int = 0, ring_chunks: int = RING_N_CHUNKS, ring_moves: bool = True) -> dict:
     import httpx
 
     edit_path, others = session_files(edit)
-    warmups, keys = exchange(edit_path, others, n_lines, keystrokes, seed, ring_chunks)
+    warmups, steps = exchange(edit_path, others, n_lines, keystrokes, seed, ring_chunks, ring_moves)
+    keys = [body for body, moved in steps if moved is not None]
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(600.0, connect=10.0)) as client:
@@ -135,28 +151,43 @@ def run(url: str, edit: str | None = None, n_lines: int = 3, keystrokes: int = 8
             if error:
                 raise LocalLLMError(f"{base}/infill refused a cache warm-up: {error}")
         warm_s = time.perf_counter() - t0
-        answers, errors = [], []
-        for body in keys:
+        answers, errors, ring_s = [], [], []
+        for body, moved in steps:
             dt, out, error = post(body)
+            if moved is None:  # a ring update between keystrokes: the plugin sends it from a timer
+                if error:
+                    errors.append(error)
+                ring_s.append(dt)
+                continue
             if error:  # a keystroke the server refused shows no suggestion; count it, go on typing
                 errors.append(error)
                 continue
             answers.append({"s": dt, "content": out.get("content", ""), "prompt_n": out.get("timings/prompt_n"),
-                            "predicted_n": out.get("timings/predicted_n"), "tokens_cached": out.get("tokens_cached")})
+                            "predicted_n": out.get("timings/predicted_n"), "tokens_cached": out.get("tokens_cached"),
+                            "after_ring_move": moved})
 
     def med(key, rows):
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         return percentile(vals, 50)
 
     shown = [a for a in answers if a["content"].strip()]
+    within = [a["s"] for a in answers if not a["after_ring_move"]]
+    moved = [a["s"] for a in answers if a["after_ring_move"]]
     return {"url": base, "workload": "llama-vim", "file": str(edit_path), "warmups": len(warmups),
             "warmup_s": warm_s, "keystrokes": len(keys), "failed": len(errors), "errors": sorted(set(errors))[:3],
-            "suggestions": len(shown),
+            "suggestions": len(shown), "ring_moves": len(ring_s),
+            "ring_update_s": {"p50": percentile(ring_s, 50)} if ring_s else None,
             "time_to_suggestion_s": {"p50": percentile([a["s"] for a in answers], 50),
                                      "p90": percentile([a["s"] for a in answers], 90),
-                                     "p50_shown": percentile([a["s"] for a in shown], 50)},
+                                     "p50_shown": percentile([a["s"] for a in shown], 50),
+                                     "p50_within_line": percentile(within, 50) if within else None,
+                                     "p50_after_ring_move": percentile(moved, 50) if moved else None},
             "prompt_n_p50": med("prompt_n", answers), "predicted_n_p50": med("predicted_n", answers),
             "tokens_cached_p50": med("tokens_cached", answers), "answers": answers}
+
+
+def _ms(seconds) -> str:
+    return "       -" if seconds is None else f"{1000 * seconds:8.1f} ms"
 
 
 def format_report(res: dict) -> str:
@@ -166,6 +197,9 @@ def format_report(res: dict) -> str:
         f"{res['warmup_s']:.1f} s, then {res['keystrokes']} keystrokes",
         f"time to suggestion  p50 {1000 * t['p50']:8.1f} ms   p90 {1000 * t['p90']:8.1f} ms   "
         f"p50 of shown {1000 * t['p50_shown']:8.1f} ms",
+        f"within a line p50   {_ms(t['p50_within_line'])}   first key after a ring move p50 "
+        f"{_ms(t['p50_after_ring_move'])}   ring update p50 "
+        f"{_ms((res['ring_update_s'] or {}).get('p50'))} ({res['ring_moves']} moves)",
         f"suggestions shown   {res['suggestions']}/{res['keystrokes']}"
         + (f" ({res['failed']} requests failed: {res['errors']})" if res["failed"] else ""),
         f"per keystroke (p50) {res['prompt_n_p50']:.0f} prompt tokens evaluated, {res['predicted_n_p50']:.0f} "
@@ -176,6 +210,7 @@ def format_report(res: dict) -> str:
 def main(args) -> int:
     if args.lines < 1 or args.keystrokes < 1 or args.ring_chunks < 0:
         raise LocalLLMError("--lines and --keystrokes must be at least 1, --ring-chunks at least 0")
-    res = run(args.url, args.file, args.lines, args.keystrokes, args.api_key, ring_chunks=args.ring_chunks)
+    res = run(args.url, args.file, args.lines, args.keystrokes, args.api_key, ring_chunks=args.ring_chunks,
+              ring_moves=not args.no_ring_moves)
     print(json.dumps(res) if args.json else format_report(res))
     return 0 if res["keystrokes"] and not res["failed"] else 1

@@ -430,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama-vim: characters typed per line, one request each (default 8)")
     p.add_argument("--ring-chunks", type=int, default=16, metavar="N",
                    help="llama-vim: chunks of extra context in the ring (default 16, llama.vim's ring_n_chunks)")
+    p.add_argument("--no-ring-moves", action="store_true",
+                   help="llama-vim: keep the ring as it is between lines (default: it moves, one chunk out and one "
+                        "in, with its warm-up request, when the cursor goes to the next line)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=cmd_bench_serve)
 

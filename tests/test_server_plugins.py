@@ -349,7 +349,9 @@ def test_llama_vim_workload_replays_ring_warm_ups_then_keystrokes(tmp_path):
 
     (tmp_path / "geometry.py").write_text(GEOMETRY)
     (tmp_path / "units.py").write_text(UNITS)
-    warmups, keys = exchange(tmp_path / "geometry.py", [tmp_path / "units.py"], n_lines=1, keystrokes=3)
+    warmups, steps = exchange(tmp_path / "geometry.py", [tmp_path / "units.py"], n_lines=1, keystrokes=3)
+    assert all(moved is False for _, moved in steps)
+    keys = [body for body, _ in steps]
     assert len(warmups) == 16 and [len(w["input_extra"]) for w in warmups] == list(range(1, 17))
     assert all(w["n_predict"] == 0 and w["response_fields"] == [""] for w in warmups)
     assert len(keys) == 3 and all(k["input_extra"] == warmups[-1]["input_extra"] for k in keys)
@@ -357,6 +359,22 @@ def test_llama_vim_workload_replays_ring_warm_ups_then_keystrokes(tmp_path):
     assert prompts[0].strip() and [len(p) for p in prompts] == [len(prompts[0]) + i for i in range(3)]
     assert all(k["n_indent"] == len(prompts[0]) - len(prompts[0].lstrip()) for k in keys)
     assert keys[0]["input_suffix"].startswith("\n") and keys[0]["t_max_predict_ms"] == 250
+
+
+def test_llama_vim_workload_moves_the_ring_when_the_cursor_goes_to_the_next_line(tmp_path):
+    from localllm.bench_editor import exchange
+
+    (tmp_path / "geometry.py").write_text(GEOMETRY)
+    (tmp_path / "units.py").write_text(UNITS)
+    warmups, steps = exchange(tmp_path / "geometry.py", [tmp_path / "units.py"], n_lines=2, keystrokes=2)
+    assert [moved for _, moved in steps] == [False, False, None, True, False]
+    ring_update = steps[2][0]
+    before, after = warmups[-1]["input_extra"], ring_update["input_extra"]
+    assert ring_update["n_predict"] == 0 and after[:-1] == before[1:] and after[-1]["filename"] == "geometry.py"
+    assert steps[3][0]["input_extra"] == after
+    _, unmoved = exchange(tmp_path / "geometry.py", [tmp_path / "units.py"], n_lines=2, keystrokes=2,
+                          ring_moves=False)
+    assert [moved for _, moved in unmoved] == [False] * 4
 
 
 def test_bench_serve_llama_vim_workload_reports_time_to_suggestion(coder, tmp_path):
