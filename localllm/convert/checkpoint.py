@@ -30,6 +30,8 @@ def _read_json(path: Path, what: str) -> dict:
         raise CheckpointError(f"{path.parent}: no {path.name} ({what})") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read {what}: {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot read {what}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} is not a JSON object")
     return data
@@ -82,10 +84,14 @@ def open_checkpoint(directory: Path) -> Checkpoint:
     refuse_quantized(config, directory)
     archs = config.get("architectures") or []
     text_config = config.get("text_config") or {}
+    if not isinstance(text_config, dict):
+        raise CheckpointError(f"{directory.name}/config.json: text_config is not an object")
     if text_config.get("architectures"):
         archs = text_config["architectures"]
     if not archs:
         raise CheckpointError(f"{directory}/config.json names no architecture ('architectures' is missing)")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{directory.name}/config.json: 'architectures' must be a list of class names")
     if text_config:
         config = {**config, **text_config}
     ckpt = Checkpoint(directory, config, archs[0])

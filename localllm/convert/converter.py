@@ -8,10 +8,12 @@ interruption keeps the partial file for --resume).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import re
 import shutil
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +26,10 @@ from localllm.gguf_file import GGUFFile
 from localllm.resume import PartialWriter, file_identity, keep_partial, partial_paths
 from localllm.type_names import CONVERT_TYPE_CHOICES, QUANTIZE_MIXES
 
-from .architectures import ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, write_hparams
+from .architectures import (ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, phi3_rope,
+                            write_hparams)
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
+from .config_check import check_against_tensors, check_values
 from .safetensors import CheckpointError, TensorEntry
 from .vocab import sentencepiece_vocab, write_vocab
 
@@ -115,17 +119,48 @@ def source_type(ckpt: Checkpoint) -> str:
     return "f32"
 
 
+# What a malformed config.json, tokenizer or header can raise deep inside the conversion (a null where a number
+# belongs, a value out of a GGUF field's range, JSON nested too deeply): reported as one line, never a traceback.
+_MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+              RecursionError, struct.error)
+
+
+@contextlib.contextmanager
+def _clear_errors(directory: Path):
+    try:
+        yield
+    except LocalLLMError:
+        raise
+    except _MALFORMED as e:
+        what = "JSON nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{Path(directory).name}: the checkpoint's config.json, tokenizer files or tensor "
+                              f"headers are malformed ({what[:300]})") from None
+    except MemoryError:
+        raise CheckpointError(f"{Path(directory).name}: not enough memory to convert this checkpoint") from None
+
+
 def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
+    with _clear_errors(directory):
+        return _plan_conversion(directory, out_type)
+
+
+def _plan_conversion(directory: Path, out_type: str) -> Plan:
     ckpt = open_checkpoint(directory)
     try:
         spec = find_arch(ckpt.hf_arch)
+        # config.json's numbers checked, then checked against the tensors, before anything is sized by them
+        check_values(ckpt.config)
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+            if key not in ckpt.config and key not in spec.defaults:
+                raise CheckpointError(f"config.json has no {key}")
         hp = normalise_config(spec, ckpt.config)
+        if spec.gguf_arch == gguf.MODEL_ARCH.PHI3:
+            phi3_rope(hp)  # its own refusals (a head size llama.cpp's phi3 cannot have) name the reason best
+        check_against_tensors(hp, ckpt.tensors, _hf_name)
         if out_type == "auto":
             out_type = source_type(ckpt)
         qtype, file_type = OUTPUT_TYPES[out_type]
-        n_layers = hp.get("num_hidden_layers")
-        if not isinstance(n_layers, int):
-            raise CheckpointError("config.json has no num_hidden_layers")
+        n_layers = hp["num_hidden_layers"]
         tmap = gguf.get_tensor_name_map(spec.gguf_arch, n_layers)
         n_vocab_real = None
         if spec.trim_vocab:
@@ -142,9 +177,19 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
             planned.append(PlannedTensor(None, gen_name.removesuffix(".weight"), gen_name, values.shape, Q.F32,
                                          values.nbytes, None))
         experts = _ExpertStacker(hp, n_layers) if spec.moe else None
+        has_output = gguf.MODEL_TENSOR.OUTPUT in gguf.MODEL_TENSORS[spec.gguf_arch]
+        embd_name = next(n for n in ckpt.tensors if _hf_name(n) == "model.embed_tokens.weight")
         for src_name, entry in ckpt.tensors.items():
             name = _hf_name(src_name)
             if name is None or name.endswith(_SKIP_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and not has_output:
+                # llama.cpp's Gemma 2 has no output matrix (it always ties it to the embedding) and drops a stored
+                # lm_head: right only when it is the embedding, so one that differs is refused, not dropped
+                if not _same_values(ckpt, entry, ckpt.tensors[embd_name]):
+                    raise CheckpointError(
+                        f"{src_name!r} differs from the token embedding, and {spec.gguf_arch.name.lower()} in GGUF "
+                        "always uses the embedding as its output matrix: converting would change the model")
                 continue
             bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
             if bid is not None and bid >= n_layers:
@@ -180,10 +225,33 @@ def plan_conversion(directory: Path, out_type: str = "auto") -> Plan:
             raise CheckpointError(f"two checkpoint tensors map to {dup}")
         if not any(p.name == "token_embd.weight" for p in planned):
             raise CheckpointError("the checkpoint has no token embedding (model.embed_tokens.weight)")
+        if has_output and not hp.get("tie_word_embeddings") and not any(p.name == "output.weight" for p in planned):
+            raise CheckpointError("config.json says tie_word_embeddings is false, but the checkpoint has no "
+                                  "lm_head.weight: the model's output matrix is missing (an incomplete download?)")
         return Plan(ckpt, spec, hp, qtype, file_type, planned, n_vocab_real)
     except BaseException:
         ckpt.close()
         raise
+
+
+def _same_values(ckpt: Checkpoint, a: TensorEntry, b: TensorEntry) -> bool:
+    """Whether two tensors hold the same values: their bytes compared 8 MiB at a time where they share a dtype
+    (the memory of a chunk, not of the tensors)."""
+    if a.shape != b.shape:
+        return False
+    if a.dtype != b.dtype:
+        return bool(np.array_equal(ckpt.file_of(a).read(a), ckpt.file_of(b).read(b)))
+    chunk = 8 << 20
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        fa.seek(a.start)
+        fb.seek(b.start)
+        left = a.nbytes
+        while left > 0:
+            n = min(chunk, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
 
 
 class _ExpertStacker:
@@ -424,7 +492,8 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
             raise LocalLLMError(f"{out} exists (pass --force to replace it)")
         if not out.parent.is_dir():
             raise LocalLLMError(f"{out.parent}: no such directory")
-        header = _header(_metadata_writer(plan, model_name))
+        with _clear_errors(src):
+            header = _header(_metadata_writer(plan, model_name))
         qplan = None
         if mix:
             view = _HeaderOnly(header, sum(-t.nbytes % 32 + t.nbytes for t in plan.tensors), f"{out.name} (source)")

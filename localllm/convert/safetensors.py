@@ -7,6 +7,7 @@ whole checkpoint. No torch, no safetensors package.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,10 @@ DTYPES: dict[str, np.dtype] = {
 QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"}
 _MAX_HEADER = 100 * 1024 * 1024
 _BF16_CHUNK = 1 << 22  # values widened at a time (8 MB of bf16)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class CheckpointError(LocalLLMError):
@@ -63,6 +68,8 @@ class SafetensorsFile:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{self.path.name}: corrupt safetensors header ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{self.path.name}: corrupt safetensors header (JSON nested too deeply)") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path.name}: corrupt safetensors header")
         self.metadata = header.pop("__metadata__", None) or {}
@@ -70,17 +77,24 @@ class SafetensorsFile:
         self.tensors: dict[str, TensorEntry] = {}
         for name, meta in header.items():
             try:
-                dtype, shape, (lo, hi) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+                dtype, shape, (lo, hi) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+                ok = (isinstance(dtype, str) and all(_is_int(d) and d >= 0 for d in shape) and len(shape) <= 8
+                      and _is_int(lo) and _is_int(hi) and 0 <= lo <= hi)
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path.name}: corrupt entry for tensor {name!r}") from None
+                ok = False
+            if not ok:
+                raise CheckpointError(f"{self.path.name}: corrupt entry for tensor {name[:100]!r}") from None
             if base + hi > size:
                 raise CheckpointError(f"{self.path.name} is truncated: tensor {name!r} ends at byte {base + hi}, "
                                       f"the file has {size} (an interrupted download?)")
             if dtype in DTYPES:
-                expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+                expected = math.prod(shape) * DTYPES[dtype].itemsize
                 if expected != hi - lo:
                     raise CheckpointError(f"{self.path.name}: tensor {name!r} has {hi - lo} bytes, "
                                           f"its shape {list(shape)} of {dtype} needs {expected}")
+            elif math.prod(shape) > 8 * (hi - lo):  # no dtype holds more than 8 values a byte
+                raise CheckpointError(f"{self.path.name}: tensor {name[:100]!r} has {hi - lo} bytes, too few for "
+                                      f"its shape {list(shape)}")
             self.tensors[name] = TensorEntry(name, dtype, shape, self.path, base + lo, hi - lo)
 
     def read(self, entry: TensorEntry) -> np.ndarray:
