@@ -558,3 +558,51 @@ kernel SG_ATTR void matmul_lanes_##fmt##_q8(Q8ARGS) {                           
 Q8KERNELS(q8_0, WORDS_Q8_0)
 Q8KERNELS(q4_0, WORDS_Q4_0)
 #endif
+
+// ---- a decode step's fused products (kernels/opencl/plan.py) ------------------------------------------------
+//
+// One x row (n = 1) against up to three weights in one launch (Q, K and V; or gate and up with the activation),
+// each weight in its own re-laid format. plan.py writes the kernels themselves (one per combination of formats
+// a model has) from these macros: a work-group belongs to one weight (its part), so the choice of format is
+// uniform within it. A row's sum is the matvec kernels' of the same shape, bit for bit: the same chunk order,
+// DOT_CHUNK, SUM8 and lane reduction (the tree of LANES_REDUCE, or sub_group_reduce_add), and the epilogue is the
+// op-by-op forward's next operation with its arithmetic (the bias add, act(gate) * up).
+
+// The 8 lane sums of row r of the part whose arrays are named sc, mn, lo, hi (declared by the caller), over
+// chunks START, START + STEP, ...: LANES_BODY's loop (START lane, STEP LPR) or ROWS_BODY's (0, 1) for T = 1.
+#define PART_ACC(L, H, S, MIN, OFF, r, START, STEP, acc)                                                        \
+    {                                                                                                           \
+        for (int j = 0; j < 8; j++) acc[j] = 0.0f;                                                             \
+        for (uint i = (START); i < nc; i += (STEP)) {                                                          \
+            float q[32];                                                                                        \
+            ulong c = (ulong)(r) * nc + i;                                                                      \
+            DECODE_CODES(L, H, OFF, c, q);                                                                      \
+            DOT_CHUNK(S, MIN, c, q, acc, (x + i * 32));                                                         \
+        }                                                                                                       \
+    }
+
+// out[t] = the sum over a row's LPR lanes of val[t], t < T (<= 2), in lane 0: LANES_REDUCE's arithmetic. The
+// floor's tree needs `local float part[2 * RPG * LPR]` at kernel scope (FUSED_LOCAL).
+#ifdef LOCALLLM_SUBGROUPS_INTEL
+#define FUSED_LOCAL
+#define LANE_SUMS(T, val, out)                                                                                  \
+    for (int t = 0; t < T; t++) out[t] = sub_group_reduce_add(val[t]);
+#else
+#define FUSED_LOCAL local float part[2 * RPG * LPR];
+#define LANE_SUMS(T, val, out)                                                                                  \
+    for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] = val[t];                                    \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
+    for (uint s = LPR / 2; s > 0; s >>= 1) {                                                                   \
+        if (lane < s)                                                                                           \
+            for (int t = 0; t < T; t++) part[(t * RPG + rl) * LPR + lane] += part[(t * RPG + rl) * LPR + lane + s]; \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }                                                                                                           \
+    for (int t = 0; t < T; t++) out[t] = part[(t * RPG + rl) * LPR];
+#endif
+
+// The activations of ops.cl's gated_silu and gated_gelu_tanh, the same expressions.
+float act_silu(float g, float u) { return (g / (1.0f + exp(-g))) * u; }
+float act_gelu_tanh(float g, float u) {
+    float a = 0.5f * g * (1.0f + tanh(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+    return a * u;
+}

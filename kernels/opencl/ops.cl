@@ -41,12 +41,13 @@
 #define SG_ATTR
 #endif
 
-// rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
-// The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
-kernel SG_ATTR void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
-    local float part[ROW_WG];
-    uint r = get_group_id(0), lid = get_local_id(0);
-    global const float *xr = x + (ulong)r * d;
+// row_scale(xr, d, eps, part): 1 / sqrt(mean(xr[0..d)^2) + eps) for the calling work-group (ROW_WG items, part:
+// ROW_WG local floats): each work-item sums a strided slice (i = lid, lid + ROW_WG, ...), then a tree, or with
+// Intel's sub-groups of 16 the sub-groups' sums in order. Every kernel that normalises a row calls this one
+// function, so rms_norm, add_rms and rope_kv give a row the same bits. A work-item reads only its own slice, so
+// it may have written that slice itself just before (add_rms) without a barrier.
+float row_scale(global const float *xr, uint d, float eps, local float *part) {
+    uint lid = get_local_id(0);
     float acc = 0.0f;
     for (uint i = lid; i < d; i += ROW_WG) acc = MAC(xr[i], xr[i], acc);
 #ifdef LOCALLLM_SUBGROUPS_INTEL
@@ -64,8 +65,43 @@ kernel SG_ATTR void rms_norm(global const float *x, global const float *w, globa
     }
     float total = part[0];
 #endif
-    float scale = 1.0f / sqrt(total / (float)d + eps);
+    barrier(CLK_LOCAL_MEM_FENCE);  // part may be reused by the caller's next row_scale
+    return 1.0f / sqrt(total / (float)d + eps);
+}
+
+// rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
+// The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
+kernel SG_ATTR void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
+    local float part[ROW_WG];
+    uint r = get_group_id(0), lid = get_local_id(0);
+    global const float *xr = x + (ulong)r * d;
+    float scale = row_scale(xr, d, eps, part);
     global float *o = out + (ulong)r * d;
+    for (uint i = lid; i < d; i += ROW_WG) o[i] = (xr[i] * scale) * w[i];
+}
+
+// add_rms(x, dlt, pw, w, h, d, eps, flags, s): the residual stream's step between two products, one work-group
+// per row, in the op-by-op forward's order and with its arithmetic (bit for bit): with ADD_SCALE x = x * s (the
+// embedding's scale); with ADD_DELTA x = x + dlt, where with ADD_POST_NORM dlt is first normalised by pw (gemma's
+// post-attention and post-FFN norms); then h = rms_norm(x) * w, the next product's input.
+#define ADD_SCALE 1u
+#define ADD_DELTA 2u
+#define ADD_POST_NORM 4u
+kernel SG_ATTR void add_rms(global float *x, global const float *dlt, global const float *pw, global const float *w,
+                            global float *h, uint d, float eps, uint flags, float s) {
+    local float part[ROW_WG];
+    uint r = get_group_id(0), lid = get_local_id(0);
+    global float *xr = x + (ulong)r * d;
+    global const float *dr = dlt + (ulong)r * d;
+    float post = (flags & ADD_POST_NORM) ? row_scale(dr, d, eps, part) : 0.0f;
+    for (uint i = lid; i < d; i += ROW_WG) {
+        float v = xr[i];
+        if (flags & ADD_SCALE) v = v * s;
+        if (flags & ADD_DELTA) v = v + ((flags & ADD_POST_NORM) ? (dr[i] * post) * pw[i] : dr[i]);
+        xr[i] = v;
+    }
+    float scale = row_scale(xr, d, eps, part);
+    global float *o = h + (ulong)r * d;
     for (uint i = lid; i < d; i += ROW_WG) o[i] = (xr[i] * scale) * w[i];
 }
 
@@ -148,66 +184,135 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
 // ever exponentiated above the running maximum, so nothing overflows); each work-item turns its key's score
 // into a weight p_t (one exp per key), and every work-item adds p_t * v_t for the output elements it owns
 // (j = lid, lid + ATT_WG, ...: at most ATT_NACC per item, in registers).
+// The body of both attention kernels: query i at position P over keys 0 .. T_ - 1 of the cache, key t at
+// position KEY_START + t and in storage column COL(t). A macro, so the two kernels' arithmetic is one text.
+#define ATTENTION_BODY(P, T_, KEY_START, COL)                                                                   \
+    local float qs[ATT_MAX_D];                                                                                  \
+    local float ps[ATT_WG];                                                                                     \
+    uint kvh = h / (n_head / n_kv);                                                                             \
+    global const float *qi = q + ((ulong)i * n_head + h) * d;                                                   \
+    for (uint j = lid; j < d; j += ATT_WG) qs[j] = qi[j];                                                       \
+    /* visible keys: cache rows lo .. hi - 1 */                                                                 \
+    int p = (P), k_start = (KEY_START);                                                                       \
+    int hi = min(p - k_start + 1, (int)(T_));                                                                 \
+    int lo = window > 0 ? max(p - window + 1 - k_start, 0) : 0;                                               \
+    global const float *kh = k + (ulong)kvh * cap * d;                                                          \
+    global const float *vh = v + (ulong)kvh * cap * dv;                                                         \
+    float acc[ATT_NACC];                                                                                        \
+    for (int m = 0; m < ATT_NACC; m++) acc[m] = 0.0f;                                                           \
+    float run_max = -INFINITY, run_sum = 0.0f;                                                                  \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                               \
+    for (int t0 = lo; t0 < hi; t0 += ATT_WG) {                                                                  \
+        int t = t0 + (int)lid;                                                                                  \
+        float sc = -INFINITY;                                                                                   \
+        if (t < hi) {                                                                                           \
+            global const float *kt = kh + (ulong)(uint)(COL(t)) * d;                                            \
+            float dot = 0.0f;                                                                                   \
+            for (uint j = 0; j < d; j++) dot = MAC(qs[j], kt[j], dot);                                          \
+            sc = dot * scale;                                                                                   \
+            if (softcap > 0.0f) sc = tanh(sc / softcap) * softcap;  /* gemma2's attention logit soft-cap */     \
+        }                                                                                                       \
+        ps[lid] = sc;                                                                                           \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        int n_t = min(hi - t0, ATT_WG);  /* >= 1: the tile's first key is visible, so new_max is finite */      \
+        float new_max = run_max;                                                                                \
+        for (int u = 0; u < n_t; u++) new_max = fmax(new_max, ps[u]);                                           \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        ps[lid] = exp(sc - new_max);  /* each key's weight once (0 for the tile's tail past hi) */              \
+        float rescale = exp(run_max - new_max);  /* exp(-inf) = 0 on the first tile */                          \
+        run_sum *= rescale;                                                                                     \
+        for (int m = 0; m < ATT_NACC; m++) acc[m] *= rescale;                                                   \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        for (int u = 0; u < n_t; u++) {                                                                         \
+            float pu = ps[u];                                                                                   \
+            run_sum += pu;                                                                                      \
+            global const float *vt = vh + (ulong)(uint)(COL(t0 + u)) * dv;                                      \
+            for (int m = 0; m < ATT_NACC; m++) {  /* a constant bound: unrolled, acc stays in registers */      \
+                uint j = lid + (uint)m * ATT_WG;                                                                \
+                if (j >= dv) break;                                                                             \
+                acc[m] = MAC(pu, vt[j], acc[m]);                                                                \
+            }                                                                                                   \
+        }                                                                                                       \
+        run_max = new_max;                                                                                      \
+        barrier(CLK_LOCAL_MEM_FENCE);  /* ps is rewritten by the next tile */                                   \
+    }                                                                                                           \
+    /* a query that sees no key (a position before the cache's first) gets zeros rather than 0/0 */             \
+    float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;                                                         \
+    global float *o = out + ((ulong)i * n_head + h) * dv;                                                       \
+    for (int m = 0; m < ATT_NACC; m++) {                                                                        \
+        uint j = lid + (uint)m * ATT_WG;                                                                        \
+        if (j < dv) o[j] = acc[m] * inv;                                                                        \
+    }
+
+#define COL_LIST(t) cols[t]
 kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
-                      global const int *cols, global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start,
-                      int window, float scale, float softcap) {
-    local float qs[ATT_MAX_D];
-    local float ps[ATT_WG];
+                      global const int *cols, global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d,
+                      uint dv, int key_start, int window, float scale, float softcap) {
     uint h = get_group_id(0), i = get_global_id(1), lid = get_local_id(0);
-    uint kvh = h / (n_head / n_kv);
-    global const float *qi = q + ((ulong)i * n_head + h) * d;
-    for (uint j = lid; j < d; j += ATT_WG) qs[j] = qi[j];
-    // visible keys: cache rows lo .. hi - 1
-    int p = pos[i];
-    int hi = min(p - key_start + 1, (int)T);
-    int lo = window > 0 ? max(p - window + 1 - key_start, 0) : 0;
-    global const float *kh = k + (ulong)kvh * cap * d;
-    global const float *vh = v + (ulong)kvh * cap * dv;
-    float acc[ATT_NACC];
-    for (int m = 0; m < ATT_NACC; m++) acc[m] = 0.0f;
-    float run_max = -INFINITY, run_sum = 0.0f;
+    ATTENTION_BODY(pos[i], T, key_start, COL_LIST)
+}
+
+// ---- a decode step's kernels (kernels/opencl/plan.py): arguments bound once, the token's values read from
+// `step`, an int32 buffer uploaded once per token:
+//   step[0..1] the token id (int64)         step[2] its position          step[3] W, the block tables' width
+//   step[4 + 2 g], step[5 + 2 g]: layer group g's first held position (key_start) and its number of keys T
+//   step[STEP_COLS + g] the storage column the token's K and V go to in group g
+//   step[STEP_TABLES + g * W + b] group g's block table from its first held block (16 columns a block)
+//   floats (as_float) from word `rope_at`: cos (rope_dim / 2) then sin of the token's position, per RoPE table
+#define KV_BLOCK 16
+
+// attention_step: attention for the step's one query (global (n_head * ATT_WG, 1)): the same body as
+// `attention`, the position, key range and columns read from the step buffer (layer group g).
+#define COL_TABLE(t) (step[tables + ((t) / KV_BLOCK)] * KV_BLOCK + (t) % KV_BLOCK)
+kernel void attention_step(global const float *q, global const float *k, global const float *v,
+                           global const int *step, global float *out, uint n_head, uint n_kv, uint cap, uint d,
+                           uint dv, uint g, uint step_tables, int window, float scale, float softcap) {
+    uint h = get_group_id(0), i = 0, lid = get_local_id(0);
+    uint tables = step_tables + g * (uint)step[3];
+    ATTENTION_BODY(step[2], (uint)step[5 + 2 * g], step[4 + 2 * g], COL_TABLE)
+}
+
+// rope_kv(q, kk, vv, qn, kn, step, kc, vc, ...): a step's Q, K and V after their product, one work-group of
+// ROW_WG per head (global ((n_head + 2 n_kv) * ROW_WG)): Q and K heads normalised (flags & 1: qk-norm, q_norm and
+// k_norm weights) and rotated by RoPE (cos/sin from the step buffer at rope_at; NeoX halves or adjacent pairs;
+// elements from rope_dim on as they are), Q in place, K into the key cache (n_kv, cap, d) at the step's column of
+// layer group g; V heads copied into the value cache (n_kv, cap, dv). The op-by-op forward's rms_norm, rope and
+// kv_write, bit for bit, in one launch.
+kernel SG_ATTR void rope_kv(global float *q, global const float *kk, global const float *vv, global const float *qn,
+                            global const float *kn, global const int *step, global float *kc, global float *vc,
+                            uint n_head, uint n_kv, uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags,
+                            float eps, uint g, uint step_cols, uint rope_at) {
+    local float hv[ATT_MAX_D];
+    local float part[ROW_WG];
+    uint hd = get_group_id(0), lid = get_local_id(0);
+    uint col = (uint)step[step_cols + g];
+    if (hd >= n_head + n_kv) {  // a value head: stored as it is
+        uint kvh = hd - n_head - n_kv;
+        global float *dst = vc + ((ulong)kvh * cap + col) * dv;
+        for (uint j = lid; j < dv; j += ROW_WG) dst[j] = vv[(ulong)kvh * dv + j];
+        return;
+    }
+    bool is_q = hd < n_head;
+    global const float *xr = is_q ? q + (ulong)hd * d : kk + (ulong)(hd - n_head) * d;
+    if (flags & 1u) {
+        global const float *w = is_q ? qn : kn;
+        float s = row_scale(xr, d, eps, part);
+        for (uint j = lid; j < d; j += ROW_WG) hv[j] = (xr[j] * s) * w[j];
+    } else {
+        for (uint j = lid; j < d; j += ROW_WG) hv[j] = xr[j];
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int t0 = lo; t0 < hi; t0 += ATT_WG) {
-        int t = t0 + (int)lid;
-        float sc = -INFINITY;
-        if (t < hi) {
-            global const float *kt = kh + (ulong)(uint)cols[t] * d;
-            float dot = 0.0f;
-            for (uint j = 0; j < d; j++) dot = MAC(qs[j], kt[j], dot);
-            sc = dot * scale;
-            if (softcap > 0.0f) sc = tanh(sc / softcap) * softcap;  // gemma2's attention logit soft-cap
-        }
-        ps[lid] = sc;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        int n_t = min(hi - t0, ATT_WG);  // >= 1: the tile's first key is visible, so new_max is finite
-        float new_max = run_max;
-        for (int u = 0; u < n_t; u++) new_max = fmax(new_max, ps[u]);
-        barrier(CLK_LOCAL_MEM_FENCE);
-        ps[lid] = exp(sc - new_max);  // each key's weight once (0 for the tile's tail past hi)
-        float rescale = exp(run_max - new_max);  // exp(-inf) = 0 on the first tile
-        run_sum *= rescale;
-        for (int m = 0; m < ATT_NACC; m++) acc[m] *= rescale;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        for (int u = 0; u < n_t; u++) {
-            float pu = ps[u];
-            run_sum += pu;
-            global const float *vt = vh + (ulong)(uint)cols[t0 + u] * dv;
-            for (int m = 0; m < ATT_NACC; m++) {  // a constant bound: unrolled, acc stays in registers
-                uint j = lid + (uint)m * ATT_WG;
-                if (j >= dv) break;
-                acc[m] = MAC(pu, vt[j], acc[m]);
-            }
-        }
-        run_max = new_max;
-        barrier(CLK_LOCAL_MEM_FENCE);  // ps is rewritten by the next tile
+    global float *dst = is_q ? q + (ulong)hd * d : kc + ((ulong)(hd - n_head) * cap + col) * d;
+    uint half_ = rope_dim / 2;
+    global const float *cs = (global const float *)(step + rope_at);
+    for (uint i = lid; i < half_; i += ROW_WG) {
+        float c = cs[i], s = cs[half_ + i];
+        uint ia = neox ? i : 2 * i, ib = neox ? i + half_ : 2 * i + 1;
+        float a = hv[ia], b = hv[ib];
+        dst[ia] = a * c - b * s;
+        dst[ib] = a * s + b * c;
     }
-    // a query that sees no key (a position before the cache's first) gets zeros rather than 0/0
-    float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
-    global float *o = out + ((ulong)i * n_head + h) * dv;
-    for (int m = 0; m < ATT_NACC; m++) {
-        uint j = lid + (uint)m * ATT_WG;
-        if (j < dv) o[j] = acc[m] * inv;
-    }
+    for (uint j = rope_dim + lid; j < d; j += ROW_WG) dst[j] = hv[j];
 }
 
 // argmax(x, out, cols): out[r] = the index of the largest x[r, :], the first one on ties (numpy's argmax); NaNs

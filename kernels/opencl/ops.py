@@ -112,6 +112,7 @@ class Ops:
         # created again per op. Safe on the one in-order queue: a buffer's next user is enqueued after every
         # kernel that used it before.
         self.allocator = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(dev.queue))
+        self._in_flight: list[np.ndarray] = []  # host arrays of uploads not yet known to be done (to_device)
 
     def _kernel(self, name: str):
         return kernel(self.dev, name)
@@ -119,13 +120,23 @@ class Ops:
     # ---- transfers ---------------------------------------------------------------------------------------------
 
     def to_device(self, a: np.ndarray, dtype=np.float32):
-        """A device copy of a host array (C-contiguous, `dtype`)."""
-        return _array().to_device(self.dev.queue, np.ascontiguousarray(a, dtype=dtype), allocator=self.allocator)
+        """A device copy of a host array (C-contiguous, `dtype`), enqueued without waiting for it: the host copy
+        is kept until the next `to_host`, which the in-order queue runs after the upload. (A blocking upload
+        waited for every kernel enqueued before it: a forward's uploads of positions and columns stalled the
+        host once per layer group.)"""
+        host = np.ascontiguousarray(a, dtype=dtype)
+        out = self.empty(host.shape, host.dtype)
+        if host.size:
+            self.dev.cl.enqueue_copy(self.dev.queue, out.data, host, is_blocking=False)
+            self._in_flight.append(host)
+        return out
 
-    @staticmethod
-    def to_host(a) -> np.ndarray:
-        """The device array's values on the host: the one read-back of this module."""
-        return a.get()
+    def to_host(self, a) -> np.ndarray:
+        """The device array's values on the host: the one read-back of this module (it waits for the queue, so
+        the uploads enqueued before it are done and their host copies may go)."""
+        out = a.get()
+        self._in_flight.clear()
+        return out
 
     def empty(self, shape, dtype=np.float32):
         """A new C-contiguous device array. Made through pyopencl's own fast constructor (what its

@@ -102,6 +102,7 @@ class OpenCLBackend(Backend):
         # Host arrays the forward passes to every layer (positions, RoPE rows, column maps), uploaded once:
         # id -> (the host array, kept alive so its id stays unique, its device copy).
         self._uploads: dict[int, tuple] = {}
+        self._plans: list = []  # decode plans made by whole_forward (their op-by-op kernels warmed up too)
 
     def _remember(self, key, host, device) -> None:
         """Keep an upload, forgetting the least recently used past 64. (Clearing them all at once, as before,
@@ -269,7 +270,25 @@ class OpenCLBackend(Backend):
                     self.ops.to_host(self.ops.matmul(w, self.ops.to_device(np.zeros((n, w.cols), np.float32))))
 
             calls.append((f"{self.name} matmul {w.qtype.name}", run))
+        for plan in self._plans:
+            if plan.model.weights() and weights and plan.model.weights()[0] is weights[0]:
+                # the model's own warm-up runs the plan (one token); prompts run op by op: compile those too
+                calls.append((f"{self.name} op-by-op forward {plan.model.config.architecture}",
+                              lambda plan=plan: plan.warm_op_by_op(kv_type)))
         return calls
 
     def kv_storage(self):
         return self._storage
+
+    def whole_forward(self, model):
+        """A decode step as a prepared launch list (kernels/opencl/plan.py): one sequence's one-token forward,
+        8 launches a layer with their arguments bound once, bit for bit the op-by-op forward's logits; every
+        other forward runs op by op. None where the model has what the plan does not cover (experts, a final
+        soft-cap) or LOCALLLM_OPENCL_PLAN=0."""
+        from localllm.kernels.opencl.plan import DecodePlan
+
+        if not DecodePlan.supports(model):
+            return None
+        plan = DecodePlan(self, model)
+        self._plans.append(plan)
+        return plan

@@ -1,0 +1,442 @@
+"""A decode step on an OpenCL device as a prepared launch list: the OpenCL backend's whole-forward override
+(`OpenCLBackend.whole_forward`) for one sequence and one token.
+
+The op-by-op forward enqueues some 17 kernels a layer from Python, each looked up, its arguments converted and
+set, its output allocated, per call. Here every kernel of a step is made once per model with its arguments bound
+(pyopencl `Kernel` objects with `set_args`, buffers allocated once), so a step is: the KV cache's bookkeeping on
+the host, one upload of a small `step` buffer (the token, its position, its RoPE row, the KV columns and block
+tables), the launch list replayed with `enqueue_nd_range_kernel` (no argument handling), and one download of
+the logits. Only the kernels that read the KV cache's arrays are bound again, when the pool grows them.
+
+A layer is 8 launches: Q, K and V in one product (their biases added in its epilogue), RoPE with the qk-norm
+and the KV write (`rope_kv`), attention (`attention_step`), the output product, the residual add with the FFN's
+RMSNorm (`add_rms`; gemma's post-norm in it too), gate and up in one product with the activation, the down
+product, and the residual add with the next layer's RMSNorm (or the output norm). Every fused kernel keeps the
+op-by-op kernels' arithmetic, so a step's logits are the op-by-op forward's bit for bit (tests check), and a
+decode step and a prompt or a speculative verify (which run op by op) agree as they did.
+
+Anything else (several tokens, several sequences, a mixture of experts, hidden states, an importance matrix)
+runs op by op. `LOCALLLM_OPENCL_PLAN=0` turns this off (the op-by-op forward for every step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+
+from localllm.kernels.opencl import formats as F
+from localllm.kernels.opencl import ops as O
+
+ADD_SCALE, ADD_DELTA, ADD_POST_NORM = 1, 2, 4  # ops.cl add_rms's flags
+KV_BLOCK = 16  # ops.cl KV_BLOCK, kv_cache.BLOCK
+
+
+def enabled() -> bool:
+    return os.environ.get("LOCALLLM_OPENCL_PLAN", "1") not in ("0", "off", "no")
+
+
+def _params(w) -> tuple:
+    lay = F.LAYOUTS[w.qtype]
+    return lay.low_bits, lay.high_bits, lay.scales, int(lay.has_min), lay.offset
+
+
+def _pargs(p: int) -> str:
+    return (f"global const float *sc{p}, global const float *mn{p}, global const uint *lo{p}, "
+            f"global const uint *hi{p}")
+
+
+def _part(p: int, params, r: str, start: str, step: str, acc: str) -> str:
+    L, H, S, MIN, OFF = params
+    return (f"{{ global const float *sc = sc{p}, *mn = mn{p}; global const uint *lo = lo{p}, *hi = hi{p}; "
+            f"PART_ACC({L}, {H}, {S}, {MIN}, {OFF}, {r}, {start}, {step}, {acc}) }}")
+
+
+def multi_source(name: str, params: list, shape: str) -> str:
+    """A kernel of len(params) products of one x row (formats.cl's fused products), part p's rows into y<p> with
+    bias b<p> where bit p of bias_mask is set. Lanes: part p's work-groups from g<p> on; rows: its work-items."""
+    P = len(params)
+    args = ", ".join([_pargs(p) for p in range(P)] + ["global const float *x"]
+                     + [f"global float *y{p}" for p in range(P)] + [f"global const float *b{p}" for p in range(P)]
+                     + ["uint bias_mask", "uint cols"] + [f"uint rows{p}" for p in range(P)]
+                     + [f"uint g{p}" for p in range(1, P)])
+    lanes = shape == "lanes"
+    lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"]
+    if lanes:
+        lines += ["    FUSED_LOCAL",
+                  "    uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR, grp = get_group_id(0);"]
+    else:
+        lines += ["    uint grp = get_global_id(0);"]
+    lines += ["    uint nc = cols / 32, p = 0, first = 0, rows = rows0;"]
+    for p in range(1, P):
+        lines.append(f"    if (grp >= g{p}) {{ p = {p}; first = g{p}; rows = rows{p}; }}")
+    lines.append(f"    uint r0 = (grp - first){' * RPG + rl' if lanes else ''}, r = min(r0, rows - 1);")
+    lines.append("    float acc[8];")
+    start, step = ("lane", "LPR") if lanes else ("0", "1")
+    for p in range(P):
+        lines.append(f"    {'if' if p == 0 else 'else if'} (p == {p}) " + _part(p, params[p], "r", start, step, "acc"))
+    if lanes:
+        lines += ["    float val[1], s[1];", "    val[0] = SUM8(acc);", "    LANE_SUMS(1, val, s)",
+                  "    if (lane == 0 && r0 < rows) {"]
+    else:
+        lines += ["    float s[1];", "    s[0] = SUM8(acc);", "    if (r0 < rows) {"]
+    ys = " : ".join(f"p == {p} ? y{p}" for p in range(P - 1)) + (" : " if P > 1 else "") + f"y{P - 1}"
+    bs = " : ".join(f"p == {p} ? b{p}" for p in range(P - 1)) + (" : " if P > 1 else "") + f"b{P - 1}"
+    lines += [f"        global float *y = {ys};", f"        global const float *b = {bs};",
+              "        float v = s[0];", "        if ((bias_mask >> p) & 1u) v = v + b[r0];", "        y[r0] = v;",
+              "    }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def gate_up_source(name: str, params: list, shape: str, kind: str) -> str:
+    """act(x W_gate^T) * (x W_up^T) for one x row, one launch: each row's two sums as their matvecs give them."""
+    lanes = shape == "lanes"
+    args = f"{_pargs(0)}, {_pargs(1)}, global const float *x, global float *out, uint cols, uint rows"
+    lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"]
+    if lanes:
+        lines += ["    FUSED_LOCAL",
+                  "    uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR;",
+                  "    uint r0 = get_group_id(0) * RPG + rl, r = min(r0, rows - 1), nc = cols / 32;"]
+        start, step = "lane", "LPR"
+    else:
+        lines += ["    uint r0 = get_global_id(0), r = min(r0, rows - 1), nc = cols / 32;"]
+        start, step = "0", "1"
+    lines += ["    float ag[8], au[8];", "    " + _part(0, params[0], "r", start, step, "ag"),
+              "    " + _part(1, params[1], "r", start, step, "au")]
+    if lanes:
+        lines += ["    float val[2], s[2];", "    val[0] = SUM8(ag);", "    val[1] = SUM8(au);", "    LANE_SUMS(2, val, s)",
+                  f"    if (lane == 0 && r0 < rows) out[r0] = act_{kind}(s[0], s[1]);"]
+    else:
+        lines += [f"    if (r0 < rows) out[r0] = act_{kind}(SUM8(ag), SUM8(au));"]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+class DecodePlan:
+    """The whole-forward override of the OpenCL backend: `plan(tokens, cache, output_rows)` -> logits (1, vocab)
+    for one token through the prepared launches, anything else through the op-by-op forward."""
+
+    def __init__(self, backend, model):
+        self.backend, self.model = backend, model
+        self._bypass = False
+        self._built = False
+        # host profile (tools/opencl_host_profile.py): when set, each step's launches wait on a user event until
+        # the host has enqueued all of them, so the host's time is measured without the device's work beside it
+        self.gate_steps = False
+        self.stats = {"steps": 0, "launches": 0, "host_s": 0.0, "bytes_up": 0, "bytes_down": 0}
+
+    @staticmethod
+    def supports(model) -> bool:
+        c = model.config
+        return (enabled() and not c.n_expert and not c.final_softcap and c.n_head_kv and c.n_head % c.n_head_kv == 0
+                and max(c.head_dim, c.value_dim) <= O.ATT_MAX_D and c.rope_dim % 2 == 0)
+
+    @property
+    def available(self) -> bool:
+        return not self._bypass
+
+    def __call__(self, tokens, cache, output_rows=None):
+        if len(tokens) != 1 or (output_rows is not None and list(np.asarray(output_rows).ravel()) != [0]) \
+                or not self._cache_ok(cache):
+            return self._op_by_op(tokens, cache, output_rows)
+        return self.step(int(tokens[0]), cache)
+
+    def _op_by_op(self, tokens, cache, output_rows):
+        self._bypass = True  # fused_available is False meanwhile: the model's own op-by-op forward
+        try:
+            return self.model.forward_batch([(tokens, cache, output_rows)])[0]
+        finally:
+            self._bypass = False
+
+    def warm_op_by_op(self, kv_type=None) -> None:
+        """A 9-token forward op by op (the prompt path's kernels: PoCL compiles each at its first launch)."""
+        pool = self.model.new_pool(**({"kv_type": kv_type} if kv_type else {}))
+        self._op_by_op([0] * 9, pool.new_cache(16), None)
+
+    def _cache_ok(self, cache) -> bool:
+        pool = cache.pool
+        return pool.storage is self.backend.kv_storage() and all(
+            g.k and g.k[0].dtype == np.float32 and g.v[0].dtype == np.float32 for g in pool.groups)
+
+    # ---- building ---------------------------------------------------------------------------------------------
+
+    def _int_dot(self, w) -> bool:
+        return (w.qtype in F.INTEGER_DOT_FORMATS and self.shape in F.INTEGER_DOT_SHAPES
+                and F.integer_dot(F.build_options(self.dev)))
+
+    def _fusable(self, w) -> bool:
+        return w.relaid and not self._int_dot(w)
+
+    def _buf(self, n_floats: int):
+        return self.cl.Buffer(self.dev.context, self.cl.mem_flags.READ_WRITE, 4 * max(1, n_floats))
+
+    def _build(self):
+        b, m = self.backend, self.model
+        c = self.c = m.config
+        self.dev, self.cl, self.ops = b.dev, b.dev.cl, b.ops
+        self.shape = b.ops.shape
+        # the fused products this model needs, written into a program of their own (formats.cl + them)
+        self._extra: dict[str, str] = {}
+        self._want = []  # (name, source) collected while planning, then built
+        layers_spec = [self._plan_layer(i, L) for i, L in enumerate(m.layers)]
+        src = F.source() + "\n" + "".join(self._extra.values())
+        self.fprog = self.dev.program(src, F.build_options(self.dev))
+        self.oprog = self.dev.program(O.source(), O.build_options(self.dev))
+        # buffers
+        q_dim, kv_dim, v_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.value_dim
+        self.x, self.h, self.o = self._buf(c.n_embd), self._buf(c.n_embd), self._buf(c.n_embd)
+        self.qb, self.kb, self.vb = self._buf(q_dim), self._buf(kv_dim), self._buf(v_dim)
+        self.att = self._buf(c.n_head * c.value_dim)
+        self.gb, self.ub, self.act = self._buf(c.n_ff), self._buf(c.n_ff), self._buf(c.n_ff)
+        self.logits = self._buf(c.vocab_size)
+        self.dummy = self._buf(1)
+        widest = max([w.cols for w in m.weights()] + [1])
+        self.xq, self.xd = self._buf(widest // 4 + 1), self._buf(widest // 32 + 1)
+        # the step buffer's layout (ops.cl: "a decode step's kernels"), set for the first cache's pool
+        self.G = None
+        self.launches = []  # [kernel, global, local]
+        self.cache_bound = []  # (kernel, function(pool) -> args) bound again when the pool's arrays change
+        self._layers_spec = layers_spec
+        self._step_words = 0
+        self._pool_key = None
+        self._built = True
+
+    def _kernel(self, prog, name):
+        return self.cl.Kernel(prog, name)
+
+    def _plan_layer(self, i, L):
+        """Record which fused kernels layer i needs (their source); the launches are made in _assemble."""
+        qkv = [(L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv)]
+        fused = [w for w, _ in qkv if self._fusable(w)]
+        if fused:
+            self._multi_name(fused)
+        gate_up = None
+        if self._fusable(L.ffn_gate) and self._fusable(L.ffn_up) and L.ffn_gate.rows == L.ffn_up.rows:
+            gate_up = self._gate_up_name(L.ffn_gate, L.ffn_up)
+        return gate_up
+
+    def _multi_name(self, ws):
+        name = f"mv{len(ws)}_{self.shape}_" + "_".join(w.format.suffix for w in ws)
+        if name not in self._extra:
+            self._extra[name] = multi_source(name, [_params(w) for w in ws], self.shape)
+        return name
+
+    def _gate_up_name(self, g, u):
+        kind = self.model.config.traits.activation
+        name = f"gu_{self.shape}_{g.format.suffix}_{u.format.suffix}_{kind}"
+        if name not in self._extra:
+            self._extra[name] = gate_up_source(name, [_params(g), _params(u)], self.shape, kind)
+        return name
+
+    def _rows_launch(self, rows: int):
+        if self.shape == "rows":
+            return (-(-rows // F.ROWS_LS) * F.ROWS_LS, 1), (F.ROWS_LS, 1)
+        wg = F.LANES_LPR * F.LANES_RPG
+        return (-(-rows // F.LANES_RPG) * wg, 1), (wg, 1)
+
+    def _matvec(self, w, x, out):
+        """The op-by-op product's kernel(s) for one x row (formats.enqueue_matmul with n = 1), bound."""
+        u32 = np.uint32
+        if not w.relaid:
+            k = self._kernel(self.fprog, f"matvec_{w.format.suffix}")
+            k.set_args(w.buffers[0], x, out, u32(w.row_bytes), u32(w.cols), u32(w.rows))
+            return [[k, (w.rows * F.MATVEC_WG, 1), (F.MATVEC_WG, 1)]]
+        out_l = []
+        if self._int_dot(w):
+            kq = self._kernel(self.fprog, "quantize_q8_0")
+            kq.set_args(x, self.xq, self.xd, u32(w.cols))
+            out_l.append([kq, (w.cols // 32, 1), None])
+            k = self._kernel(self.fprog, f"matvec_{self.shape}_{w.format.suffix}_q8")
+            k.set_args(*w.buffers, self.xq, self.xd, out, u32(w.cols), u32(w.rows), u32(1))
+        else:
+            k = self._kernel(self.fprog, f"matvec_{self.shape}_{w.format.suffix}")
+            k.set_args(*w.buffers, x, out, u32(w.cols), u32(w.rows), u32(1))
+        out_l.append([k, *self._rows_launch(w.rows)])
+        return out_l
+
+    def _add_bias(self, y, bias, count):
+        k = self._kernel(self.oprog, "add")
+        k.set_args(y, bias.data, y, np.uint32(count), np.uint32(count))
+        return [[k, O._groups(count), (256,)]]
+
+    def _add_rms(self, dlt, pw, w, flags, s=1.0):
+        k = self._kernel(self.oprog, "add_rms")
+        k.set_args(self.x, dlt, pw.data if pw is not None else self.dummy, w.data, self.h, np.uint32(self.c.n_embd),
+                   np.float32(self.c.rms_eps), np.uint32(flags), np.float32(s))
+        return [[k, (O.ROW_WG,), (O.ROW_WG,)]]
+
+    def _assemble(self, pool):
+        """Every launch of a step, bound (the step buffer's layout depends on the pool's groups)."""
+        m, c = self.model, self.c
+        u32, f32 = np.uint32, np.float32
+        self.G = len(pool.groups)
+        self.STEP_COLS = 4 + 2 * self.G
+        self.ROPE_AT = self.STEP_COLS + self.G
+        self.STEP_TABLES = self.ROPE_AT + len(m._ropes) * c.rope_dim
+        launches, cache_bound = [], []
+        # the token's embedding row, scaled (gemma) and normalised for layer 0
+        w = m.token_embd
+        k = self._kernel(self.fprog, f"dequantize_rows_{w.format.suffix}")
+        if w.relaid:
+            k.set_args(*w.buffers, self.step_buf, self.x, u32(w.cols))
+            launches.append([k, (w.cols // 32, 1), None])
+        else:
+            k.set_args(w.buffers[0], self.step_buf, self.x, u32(w.row_bytes), u32(w.cols))
+            launches.append([k, (w.cols // w.format.chunk, 1), None])
+        L0 = m.layers[0]
+        launches += self._add_rms(self.x, None, L0.attn_norm, ADD_SCALE if c.traits.scale_embeddings else 0,
+                                  math.sqrt(c.n_embd))
+        neox = c.traits.rope_style == "neox"
+        for i, L in enumerate(m.layers):
+            # Q, K and V: the fusable ones in one product, biases in its epilogue; the others op by op
+            parts = [(L.wq, L.bq, self.qb), (L.wk, L.bk, self.kb), (L.wv, L.bv, self.vb)]
+            fused = [p for p in parts if self._fusable(p[0])]
+            if fused:
+                name = self._multi_name([p[0] for p in fused])
+                k = self._kernel(self.fprog, name)
+                P = len(fused)
+                firsts, total = [], 0
+                for wp, _, _ in fused:
+                    firsts.append(total)
+                    g, _ = self._rows_launch(wp.rows)
+                    total += g[0] // (F.LANES_LPR * F.LANES_RPG) if self.shape == "lanes" else g[0]
+                mask = sum(1 << p for p, (_, bias, _) in enumerate(fused) if bias is not None)
+                args = [buf for wp, _, _ in fused for buf in wp.buffers] + [self.h] + [y for _, _, y in fused]
+                args += [bias.data if bias is not None else self.dummy for _, bias, _ in fused]
+                args += [u32(mask), u32(L.wq.cols)] + [u32(wp.rows) for wp, _, _ in fused] + [u32(f) for f in firsts[1:]]
+                k.set_args(*args)
+                if self.shape == "lanes":
+                    wg = F.LANES_LPR * F.LANES_RPG
+                    launches.append([k, (total * wg, 1), (wg, 1)])
+                else:
+                    launches.append([k, (total, 1), (F.ROWS_LS, 1)])
+            for wp, bias, y in parts:
+                if not self._fusable(wp):
+                    launches += self._matvec(wp, self.h, y)
+                    if bias is not None:
+                        launches += self._add_bias(y, bias, wp.rows)
+            # qk-norm, RoPE, the KV write
+            table = int(m._layer_rope_index[i])
+            k_rope = self._kernel(self.oprog, "rope_kv")
+            flags = 1 if c.traits.qk_norm else 0
+
+            def rope_args(pool, i=i, L=L, table=table, flags=flags):
+                gi, slot = pool.where[i]
+                g = pool.groups[gi]
+                kc, vc = g.k[slot], g.v[slot]
+                return (self.qb, self.kb, self.vb, L.q_norm.data if flags else self.dummy,
+                        L.k_norm.data if flags else self.dummy, self.step_buf, kc.data, vc.data, u32(c.n_head),
+                        u32(c.n_head_kv), u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim), u32(c.rope_dim),
+                        u32(neox), u32(flags), f32(c.rms_eps), u32(gi), u32(self.STEP_COLS),
+                        u32(self.ROPE_AT + table * c.rope_dim))
+
+            cache_bound.append((k_rope, rope_args))
+            launches.append([k_rope, ((c.n_head + 2 * c.n_head_kv) * O.ROW_WG,), (O.ROW_WG,)])
+            k_att = self._kernel(self.oprog, "attention_step")
+
+            def att_args(pool, i=i):
+                gi, slot = pool.where[i]
+                g = pool.groups[gi]
+                kc, vc = g.k[slot], g.v[slot]
+                return (self.qb, kc.data, vc.data, self.step_buf, self.att, u32(c.n_head), u32(c.n_head_kv),
+                        u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim), u32(gi), u32(self.STEP_TABLES),
+                        np.int32(m.layer_window[i]), f32(c.attention_scale), f32(c.attn_softcap))
+
+            cache_bound.append((k_att, att_args))
+            launches.append([k_att, (c.n_head * O.ATT_WG, 1), (O.ATT_WG, 1)])
+            # the output product, the residual add and the FFN's norm
+            launches += self._matvec(L.wo, self.att, self.o)
+            post = c.traits.post_norms
+            launches += self._add_rms(self.o, L.attn_post_norm if post else None, L.ffn_norm,
+                                      ADD_DELTA | (ADD_POST_NORM if post else 0))
+            # gate and up with the activation, down
+            if self._layers_spec[i] is not None:
+                k = self._kernel(self.fprog, self._layers_spec[i])
+                k.set_args(*L.ffn_gate.buffers, *L.ffn_up.buffers, self.h, self.act, u32(L.ffn_gate.cols),
+                           u32(L.ffn_gate.rows))
+                launches.append([k, *self._rows_launch(L.ffn_gate.rows)])
+            else:
+                launches += self._matvec(L.ffn_gate, self.h, self.gb)
+                launches += self._matvec(L.ffn_up, self.h, self.ub)
+                k = self._kernel(self.oprog, f"gated_{c.traits.activation}")
+                k.set_args(self.gb, self.ub, self.act, u32(L.ffn_gate.rows))
+                launches.append([k, O._groups(L.ffn_gate.rows), (256,)])
+            launches += self._matvec(L.ffn_down, self.act, self.o)
+            nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else m.output_norm
+            launches += self._add_rms(self.o, L.ffn_post_norm if post else None, nxt,
+                                      ADD_DELTA | (ADD_POST_NORM if post else 0))
+        launches += self._matvec(m.output, self.h, self.logits)
+        self.launches = [tuple(x) for x in launches]
+        self.cache_bound = cache_bound
+
+    def _bind_pool(self, pool):
+        for k, make in self.cache_bound:
+            k.set_args(*make(pool))
+
+    def _ensure(self, pool, width: int):
+        """The step buffer big enough for block tables of `width` and every launch bound to this pool's arrays."""
+        if not self._built:
+            self._build()
+        need = (self.STEP_TABLES if self.G is not None else 0) + len(pool.groups) * width
+        if self.G is None or self.G != len(pool.groups) or need > self._step_words:
+            words = max(need, 4 + 3 * len(pool.groups) + len(self.model._ropes) * self.c.rope_dim
+                        + len(pool.groups) * max(width, 64)) * 2
+            self.step_host = np.zeros(words, np.int32)
+            self.step_buf = self.cl.Buffer(self.dev.context, self.cl.mem_flags.READ_ONLY, self.step_host.nbytes)
+            self._step_words = words
+            self._assemble(pool)
+            self._pool_key = None
+        key = (id(pool), tuple(g.version for g in pool.groups))
+        if key != self._pool_key:
+            self._bind_pool(pool)
+            self._pool_key = key
+
+    # ---- a step -----------------------------------------------------------------------------------------------
+
+    def step(self, token: int, cache) -> np.ndarray:
+        c, m = self.model.config, self.model
+        t0 = time.perf_counter()
+        cache.reserve(1)
+        pos = cache.length
+        tables, first, wcols = cache.kernel_tables()
+        G, W = tables.shape
+        self._ensure(cache.pool, W)
+        s = self.step_host
+        s[0:2] = np.array([token], np.int64).view(np.int32)
+        s[2], s[3] = pos, W
+        start = first * KV_BLOCK
+        s[4:4 + 2 * G:2] = start
+        s[5:5 + 2 * G:2] = pos + 1 - start
+        s[self.STEP_COLS:self.STEP_COLS + G] = wcols[:, 0]
+        f = s.view(np.float32)
+        half = c.rope_dim // 2
+        at = np.array([pos])
+        for j, table in enumerate(m._ropes):
+            cos, sin = table.get(at)
+            o = self.ROPE_AT + j * c.rope_dim
+            f[o:o + half] = cos[0]
+            f[o + half:o + 2 * half] = sin[0]
+        end = self.STEP_TABLES + G * W
+        s[self.STEP_TABLES:end] = tables.reshape(-1)
+        cl, queue = self.cl, self.dev.queue
+        gate = None
+        if self.gate_steps:
+            gate = cl.UserEvent(self.dev.context)
+            cl.enqueue_barrier(queue, wait_for=[gate])
+        cl.enqueue_copy(queue, self.step_buf, s[:end], is_blocking=False)
+        enqueue = cl.enqueue_nd_range_kernel
+        for k, g, l in self.launches:
+            enqueue(queue, k, g, l)
+        cache.commit()
+        out = np.empty((1, c.vocab_size), np.float32)
+        st = self.stats
+        st["steps"] += 1
+        st["launches"] += len(self.launches)
+        st["bytes_up"] += 4 * end
+        st["bytes_down"] += out.nbytes
+        st["host_s"] += time.perf_counter() - t0
+        if gate is not None:
+            gate.set_status(cl.command_execution_status.COMPLETE)
+        cl.enqueue_copy(queue, out, self.logits, is_blocking=True)
+        return out
