@@ -35,9 +35,9 @@ from starlette.responses import StreamingResponse
 from localllm.engine import GenerationParams
 from localllm.server import tool_calls
 from localllm.toolcalls import CallDelta, TextDelta, ToolError, ToolPlan, plan_tools
-from localllm.server.app import (ApiError, Fields, Final, ServerState, first_item, fix_seed, json_response,
-                                 off_loop, prompt_tokens, read_json, sampling_from, stream_events, submit,
-                                 watching_disconnect)
+from localllm.server.app import (ApiError, Fields, Final, ServerState, dumps_compact, first_item, fix_seed,
+                                 json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_events,
+                                 submit, watching_disconnect)
 from localllm.server.app import anthropic_error_body as error_body
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -410,7 +410,7 @@ def message_body(mid: str, model: str, pieces, final: Final) -> dict:
 
 
 def event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {dumps_compact(data)}\n\n"
 
 
 class EventWriter:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from localllm.engine import Engine
 from localllm.server.scheduler import Final, Handle, RequestFailed, Scheduler
@@ -80,7 +80,7 @@ def flavor_of(path: str) -> str:
 
 
 def error_response(flavor: str, status: int, message: str, param: str | None = None,
-                   kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+                   kind: str | None = None, headers: dict | None = None) -> Response:
     e = ApiError(status, message, param, kind)
     if flavor == "ollama":
         body = {"error": message}
@@ -90,7 +90,9 @@ def error_response(flavor: str, status: int, message: str, param: str | None = N
         body = {"error": {"message": message, "type": e.kind, "param": param, "code": None}}
     else:  # llama.cpp's server
         body = {"error": {"code": status, "message": message, "type": e.kind}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    if flavor == "ollama":
+        return ollama_response(body, status, headers)
+    return json_response(body, status, headers)
 
 
 # ---- request bodies ------------------------------------------------------------------------------------
@@ -352,7 +354,7 @@ def stream_error(e: ApiError, flavor: str) -> dict:
 
 
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {dumps_compact(obj)}\n\n"
 
 
 def sampling_from(f: Fields, defaults: dict, vocab_size: int, names: dict | None = None):
@@ -412,5 +414,46 @@ async def constrain(state: ServerState, params, param: str, *, json_schema=None,
         raise ApiError(400, f"'{param}': {e}", param=param) from None
 
 
-def json_response(obj, status: int = 200) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False), status_code=status, media_type="application/json")
+# ---- writing answers -----------------------------------------------------------------------------------
+#
+# Every body is written as the server its clients were written against writes it, byte for byte in form:
+# clients parse with shortcuts (llama.vim drops an /infill answer that does not match '"content"\s*:"', i.e.
+# a space after the colon). llama.cpp (nlohmann::json dump()), OpenAI's and Anthropic's APIs write compact JSON
+# with text as UTF-8; Ollama (Go's encoding/json) writes it compact too, and escapes <, >, & and U+2028/U+2029
+# as \u003c, \u003e, \u0026, \u2028, \u2029, as json.Marshal does.
+
+
+def dumps_compact(obj) -> str:
+    """JSON without a space after ',' or ':', non-ASCII text as UTF-8 (not \\u escapes)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+# In JSON text these characters occur only inside strings, so escaping them in the whole text is exact.
+_GO_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                             "\u2029": "\\u2029"})
+
+
+def dumps_go(obj) -> str:
+    """JSON as Go's json.Marshal writes it (Ollama): compact, UTF-8, HTML characters escaped."""
+    return dumps_compact(obj).translate(_GO_ESCAPES)
+
+
+def _encode(text: str) -> bytes:
+    # A lone surrogate cannot be UTF-8; requests holding one are refused (parse_json), so this only guards.
+    return text.encode("utf-8", "replace")
+
+
+def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(_encode(dumps_compact(obj)), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def ollama_response(obj, status: int = 200, headers: dict | None = None) -> Response:
+    """An Ollama route's JSON answer (see dumps_go)."""
+    return Response(_encode(dumps_go(obj)), status_code=status, media_type="application/json; charset=utf-8",
+                    headers=headers)
+
+
+def ndjson_line(obj) -> str:
+    """One line of an Ollama NDJSON stream."""
+    return dumps_go(obj) + "\n"

@@ -17,13 +17,14 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from localllm.errors import LocalLLMError
 from localllm.server import (anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, ollama_pull,
                              openai_api)
-from localllm.server.app import BODY_KEY, ApiError, ServerState, error_response, flavor_of, read_json
+from localllm.server.app import (BODY_KEY, ApiError, ServerState, error_response, flavor_of, json_response,
+                                 ollama_response, read_json)
 from localllm.server.metrics import Metrics
 
 log = logging.getLogger("localllm.server")
@@ -188,7 +189,7 @@ MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v
                 "/api/embeddings", "/completion", "/completions", "/infill", "/tokenize", "/detokenize",
                 "/apply-template", "/embedding", "/embeddings", "/props", "/slots", "/metrics"}
 # Read without loading anything: with no model named and none loaded, an empty answer.
-PEEK_ROUTES = {"/slots": lambda: JSONResponse([]),
+PEEK_ROUTES = {"/slots": lambda: json_response([]),
                "/metrics": lambda: PlainTextResponse(Metrics().render(), media_type="text/plain; version=0.0.4")}
 
 
@@ -226,9 +227,10 @@ async def _stop(registry, path: str, name, data: dict):
     from localllm.server.ollama_api import _now
 
     await registry.stop_model(name)
-    out = {"model": name, "created_at": _now(), "done": True, "done_reason": "unload"}
+    out = {"model": name, "created_at": _now()}  # Ollama's field order: ..., response/message, done, done_reason
     out.update({"response": ""} if path == "/api/generate" else {"message": {"role": "assistant", "content": ""}})
-    return JSONResponse(out)
+    out.update({"done": True, "done_reason": "unload"})
+    return ollama_response(out)
 
 
 def endpoint(state: ServerState, fn, path: str = ""):

@@ -17,7 +17,7 @@ import time
 import numpy as np
 from starlette.requests import Request
 
-from localllm.server.app import ApiError, Fields, ServerState, json_response, off_loop, read_json
+from localllm.server.app import ApiError, Fields, ServerState, json_response, off_loop, ollama_response, read_json
 
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
@@ -111,9 +111,10 @@ async def ollama_embed(state: ServerState, request: Request):
     _check_dimensions(state, f)
     tokens = await off_loop(_tokenize, state, items, "input", truncate)
     vectors = await _embed(state, tokens)
-    return json_response({"model": f.get("model", str, state.model_name), "embeddings": vectors.tolist(),
-                          "total_duration": time.perf_counter_ns() - start, "load_duration": 0,
-                          "prompt_eval_count": sum(len(t) for t in tokens)})
+    # Ollama's EmbedResponse (its load_duration of 0 left out: omitempty)
+    return ollama_response({"model": f.get("model", str, state.model_name), "embeddings": vectors.tolist(),
+                            "total_duration": time.perf_counter_ns() - start,
+                            "prompt_eval_count": sum(len(t) for t in tokens)})
 
 
 async def ollama_embeddings(state: ServerState, request: Request):
@@ -123,10 +124,10 @@ async def ollama_embeddings(state: ServerState, request: Request):
     if prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt")
     if not prompt:
-        return json_response({"embedding": []})  # Ollama answers an empty prompt with an empty vector
+        return ollama_response({"embedding": []})  # Ollama answers an empty prompt with an empty vector
     tokens = await off_loop(_tokenize, state, [prompt], "prompt", True)
     vectors = await _embed(state, tokens, normalize=False)
-    return json_response({"embedding": vectors[0].tolist()})
+    return ollama_response({"embedding": vectors[0].tolist()})
 
 
 # ---- llama.cpp ---------------------------------------------------------------------------------------------

@@ -95,11 +95,23 @@ def generation_params(state: ServerState, f: Fields) -> GenerationParams:
 
 def _settings(state: ServerState, params: GenerationParams) -> dict:
     s = params.sampling
-    return {"n_ctx": state.engine.ctx, "n_predict": params.max_tokens, "model": state.model_name,
-            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-            "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
-            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "seed": s.seed,
-            "stop": params.stop, "n_probs": s.n_probs, "ignore_eos": params.ignore_eos}
+    # In the order of llama.cpp's task_params::to_json, then the two it no longer writes there
+    return {"seed": s.seed, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+            "repeat_last_n": s.repeat_last_n, "repeat_penalty": s.repeat_penalty,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "stop": params.stop,
+            "n_predict": params.max_tokens, "ignore_eos": params.ignore_eos, "n_probs": s.n_probs,
+            "n_ctx": state.engine.ctx, "model": state.model_name}
+
+
+# llama.cpp's result_timings::to_json order; the keys it does not write follow in their own order
+_TIMINGS_ORDER = ("cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+                  "predicted_ms", "predicted_per_token_ms", "predicted_per_second")
+
+
+def _timings(timings: dict) -> dict:
+    out = {k: timings[k] for k in _TIMINGS_ORDER if k in timings}
+    out.update((k, v) for k, v in timings.items() if k not in out)
+    return out
 
 
 def _probs(state: ServerState, event) -> dict:
@@ -114,15 +126,19 @@ def _probs(state: ServerState, event) -> dict:
     return out
 
 
-def _final_fields(state: ServerState, params, tokens, final: Final, text: str) -> dict:
+def _final(state: ServerState, params, final: Final, content: str, tokens: list[int], text: str) -> dict:
+    """The last answer of a request, keys in the order of llama.cpp's to_json_non_oaicompat (final); `text` is
+    all that was generated (`content` is "" at the end of a stream, which sent it already)."""
     stop_type = "limit" if final.finish_reason == "length" else ("word" if final.stop_word else "eos")
     # tokens_cached is llama.cpp's: the tokens the KV cache holds after the request (the prompt and what was
     # generated, less the last token, which is never evaluated); timings.cache_n counts the prompt tokens reused.
-    return {"model": state.model_name, "tokens_predicted": final.completion_tokens,
-            "tokens_evaluated": final.prompt_tokens,
+    return {"index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True,
+            "model": state.model_name, "tokens_predicted": final.completion_tokens,
+            "tokens_evaluated": final.prompt_tokens, "generation_settings": _settings(state, params),
+            "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
+            "stopping_word": final.stop_word or "",
             "tokens_cached": final.prompt_tokens + max(final.completion_tokens - 1, 0),
-            "generation_settings": _settings(state, params), "has_new_line": "\n" in text, "truncated": False,
-            "stop_type": stop_type, "stopping_word": final.stop_word or "", "timings": final.timings}
+            "timings": _timings(final.timings or {})}
 
 
 async def _items(handle, first, n_indent: int, n_prompt: int):
@@ -162,8 +178,7 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
 
         events, final = await watching_disconnect(request, handle, gather())
         text = "".join(e.text for e in events)
-        out = {"index": 0, "content": text, "tokens": [e.token for e in events if e.token is not None],
-               "id_slot": 0, "stop": True, **_final_fields(state, params, tokens, final, text)}
+        out = _final(state, params, final, text, [e.token for e in events if e.token is not None], text)
         if n_probs:
             out["completion_probabilities"] = [_probs(state, e) for e in events if e.token is not None]
         return json_response(ext.pick_fields(fields, out))
@@ -175,13 +190,13 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
         try:
             async for item in _items(handle, first, n_indent, len(tokens)):
                 if isinstance(item, Final):
-                    yield sse(ext.pick_fields(fields, {
-                        "index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True,
-                        **_final_fields(state, params, tokens, item, "".join(text))}))
+                    yield sse(ext.pick_fields(fields, _final(state, params, item, "", [], "".join(text))))
                     return
                 text.append(item.text)
+                # llama.cpp's to_json_non_oaicompat (partial), in its order
                 out = {"index": 0, "content": item.text, "tokens": [item.token] if item.token is not None else [],
-                       "id_slot": 0, "stop": False}
+                       "stop": False, "id_slot": 0, "tokens_predicted": len(text),
+                       "tokens_evaluated": len(tokens)}
                 if n_probs and item.token is not None:
                     out["completion_probabilities"] = [_probs(state, item)]
                 yield sse(out)

@@ -16,7 +16,6 @@ import contextlib
 import datetime as dt
 import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -28,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from localllm.errors import LocalLLMError
-from localllm.server.app import ApiError, Fields, ServerState, json_response, off_loop, read_json
+from localllm.server.app import ApiError, Fields, ServerState, ndjson_line, off_loop, ollama_response, read_json
 
 DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
 
@@ -234,7 +233,7 @@ async def delete(state: ServerState, request: Request):
         await off_loop(store.remove, name)
     except LocalLLMError as e:
         raise ApiError(404 if "no model" in str(e) or "not downloaded" in str(e) else 400, str(e)) from None
-    return json_response({})
+    return ollama_response({})
 
 
 async def copy(state: ServerState, request: Request):
@@ -250,7 +249,7 @@ async def copy(state: ServerState, request: Request):
     if not store.has_model(source):
         raise ApiError(404, f"model '{source[:200]}' not found in the model store", param="source")
     await off_loop(link_or_copy, store.model_path(source), store.model_path(dest), False)
-    return json_response({})
+    return ollama_response({})
 
 
 async def blob_exists(state: ServerState, request: Request):
@@ -406,26 +405,26 @@ async def create(state: ServerState, request: Request):
     task = asyncio.ensure_future(off_loop(work))
     if not stream:
         await task
-        return json_response({"status": "success"})
+        return ollama_response({"status": "success"})
 
     async def lines():
-        yield json.dumps({"status": "parsing model"}) + "\n"
+        yield ndjson_line({"status": "parsing model"})
         while not task.done() or not queue.empty():
             getter = asyncio.ensure_future(queue.get())
             done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
-                yield json.dumps({"status": getter.result()}) + "\n"
+                yield ndjson_line({"status": getter.result()})
             else:
                 getter.cancel()
         try:
             task.result()
         except ApiError as e:
-            yield json.dumps({"error": e.message}) + "\n"
+            yield ndjson_line({"error": e.message})
             return
         except Exception:
-            yield json.dumps({"error": "internal error while creating the model"}) + "\n"
+            yield ndjson_line({"error": "internal error while creating the model"})
             raise
-        yield json.dumps({"status": "success"}) + "\n"
+        yield ndjson_line({"status": "success"})
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

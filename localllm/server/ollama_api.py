@@ -21,8 +21,8 @@ from localllm import __version__
 from localllm.chat_history import fit_messages
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, constrain, first_item, fix_seed,
-                                 json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_error,
-                                 stream_events, submit)
+                                 ndjson_line, off_loop, ollama_response, prompt_tokens, read_json, sampling_from,
+                                 stream_error, stream_events, submit)
 from localllm.server import models_api, tool_calls
 from localllm.server.infill import infill_tokens
 from localllm.toolcalls import CallDelta, TextDelta, supports_tools
@@ -54,25 +54,25 @@ async def root(state: ServerState, request: Request):
 
 
 async def version(state: ServerState, request: Request):
-    return json_response({"version": __version__})
+    return ollama_response({"version": __version__})
 
 
 async def tags(state: ServerState, request: Request):
     if state.registry is not None:  # the models this server serves that are in the store
         from localllm.server import models_api
 
-        return json_response({"models": await off_loop(models_api.tags, state)})
-    return json_response({"models": [_model_entry(state)]})
+        return ollama_response({"models": await off_loop(models_api.tags, state)})
+    return ollama_response({"models": [_model_entry(state)]})
 
 
 async def ps(state: ServerState, request: Request):
     if state.registry is not None:  # the models loaded now, and until when
         from localllm.server import models_api
 
-        return json_response({"models": await off_loop(models_api.ps, state)})
+        return ollama_response({"models": await off_loop(models_api.ps, state)})
     entry = _model_entry(state)
     entry.update({"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0, "context_length": state.engine.ctx})
-    return json_response({"models": [entry]})
+    return ollama_response({"models": [entry]})
 
 
 async def show(state: ServerState, request: Request):
@@ -88,14 +88,16 @@ async def show(state: ServerState, request: Request):
     # its render budget). Any model takes tools on /api/chat, through the generic JSON form otherwise.
     if await off_loop(supports_tools, state.engine.template):
         capabilities.append("tools")
-    return json_response({
-        "modelfile": f"FROM {state.model_name}\n", "parameters": "", "license": "",
+    model_info = {"general.architecture": arch, "general.parameter_count": info["parameters"],
+                  f"{arch}.context_length": info["context_length"],
+                  f"{arch}.embedding_length": info["embedding_length"], f"{arch}.block_count": info["block_count"]}
+    # Ollama's ShowResponse, in its fields' order; its empty strings are left out (omitempty) and model_info,
+    # a Go map, is written with sorted keys.
+    return ollama_response(go_omitempty({
+        "license": "", "modelfile": f"FROM {state.model_name}\n", "parameters": "",
         "template": state.engine.template.source or "", "details": _details(state),
-        "model_info": {"general.architecture": arch, "general.parameter_count": info["parameters"],
-                       f"{arch}.context_length": info["context_length"],
-                       f"{arch}.embedding_length": info["embedding_length"],
-                       f"{arch}.block_count": info["block_count"]},
-        "capabilities": capabilities, "modified_at": info["modified_at"]})
+        "model_info": dict(sorted(model_info.items())), "capabilities": capabilities,
+        "modified_at": info["modified_at"]}, ("license", "parameters", "template")))
 
 
 def _params(state: ServerState, f: Fields) -> GenerationParams:
@@ -132,11 +134,19 @@ async def _format(state: ServerState, f: Fields, params: GenerationParams) -> No
     await constrain(state, params, "format", json_schema=fmt)
 
 
+def go_omitempty(body: dict, keys=("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+                                   "eval_count", "eval_duration")) -> dict:
+    """`body` less the `keys` whose value is zero or empty: Ollama's structs tag them omitempty (its Metrics:
+    a duration or count of 0 is not written)."""
+    return {k: v for k, v in body.items() if not (k in keys and v in (0, "", None))}
+
+
 def _durations(final: Final, started: float) -> dict:
     t = final.timings
-    return {"total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
-            "prompt_eval_count": final.prompt_tokens, "prompt_eval_duration": int(t["prompt_ms"] * 1e6),
-            "eval_count": final.completion_tokens, "eval_duration": int(t["predicted_ms"] * 1e6)}
+    return go_omitempty({"total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+                         "prompt_eval_count": final.prompt_tokens,
+                         "prompt_eval_duration": int(t["prompt_ms"] * 1e6), "eval_count": final.completion_tokens,
+                         "eval_duration": int(t["predicted_ms"] * 1e6)})
 
 
 async def _respond(state: ServerState, request: Request, f: Fields, tokens, params, shape, parser=None):
@@ -149,10 +159,12 @@ async def _respond(state: ServerState, request: Request, f: Fields, tokens, para
     model = f.get("model", str) or state.model_name
 
     def done(final: Final, text: str, generated: list[int]) -> dict:
+        # Ollama's GenerateResponse / ChatResponse field order: ..., done, done_reason, context, the metrics
         out = {"model": model, "created_at": _now(), **shape(text), "done": True,
-               "done_reason": final.finish_reason, **_durations(final, started)}
+               "done_reason": final.finish_reason}
         if "response" in out:
             out["context"] = tokens + generated
+        out.update(_durations(final, started))
         return out
 
     if not stream:
@@ -160,25 +172,24 @@ async def _respond(state: ServerState, request: Request, f: Fields, tokens, para
         generated = [e.token for e in events if e.token is not None]
         text = "".join(e.text for e in events)
         if parser is None:
-            return json_response(done(final, text, generated))
+            return ollama_response(done(final, text, generated))
         parser.feed(text)
         parser.finish()
         out = done(final, "", generated)
-        out.update(shape(parser.content, _ollama_calls(parser.calls)))
-        return json_response(out)
+        out.update(shape(parser.content, _ollama_calls(parser.calls)))  # (replaces the value: keeps its place)
+        return ollama_response(out)
 
     first = await first_item(request, handle)
 
     def line(payload: dict) -> str:
-        return json.dumps({"model": model, "created_at": _now(), **payload, "done": False},
-                          ensure_ascii=False) + "\n"
+        return ndjson_line({"model": model, "created_at": _now(), **payload, "done": False})
 
     async def lines():
         generated = []
         try:
             async for item in stream_events(handle, first):
                 if isinstance(item, Final):
-                    yield json.dumps(done(item, "", generated)) + "\n"
+                    yield ndjson_line(done(item, "", generated))
                     return
                 if item.token is not None:
                     generated.append(item.token)
@@ -192,7 +203,7 @@ async def _respond(state: ServerState, request: Request, f: Fields, tokens, para
                 elif item.text:
                     yield line(shape(item.text))
         except ApiError as e:
-            yield json.dumps(stream_error(e, "ollama")) + "\n"
+            yield ndjson_line(stream_error(e, "ollama"))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -238,7 +249,7 @@ async def generate(state: ServerState, request: Request):
     await _format(state, f, params)
     if not prompt and not suffix and not context:
         # Ollama answers an empty prompt by loading the model: it is loaded.
-        return json_response({"model": f.get("model", str) or state.model_name, "created_at": _now(),
+        return ollama_response({"model": f.get("model", str) or state.model_name, "created_at": _now(),
                               "response": "", "done": True, "done_reason": "load"})
     if suffix:
         tokens = await off_loop(infill_tokens, state.engine, prompt, suffix, n_predict=params.max_tokens or 0)

@@ -13,14 +13,13 @@ resumes. `serve --offline` refuses pulls of anything not in the store.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from localllm.errors import LocalLLMError, UnknownModelError
-from localllm.server.app import ApiError, ServerState, json_response, read_json
+from localllm.server.app import ApiError, ServerState, ndjson_line, ollama_response, read_json
 
 
 class _ClientGone(Exception):
@@ -102,14 +101,18 @@ async def pull(state: ServerState, request: Request):
             last = event
         if last is None or "error" in last:
             status = (last or {}).pop("_status", 500)
-            return json_response({"error": (last or {}).get("error", "pull failed")}, status=status)
-        return json_response({"status": "success"})
+            return ollama_response({"error": (last or {}).get("error", "pull failed")}, status=status)
+        return ollama_response({"status": "success"})
 
     async def lines():
         try:
             while (event := await queue.get()) is not None:
                 event.pop("_status", None)
-                yield json.dumps(event) + "\n"
+                # Ollama's ProgressResponse order (status, digest, total, completed), zeros left out
+                order = ("status", "digest", "total", "completed")
+                ordered = {k: event[k] for k in order if event.get(k) not in (None, "", 0)}
+                ordered.update((k, v) for k, v in event.items() if k not in order)
+                yield ndjson_line(ordered)
         finally:
             gone.set()  # the client went away (or the stream ended): a running download stops at its next chunk
 
