@@ -69,6 +69,33 @@ def time_generation_at_depth(engine, n: int, depth: int, reps: int) -> list[floa
             seq.close()
 
 
+def time_prompt_at_depth(engine, n: int, depth: int, reps: int) -> list[float]:
+    """pp n after `depth` tokens of context (llama-bench -p n -d depth): the context is evaluated once, then each
+    repetition processes n prompt tokens on top of it and the sequence is cut back to `depth`; one warm-up
+    repetition first. A model with sliding-window layers evaluates its context again each time (see
+    time_generation_at_depth)."""
+    context, tokens = _tokens(engine, depth, seed=5), _tokens(engine, n, seed=2)
+    seq = None
+    try:
+        times = []
+        for _ in range(reps + 1):
+            if seq is None:
+                seq = engine.new_sequence()
+                engine.evaluate(seq, context)
+            t = time.perf_counter()
+            engine.evaluate(seq, tokens)
+            times.append(time.perf_counter() - t)
+            if seq.cache.can_truncate(depth):
+                seq.truncate(depth)
+            else:
+                seq.close()
+                seq = None
+        return times[1:]
+    finally:
+        if seq is not None:
+            seq.close()
+
+
 def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> dict:
     """A chat's next turn: time to first token with the conversation's cache reused, against the same
     history processed cold (a fresh KV pool, so nothing is found cached), and time per output token."""
@@ -148,6 +175,14 @@ def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3, depth: int
         result[key] = statistics.fmean(speeds)
         result[f"{key}_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
         result[f"{key}_n"] = n
+    if depth and n_prompt:
+        if depth + n_prompt >= engine.ctx:
+            raise ValueError(f"pp{n_prompt} at depth {depth} does not fit the context of {engine.ctx} tokens")
+        speeds = [n_prompt / t for t in time_prompt_at_depth(engine, n_prompt, depth, reps)]
+        result["pp_depth"] = statistics.fmean(speeds)
+        result["pp_depth_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
+        result["pp_depth_n"] = n_prompt
+        result["depth"] = depth
     if depth and n_gen:
         if depth + n_gen >= engine.ctx:
             raise ValueError(f"tg{n_gen} at depth {depth} does not fit the context of {engine.ctx} tokens")
@@ -185,10 +220,10 @@ def format_extras(r: dict) -> list[str]:
 
 def _tests(r: dict):
     """(key, test label as llama-bench prints it) of the tests in a result."""
-    for key in ("pp", "tg", "tg_depth"):
+    for key in ("pp", "tg", "pp_depth", "tg_depth"):
         if key in r:
             n = r[key + "_n"]
-            yield key, (f"tg{n} @ d{r['depth']}" if key == "tg_depth" else f"{key}{n}")
+            yield key, (f"{key[:2]}{n} @ d{r['depth']}" if key.endswith("_depth") else f"{key}{n}")
 
 
 def format_rows(results: list[dict], threads: int) -> str:
@@ -216,7 +251,7 @@ def format_rows(results: list[dict], threads: int) -> str:
 
 def llama_bench(binary: str, model_path, n_prompt: int, n_gen: int, reps: int, threads: int, depth: int = 0) -> dict:
     """llama.cpp's figures for the same tests on the same file, from its llama-bench (`-o json`): {key: {"ts",
-    "sd"}} with bench.run's keys. Two invocations, so llama-bench does not also run pp at depth."""
+    "sd"}} with bench.run's keys. Two invocations: without depth, and at `depth` (pp and tg there too)."""
     import json
     import subprocess
 
@@ -238,11 +273,11 @@ def llama_bench(binary: str, model_path, n_prompt: int, n_gen: int, reps: int, t
 
     out = {}
     rows = invoke(["-p", str(n_prompt), "-n", str(n_gen), "-d", "0"]) if (n_prompt or n_gen) else []
-    if depth and n_gen:
-        rows += invoke(["-p", "0", "-n", str(n_gen), "-d", str(depth)])
+    if depth and (n_prompt or n_gen):
+        rows += invoke(["-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth)])
     for row in rows:
-        if row.get("n_depth", 0) and row["n_gen"]:
-            key = "tg_depth"
+        if row.get("n_depth", 0):
+            key = "tg_depth" if row["n_gen"] else "pp_depth"
         elif row["n_prompt"]:
             key = "pp"
         else:

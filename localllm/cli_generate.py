@@ -425,7 +425,7 @@ def cmd_bench(args) -> int:
     machine_bandwidth = None if args.no_bandwidth else read_bandwidth() / 1e9
     results = []
     for name in names:
-        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.depth + args.n + 16,
+        engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.depth + max(args.n, args.p) + 16,
                                            args.chat_turn + 64, 512 + 16),
                              quiet=args.json, kv_type=args.kv_type, device=args.device, warm="first-token")
         result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r, depth=args.depth)
@@ -550,7 +550,7 @@ def add_commands(sub) -> None:
     p.add_argument("-t", "--threads", type=whole_number(1), default=None, help="threads (default: all cores)")
     p.add_argument("--ctx", type=whole_number(0), default=None, help="context size (default: enough for the test)")
     p.add_argument("-d", "--depth", type=whole_number(0), default=0, metavar="N",
-                   help="also time tg after N tokens of context (llama-bench -d N; default 0: skip)")
+                   help="also time pp and tg after N tokens of context (llama-bench -d N; default 0: skip)")
     p.add_argument("--llama-bench", metavar="PATH", default=None,
                    help="run llama.cpp's llama-bench (this binary) on the same file, tests and threads right after "
                         "each model, and print its t/s and localllm's ratio beside")

@@ -36,7 +36,7 @@ get = lambda flag: args[args.index(flag) + 1]
 p, n, d = int(get("-p")), int(get("-n")), int(get("-d"))
 rows = []
 if p:
-    rows.append({"n_prompt": p, "n_gen": 0, "n_depth": d, "avg_ts": 100.0, "stddev_ts": 1.0})
+    rows.append({"n_prompt": p, "n_gen": 0, "n_depth": d, "avg_ts": 100.0 if d == 0 else 80.0, "stddev_ts": 1.0})
 if n:
     rows.append({"n_prompt": 0, "n_gen": n, "n_depth": d, "avg_ts": 50.0 if d == 0 else 25.0, "stddev_ts": 0.5})
 print(json.dumps(rows))
@@ -54,12 +54,13 @@ def test_bench_puts_llama_benchs_figures_and_the_ratio_beside_its_own_at_depth_t
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["depth"] == 24 and r["tg_depth_n"] == 4 and r["tg_depth"] > 0
+    assert r["pp_depth_n"] == 16 and r["pp_depth"] > 0
     assert r["llama_cpp"] == {"pp": {"ts": 100.0, "sd": 1.0}, "tg": {"ts": 50.0, "sd": 0.5},
-                              "tg_depth": {"ts": 25.0, "sd": 0.5}}
-    # The same file, repetitions and threads; pp is not run again at depth.
+                              "pp_depth": {"ts": 80.0, "sd": 1.0}, "tg_depth": {"ts": 25.0, "sd": 0.5}}
+    # The same file, repetitions and threads; pp and tg again at depth.
     calls = [json.loads(line) for line in (tmp_path / "llama-bench.calls").read_text().splitlines()]
     assert [c[c.index("-d") + 1] for c in calls] == ["0", "24"]
-    assert [c[c.index("-p") + 1] for c in calls] == ["16", "0"]
+    assert [c[c.index("-p") + 1] for c in calls] == ["16", "16"]
     for c in calls:
         assert c[c.index("-m") + 1].endswith("smollm2-135m-instruct.gguf")
         assert c[c.index("-r") + 1] == "2" and c[c.index("-t") + 1] == "2"
@@ -67,8 +68,8 @@ def test_bench_puts_llama_benchs_figures_and_the_ratio_beside_its_own_at_depth_t
     table = subprocess.run(common, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr
     rows = {line.split("|")[4].strip(): line for line in table.stdout.splitlines() if "smollm2" in line and "|" in line}
-    assert set(rows) == {"pp16", "tg4", "tg4 @ d24"}
-    for test, theirs in (("pp16", 100.0), ("tg4", 50.0), ("tg4 @ d24", 25.0)):
+    assert set(rows) == {"pp16", "tg4", "pp16 @ d24", "tg4 @ d24"}
+    for test, theirs in (("pp16", 100.0), ("tg4", 50.0), ("pp16 @ d24", 80.0), ("tg4 @ d24", 25.0)):
         cells = [c.strip() for c in rows[test].split("|")]
         ours = float(cells[5].split("±")[0])
         assert float(cells[6].split("±")[0]) == theirs
