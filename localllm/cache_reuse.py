@@ -42,7 +42,11 @@ class Splice:
 def find_splices(prompt, start: int, end: int, donor, donor_start: int, min_chunk: int) -> list[Splice]:
     """Chunks of prompt[start:end], left to right, each at least `min_chunk` tokens long, that occur in
     donor[donor_start:] (the positions the donor still holds). Greedy, as llama.cpp's: at each position the
-    longest match is taken (ties go to the smallest move), and a position no chunk starts at is computed."""
+    longest match is taken (ties go to the smallest move), and a position no chunk starts at is computed.
+    Position 0 takes only a donor's position 0: a model leans on its first token's keys and values (the
+    "attention sink"), and a token that was not first has other ones. Measured on smollm2 with llama.vim-like
+    ring moves of 256 tokens: the continuation's perplexity 1.9x the exact one's when the prompt's first tokens
+    were taken from later positions, 1.007x when the prompt's head stayed in place."""
     if min_chunk <= 0 or end - start < min_chunk or len(donor) - donor_start < min_chunk:
         return []
     import numpy as np  # here, not at the top: the CLI reads DEFAULT_CACHE_REUSE before it needs numpy
@@ -61,11 +65,16 @@ def find_splices(prompt, start: int, end: int, donor, donor_start: int, min_chun
             continue
         best_c, best_n = -1, 0
         for c in candidates[:MAX_CANDIDATES]:
+            if p == 0 and c != 0:
+                continue  # the first position is the attention sink: only a donor's own first token stands in
             m = min(end - p, len(d_arr) - c)
             diff = np.flatnonzero(p_arr[p : p + m] != d_arr[c : c + m])
             n = int(diff[0]) if len(diff) else m
             if n > best_n or (n == best_n and abs(c - p) < abs(best_c - p)):
                 best_c, best_n = c, n
+        if best_n == 0:
+            p += 1
+            continue
         out.append(Splice(p, best_c, best_n))
         p += best_n
     return out

@@ -35,7 +35,8 @@ def test_chunks_after_a_deletion_and_a_moved_block_are_found_in_order():
     donor = list(range(1000, 1300))
     # the ring moved: the first 50 tokens dropped, a new chunk at the end; the prompt's last token is new
     prompt = donor[50:] + list(range(5000, 5040)) + [1]
-    assert find_splices(prompt, 0, len(prompt) - 1, donor, 0, 32) == [Splice(0, 50, 250)]
+    # position 0 is computed (it never comes from a later position), the rest moves
+    assert find_splices(prompt, 0, len(prompt) - 1, donor, 0, 32) == [Splice(1, 51, 249)]
 
 
 def test_chunks_shorter_than_the_minimum_and_the_last_prompt_token_are_computed():
@@ -233,3 +234,10 @@ def test_the_scheduler_keeps_a_finished_request_as_the_next_ones_donor(engine):
         engine.cache_reuse = 0
         fresh_pool(engine)
         assert engine.kv_pool.blocks_held() == 0
+
+
+def test_the_first_position_is_never_taken_from_a_later_one():
+    donor = list(range(100))
+    # the prompt is the donor without its first 10 tokens: everything from position 1 on may move, not position 0
+    assert find_splices(donor[10:], 0, 89, donor, 0, 16) == [Splice(1, 11, 88)]
+    assert find_splices(donor, 0, 99, donor, 0, 16) == [Splice(0, 0, 99)]
