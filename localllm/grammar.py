@@ -175,18 +175,40 @@ def _failed(e: BaseException) -> BaseException:
     return LocalLLMError(f"the grammar failed: {_short(str(e))}")
 
 
-def _compile(ll_grammar: str, kind: str, tokenizer, n_vocab: int) -> Grammar:
+class Validated:
+    """llguidance grammar text that compiled without a vocabulary (`_compile` with no tokenizer: what a grammar
+    worker process hands back, localllm/grammar_worker.py); `matcher_for` builds it for a model's vocabulary."""
+
+    def __init__(self, text: str, kind: str):
+        self.text, self.kind = text, kind
+
+
+def limits():
+    """llguidance's parser limits for client grammars: its own defaults, and error messages without the parser
+    state (which can be as long as the grammar)."""
+    return _llg().LLParserLimits(verbose_errors=False)
+
+
+def matcher_for(validated: Validated, tokenizer, n_vocab: int) -> Grammar:
+    """The Grammar of grammar text a worker validated, for `tokenizer`'s vocabulary."""
+    return _compile(validated.text, validated.kind, tokenizer, n_vocab, validate=False)
+
+
+def _compile(ll_grammar: str, kind: str, tokenizer, n_vocab: int, validate: bool = True):
     llg = _llg()
-    llt = ll_tokenizer(tokenizer, n_vocab)
+    llt = ll_tokenizer(tokenizer, n_vocab) if tokenizer is not None else None
     try:
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(ll_grammar, llt)
-        matcher = None if is_error else llg.LLMatcher(llt, ll_grammar, log_level=0)
+        is_error, messages = (llg.LLMatcher.validate_grammar_with_warnings(ll_grammar, llt, limits=limits())
+                              if validate else (False, []))
+        matcher = None if is_error or llt is None else llg.LLMatcher(llt, ll_grammar, log_level=0, limits=limits())
     except BaseException as e:
         if not _binding_error(e):
             raise
         is_error, messages = True, [str(e)]
     if is_error:
         raise LocalLLMError(f"the {_NAMES[kind]} does not compile: {_short(messages[0] if messages else '?')}")
+    if llt is None:
+        return Validated(ll_grammar, kind)
     if matcher.is_error():
         raise LocalLLMError(f"the {_NAMES[kind]} does not compile: {_short(matcher.get_error())}")
     return Grammar(matcher, kind, n_vocab)
@@ -196,7 +218,11 @@ _NAMES = {"json_schema": "JSON schema", "gbnf": "grammar", "regex": "regex", "la
 
 
 def _short(message: str, limit: int = 600) -> str:
+    """An error message for a client: at most `limit` characters, without a Rust panic's backtrace or
+    location (what llguidance's panics carry after the reason)."""
     message = message.strip()
+    for marker in ("<backtrace>", "stack backtrace:", "Stack backtrace:", "note: run with `RUST_BACKTRACE", "\n   0: "):
+        message = message.split(marker, 1)[0].strip()
     return message if len(message) <= limit else message[:limit] + " ..."
 
 

@@ -50,9 +50,10 @@ class ServerState:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
         self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                              404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
                              503: "unavailable_error"}.get(status, "server_error")
@@ -404,12 +405,14 @@ async def constrain(state: ServerState, params, param: str, *, json_schema=None,
     if json_schema is None and gbnf is None and lark is None:
         return
     from localllm.errors import LocalLLMError
-    from localllm.grammar import compile_grammar
+    from localllm.grammar_worker import GrammarBusy, compile_bounded
 
     engine = state.engine
-    try:
-        params.grammar = await off_loop(compile_grammar, engine.tokenizer, engine.config.vocab_size,
-                                        json_schema=json_schema, gbnf=gbnf, lark=lark)
+    try:  # in a worker process with a time and memory budget, stopped if the client goes (grammar_worker.py)
+        params.grammar = await compile_bounded(engine.tokenizer, engine.config.vocab_size,
+                                               json_schema=json_schema, gbnf=gbnf, lark=lark)
+    except GrammarBusy as e:
+        raise ApiError(503, f"'{param}': {e}", param=param, headers={"Retry-After": str(e.retry_after)}) from None
     except LocalLLMError as e:
         raise ApiError(400, f"'{param}': {e}", param=param) from None
 

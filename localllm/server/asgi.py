@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from localllm import grammar_worker
 from localllm.errors import LocalLLMError
 from localllm.server import (anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, ollama_pull,
                              openai_api)
@@ -241,6 +242,7 @@ def endpoint(state: ServerState, fn, path: str = ""):
     async def handler(request: Request):
         flavor = flavor_of(request.url.path)
         lease = None
+        grammar_worker.client_request.set(request)  # a grammar compile stops when this client goes
         try:
             if not routed:
                 return await fn(state, request)
@@ -258,7 +260,7 @@ def endpoint(state: ServerState, fn, path: str = ""):
             lease = None
             return response
         except ApiError as e:
-            return error_response(flavor, e.status, e.message, e.param, e.kind)
+            return error_response(flavor, e.status, e.message, e.param, e.kind, headers=e.headers)
         except LocalLLMError as e:
             return error_response(flavor, 400, str(e))
         finally:
