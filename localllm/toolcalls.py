@@ -346,10 +346,13 @@ def _closed(schema):
 
 
 def _schema(params: dict) -> dict:
-    """A function's parameters schema (closed objects) with the bounded whitespace of a call."""
+    """A function's parameters schema (closed objects) with the bounded whitespace of a call, lenient: a keyword
+    llguidance cannot enforce (propertyNames, if/then, not, uniqueItems...) is left unenforced rather than failing
+    the request, as llama.cpp's schema converter ignores what it does not know (server/tool_calls.py logs them)."""
     out = _closed(params)
     guide = dict(out.get("x-guidance") or {})
     guide.setdefault("whitespace_pattern", _JSON_WHITESPACE)
+    guide.setdefault("lenient", True)
     out["x-guidance"] = guide
     return out
 
@@ -434,7 +437,7 @@ def _generic_schema(tools: list[dict], required: bool, parallel: bool) -> dict:
     else:
         schema = {"anyOf": [call, {"type": "object", "properties": {"response": {"type": "string"}},
                                    "required": ["response"], "additionalProperties": False}]}
-    return {**schema, "x-guidance": {"whitespace_pattern": _JSON_WHITESPACE}}
+    return {**schema, "x-guidance": {"whitespace_pattern": _JSON_WHITESPACE, "lenient": True}}
 
 
 def _generic_system(tools: list[dict], parallel: bool) -> str:

@@ -112,7 +112,9 @@ def test_tools_and_tool_choice_become_openai_functions():
 
 @pytest.mark.parametrize("body, words", [
     ({"messages": []}, "'messages' must be a non-empty array"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "top-level 'system'"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "needs a user message"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "must be 'user', 'assistant' or 'system'"),
+    ({"messages": [{"role": "system", "content": [{"type": "image"}]}, *QUESTION]}, "must be a text block"),
     ({"messages": [{"role": "user"}]}, "'messages[0].content' is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "images are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "unknown content block type"),

@@ -135,22 +135,39 @@ def test_posts_from_foreign_web_pages_are_refused(engine, client):
 
 
 def test_request_bodies_must_be_sent_as_json(client):
-    """A page may post text/plain, a form or an untyped body to any site without asking first (no CORS
-    preflight), so only JSON types are read; what the openai and ollama clients, llama.vim, llama.vscode and
-    Continue send (application/json, with or without a charset) is."""
+    """A page may post text/plain or a form to any site without asking first (no CORS preflight), so those types
+    are refused; what the openai and ollama clients, llama.vim, llama.vscode and Continue send (application/json,
+    with or without a charset) is read."""
     body = json.dumps(BODIES["/completion"]).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                         "text/plain; application/json", None):
-        headers = {"Content-Type": content_type} if content_type else {}
+                         "text/plain; application/json"):
+        headers = {"Content-Type": content_type}
         for path in ("/v1/completions", "/completion", "/api/generate"):
             r = client.post(path, content=body, headers=headers)
             assert r.status_code == 415, (path, content_type, r.text)
             assert "Content-Type: application/json" in message_of(r)
-    assert client.post("/api/generate", content=body).json()["error"].startswith("the request body must be JSON")
+    r = client.post("/api/generate", content=body, headers={"Content-Type": "text/plain"})
+    assert r.json()["error"].startswith("the request body must be JSON")
     for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON",
                          "application/vnd.example+json", "text/json"):
         r = client.post("/tokenize", content=json.dumps({"content": "Hi"}), headers={"Content-Type": content_type})
         assert r.status_code == 200, (content_type, r.text)
+
+
+def test_a_json_body_without_content_type_is_read_unless_a_foreign_page_sent_it(client):
+    """aider (litellm's ollama_chat) posts /api/chat with no Content-Type at all: no web page can have sent that
+    here (a page's post names it in Origin), so it is read, as llama-server reads it. From this machine's page
+    too; a foreign page's post stays refused, whatever its type."""
+    body = json.dumps(BODIES["/completion"]).encode()
+    for path in ("/v1/completions", "/completion", "/api/generate"):
+        assert client.post(path, content=body).status_code == 200, path
+        assert client.post(path, content=body, headers={"Origin": "http://localhost:5173"}).status_code == 200
+        for origin in ("https://evil.example", "null"):
+            r = client.post(path, content=body, headers={"Origin": origin})
+            assert r.status_code == 403, (path, origin, r.text)
+    # not JSON, untyped: the JSON parser's 400, not a 415
+    r = client.post("/completion", content=b"prompt=hi")
+    assert r.status_code == 400 and "not valid JSON" in message_of(r)
 
 
 def test_no_response_discloses_a_filesystem_path(client):

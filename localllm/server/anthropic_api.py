@@ -10,8 +10,12 @@ A translation layer over the server's chat path:
 
 Anthropic's rules kept: `max_tokens` is required; `system` is a string or text blocks; consecutive turns of one
 role are combined into one turn; a final assistant message is a prefill that the answer continues (and the
-response holds only the continuation); temperature is in [0, 1]; `metadata`, `cache_control`, `thinking` and
-the `anthropic-version` / `anthropic-beta` headers are accepted and ignored. Errors are
+response holds only the continuation); temperature is in [0, 1]. What Claude Code sends besides: `system`
+messages inside `messages` (rendered where they stand, or folded into the system prompt where the template
+takes only one: render_system_anywhere); `output_config.format` (or the beta's `output_format`) JSON schema,
+enforced; `metadata`, `cache_control`, `thinking` (these models do not think on request),
+`context_management`, `output_config.effort` and the `anthropic-version` / `anthropic-beta` headers are
+accepted and ignored. Errors are
 `{"type": "error", "error": {"type", "message"}}` with Anthropic's types; in a stream, an `event: error`.
 
 Two departures, both for clients that cannot be told otherwise: a `max_tokens` above the server's
@@ -33,11 +37,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from localllm.engine import GenerationParams
+from localllm.errors import LocalLLMError
 from localllm.server import tool_calls
 from localllm.toolcalls import CallDelta, TextDelta, ToolError, ToolPlan, plan_tools
-from localllm.server.app import (ApiError, Fields, Final, ServerState, dumps_compact, first_item, fix_seed,
-                                 json_response, off_loop, prompt_tokens, read_json, sampling_from, stream_events,
-                                 submit, watching_disconnect)
+from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, dumps_compact, first_item,
+                                 fix_seed, json_response, off_loop, prompt_tokens, read_json, sampling_from,
+                                 stream_events, submit, watching_disconnect)
 from localllm.server.app import anthropic_error_body as error_body
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -266,11 +271,19 @@ def to_chat_request(data: dict) -> ChatRequest:
         if not isinstance(msg, dict):
             raise ApiError(400, f"'{where}' must be an object with 'role' and 'content'", param="messages")
         role = msg.get("role")
-        if role not in ("user", "assistant"):
-            raise ApiError(400, f"'{where}.role' must be 'user' or 'assistant', got {json.dumps(role)[:40]}"
-                                " (a system prompt goes in the top-level 'system' field)", param="messages")
+        if role not in ("user", "assistant", "system"):
+            raise ApiError(400, f"'{where}.role' must be 'user', 'assistant' or 'system', got "
+                                f"{json.dumps(role)[:40]}", param="messages")
         if "content" not in msg:
             raise ApiError(400, f"'{where}.content' is required", param="messages")
+        if role == "system":
+            # Claude Code's mid-conversation system messages: kept where they stand (prompt_text folds them
+            # into the system prompt for a template that renders only one)
+            text = _text_of_blocks(msg["content"], f"{where}.content", "messages")
+            if isinstance(msg["content"], list):
+                text = "\n".join(b["text"] for b in msg["content"] if not b["text"].startswith(BILLING_HEADER))
+            turns.append(("system", [({"type": "text", "text": text}, where)]))
+            continue
         blocks = [(b, f"{where}.content[{j}]") for j, b in enumerate(_blocks(msg["content"], where))]
         if turns and turns[-1][0] == role:  # Anthropic combines consecutive turns of one role
             turns[-1][1].extend(blocks)
@@ -300,7 +313,12 @@ def to_chat_request(data: dict) -> ChatRequest:
     if system is not None:
         out.append({"role": "system", "content": system})
     for role, blocks in turns:
-        out.extend(_translate_message(role, blocks))
+        if role == "system":
+            out.append({"role": "system", "content": blocks[0][0]["text"]})
+        else:
+            out.extend(_translate_message(role, blocks))
+    if not any(m["role"] != "system" for m in out):
+        raise ApiError(400, "'messages' needs a user message", param="messages")
     tools = _tools(data.get("tools"))
     choice, parallel = _tool_choice(data.get("tool_choice"), tools)
     return ChatRequest(messages=out, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
@@ -314,12 +332,37 @@ def to_chat_request(data: dict) -> ChatRequest:
 # tool_use blocks and input_json_delta events (message_body, EventWriter) with stop_reason "tool_use".
 
 
+def fold_system(messages: list[dict]) -> list[dict]:
+    """The messages with every system message folded into one system prompt at the start (their texts in
+    order, a blank line apart)."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
+
+
+def render_system_anywhere(render, messages: list[dict]) -> str:
+    """render(messages), with system messages after the first message rendered where they stand when the
+    template renders them there (ChatML templates do); a template that refuses them ("roles must alternate")
+    or leaves their text out gets them folded into the system prompt (fold_system), as llama-server does for a
+    template that takes one system message."""
+    late = [m["content"] for m in messages[1:] if m["role"] == "system"]
+    if not late:
+        return render(messages)
+    try:
+        text = render(messages)
+        if all(c.strip() in text for c in late):
+            return text
+    except LocalLLMError:
+        pass
+    return render(fold_system(messages))
+
+
 async def prompt_text(state: ServerState, chat: ChatRequest, params: GenerationParams | None) -> str:
     """The prompt text for the internal chat request; `params` (None when only counting tokens) takes the
     constraint the tools and tool_choice ask for."""
     if not tool_calls.uses_tools(chat.tools, chat.tool_choice, chat.messages):
         # Off the event loop: a model's template may take its whole render budget (2 s).
-        return await off_loop(state.engine.render_chat, chat.messages) + chat.prefill
+        return await off_loop(render_system_anywhere, state.engine.render_chat, chat.messages) + chat.prefill
     if params is None:  # count_tokens: the prompt the tools make, nothing to constrain
         try:
             chat.plan = plan_tools(state.engine.template, chat.tools, chat.tool_choice, chat.parallel_tool_calls)
@@ -328,7 +371,8 @@ async def prompt_text(state: ServerState, chat: ChatRequest, params: GenerationP
     else:
         chat.plan = await tool_calls.prepare(state, params, chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     try:
-        return await off_loop(chat.plan.render, state.engine.template, chat.messages) + chat.prefill
+        return await off_loop(render_system_anywhere, lambda msgs: chat.plan.render(state.engine.template, msgs),
+                              chat.messages) + chat.prefill
     except ToolError as e:
         raise ApiError(400, str(e), param=e.param) from None
 
@@ -492,10 +536,30 @@ def _params(state: ServerState, f: Fields) -> tuple[GenerationParams, bool]:
     return params, f.get("stream", bool, False)
 
 
+def _output_schema(data: dict) -> dict | None:
+    """The JSON schema of Anthropic's structured outputs (`output_config.format`, or the beta's `output_format`:
+    {"type": "json_schema", "schema": {...}}); None when the request asks for none. `output_config`'s other
+    settings (`effort`) have no meaning here and are ignored."""
+    config = data.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise ApiError(400, "'output_config' must be an object", param="output_config")
+    fmt, key = (config or {}).get("format"), "output_config.format"
+    if fmt is None:
+        fmt, key = data.get("output_format"), "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(400, f"'{key}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=key)
+    return fmt["schema"]
+
+
 async def messages(state: ServerState, request: Request):
     f = Fields(await read_json(request, state.max_body))
     params, stream = _params(state, f)
     chat = to_chat_request(f.data)
+    schema = _output_schema(f.data)
+    if schema is not None:  # the answer is JSON of that schema (one constraint: not with tools)
+        await constrain(state, params, "output_config.format", json_schema=schema)
     text = await prompt_text(state, chat, params)
     tokens = await off_loop(prompt_tokens, state, text, True)
     handle = submit(state, tokens, params)

@@ -293,14 +293,32 @@ async def props(state: ServerState, request: Request):
 
 
 async def apply_template(state: ServerState, request: Request):
-    """llama.cpp's POST /apply-template: the prompt the chat template makes of `messages`, without running it."""
+    """llama.cpp's POST /apply-template: the prompt /v1/chat/completions would run for the same body, without
+    running it: `tools` (and `tool_choice`, `parallel_tool_calls`) rendered as the chat route renders them, an
+    assistant message's tool-call `arguments` given as JSON text turned into the object the template expects."""
+    from localllm.server import tool_calls
+    from localllm.toolcalls import ToolError, plan_tools
+
     f = Fields(await read_json(request, state.max_body))
     messages = f.get("messages", list)
     if not messages:
         raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
     add = f.get("add_generation_prompt", bool, True)
-    prompt = await off_loop(state.engine.render_chat, messages, add)  # a template may take its whole budget
-    return json_response({"prompt": prompt})
+    tools = f.get("tools", list, None)
+    if not tool_calls.uses_tools(tools, f.data.get("tool_choice"), messages):
+        prompt = await off_loop(state.engine.render_chat, messages, add)  # a template may take its whole budget
+        return json_response({"prompt": prompt})
+    template = state.engine.template
+
+    def render():
+        try:
+            plan = plan_tools(template, tools or [], f.data.get("tool_choice"),
+                              f.get("parallel_tool_calls", bool, None))
+            return plan.render(template, messages, add_generation_prompt=add)
+        except ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
+    return json_response({"prompt": await off_loop(render)})
 
 
 async def slots(state: ServerState, request: Request):

@@ -88,6 +88,9 @@ async def show(state: ServerState, request: Request):
     # its render budget). Any model takes tools on /api/chat, through the generic JSON form otherwise.
     if await off_loop(supports_tools, state.engine.template):
         capabilities.append("tools")
+    # /api/embed answers with every model (its hidden states pooled): clients such as llm-ollama look for this
+    # to offer the model for embeddings.
+    capabilities.append("embedding")
     model_info = {"general.architecture": arch, "general.parameter_count": info["parameters"],
                   f"{arch}.context_length": info["context_length"],
                   f"{arch}.embedding_length": info["embedding_length"], f"{arch}.block_count": info["block_count"]}

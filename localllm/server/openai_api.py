@@ -117,12 +117,17 @@ async def _response_format(state: ServerState, f: Fields, params: GenerationPara
         elif kind == "json_schema":
             js = Fields(rf.get("json_schema", dict, {}), "response_format.json_schema.")
             js.get("name", str)
-            js.get("strict", bool)
+            strict = js.get("strict", bool, False)
             # Without a schema, any JSON object (what llama.cpp's server does too).
             schema = js.data.get("schema", ANY_JSON_OBJECT)
             if not isinstance(schema, (dict, bool)):
                 raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
                                param="response_format")
+            if not strict and isinstance(schema, dict) and schema is not ANY_JSON_OBJECT:
+                # Not strict: what the grammar engine cannot enforce is relaxed (and logged), as llama.cpp's
+                # converter ignores it; strict: such a schema fails closed, naming the keyword.
+                tool_calls.log_relaxed("response_format", schema)
+                schema = tool_calls.lenient(schema)
         elif kind != "text":
             raise ApiError(400, f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
                                 f"{kind!r}", param="response_format")
