@@ -177,8 +177,12 @@ async def read_json(request: Request, max_body: int) -> dict:
     cached = request.scope.get(BODY_KEY)
     if cached is not None:  # read already, to learn the model it names (asgi.endpoint)
         return cached
-    content_type = request.headers.get("content-type", "")
-    if not is_json_type(content_type):
+    content_type = request.headers.get("content-type", "").strip()
+    # No Content-Type at all (aider's litellm on /api/chat; llama-server reads such a body) is read as JSON: no
+    # web page can have sent it here. A page's post names the page in Origin, and WebPageGuard has refused every
+    # page but this machine's and the --cors-origin ones before this runs. Types a page may post without a
+    # preflight (text/plain, forms) stay refused.
+    if content_type and not is_json_type(content_type):
         raise ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
                             f"{json.dumps(content_type) if content_type else 'none'}); with curl, add "
                             "-H 'Content-Type: application/json' (or use --json)")
