@@ -23,7 +23,7 @@ from starlette.routing import Route
 from localllm import grammar_worker
 from localllm.errors import LocalLLMError
 from localllm.server import (anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, ollama_pull,
-                             openai_api)
+                             openai_api, responses_api)
 from localllm.server.app import (BODY_KEY, ApiError, ServerState, error_response, flavor_of, json_response,
                                  ollama_response, read_json)
 from localllm.server.metrics import Metrics
@@ -185,7 +185,7 @@ class WebPageGuard:
 # The routes that run a model: with several models behind the port (a registry), each request gets the state of
 # the model it names (the body's `model`, or `?model=` on GET), loaded if it is not. Every other route (the model
 # lists, the management routes) gets the server's own state.
-MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages",
+MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/messages",
                 "/v1/messages/count_tokens", "/api/generate", "/api/chat", "/api/show", "/api/embed",
                 "/api/embeddings", "/completion", "/completions", "/infill", "/tokenize", "/detokenize",
                 "/apply-template", "/embedding", "/embeddings", "/props", "/slots", "/metrics"}
@@ -275,7 +275,8 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
     """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
     call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
     routes = []
-    for module in (anthropic_api, openai_api, llamacpp_api, ollama_api, embeddings_api, models_api, ollama_pull):
+    for module in (anthropic_api, openai_api, responses_api, llamacpp_api, ollama_api, embeddings_api, models_api,
+                   ollama_pull):
         for path, methods, fn in module.ROUTES:
             routes.append(Route(path, endpoint(state, fn, path), methods=methods))
 
