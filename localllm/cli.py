@@ -16,9 +16,13 @@ from localllm.cache_reuse import DEFAULT_CACHE_REUSE
 from localllm.errors import LocalLLMError
 from localllm.files import read_text_file
 from localllm.model_info import model_info
-from localllm.progress import human_size
+from localllm.progress import human_size, terminal_safe
 
 DEFAULT_MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT, USER/REPO) or path to a .gguf file"
+
+
+def _safe_print(*parts, **kw) -> None:
+    print(*(terminal_safe(p) for p in parts), **kw)
 
 
 def _print_json(obj) -> None:
@@ -42,7 +46,7 @@ def cmd_pull(args) -> int:
                         "downloaded": result.downloaded})
         if not args.json and not args.quiet:
             what = f"pulled from {result.source}" if result.downloaded else "already present and verified"
-            print(f"{listed}: {what} ({result.path})")
+            print(terminal_safe(f"{listed}: {what} ({result.path})"))
     if args.json:
         _print_json(results)
     return 0
@@ -79,8 +83,8 @@ def cmd_list(args) -> int:
     for r in rows:
         status = "" if not args.all else ("downloaded  " if r["downloaded"] else "            ")
         default = " (default)" if r["default"] else ""
-        print(f"{r['name']:<{width}}{status}{human_size(r['size']):>9}  {r['quantization']:<7} "
-              f"{r['description']}{default}")
+        print(terminal_safe(f"{r['name']:<{width}}{status}{human_size(r['size']):>9}  {r['quantization']:<7} "
+                            f"{r['description']}{default}"))
     return 0
 
 
@@ -101,7 +105,7 @@ def cmd_rm(args) -> int:
     for name in args.models:
         path = store.remove(name)
         if not args.quiet:
-            print(f"removed {name} ({path})")
+            print(terminal_safe(f"removed {name} ({path})"))
     return 0
 
 
@@ -121,6 +125,7 @@ def cmd_show(args) -> int:
         return 0
     tok = info["tokenizer"]
     params = info["parameters"]
+    print = _safe_print  # the file's name, keys and the hub's names are from outside
     print(f"model           {info['name'] or '(unnamed)'}")
     print(f"path            {info['path']}")
     print(f"architecture    {info['architecture']}")
@@ -450,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except LocalLLMError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {terminal_safe(e, keep_newlines=True)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

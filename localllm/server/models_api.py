@@ -333,6 +333,20 @@ def _create_source(f: Fields) -> tuple[str, Path, Path | None]:
     return "checkpoint", folder, folder
 
 
+def _shown(source: Path) -> str:
+    """A source as an error names it to the client: an upload's scratch folder as "the uploaded checkpoint", a
+    path by its last part (the server's folders are not the client's business)."""
+    return "the uploaded checkpoint" if source.name.startswith(".checkpoint-") else repr(source.name)
+
+
+def _without_paths(message: str, source: Path) -> str:
+    """`message` with the server's paths (the source's folder, the model store) replaced by what they are."""
+    for path, what in ((source, _shown(source)), (source.parent, "the server's folder"), (_store(), "the model store")):
+        for form in {str(path), str(path.resolve())}:
+            message = message.replace(form + "/", "").replace(form, what)
+    return message
+
+
 def _create(name: str, kind: str, source: Path, quantize: str | None, say) -> None:
     """Write model `name` from `source`; `say(status)` reports progress."""
     from localllm import store
@@ -347,7 +361,7 @@ def _create(name: str, kind: str, source: Path, quantize: str | None, say) -> No
             try:
                 convert(source, tmp, (quantize or "auto").lower(), model_name=name, progress=False)
             except LocalLLMError as e:
-                raise ApiError(400, f"cannot convert {source}: {e}") from None
+                raise ApiError(400, f"cannot convert {_shown(source)}: {_without_paths(str(e), source)}") from None
         else:
             check_gguf(source)
             if quantize:
@@ -357,7 +371,7 @@ def _create(name: str, kind: str, source: Path, quantize: str | None, say) -> No
                 try:
                     quantize_file(source, tmp, quantize)
                 except LocalLLMError as e:
-                    raise ApiError(400, f"cannot quantize {source.name}: {e}") from None
+                    raise ApiError(400, f"cannot quantize {source.name}: {_without_paths(str(e), source)}") from None
             else:
                 say("writing model")
                 link_or_copy(source, dest, True)

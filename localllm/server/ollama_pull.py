@@ -18,7 +18,7 @@ import threading
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from localllm.errors import LocalLLMError, UnknownModelError
+from localllm.errors import LocalLLMError, OfflineError, UnknownModelError
 from localllm.server.app import ApiError, ServerState, ndjson_line, ollama_response, read_json
 
 
@@ -35,7 +35,7 @@ def _run_pull(name: str, progress) -> None:
         digest = f"sha256:{entry.sha256}"
         progress({"status": "pulling manifest"})
         if hub.offline() and not store.has_model(name):
-            raise LocalLLMError(f"{name} is not in the store and the server runs --offline")
+            raise OfflineError(f"{name} is not in the store and the server runs --offline")
         progress({"status": f"pulling {entry.sha256[:12]}", "digest": digest, "total": entry.size, "completed": 0})
         store.pull_by_name(name, quiet=True)
         progress({"status": f"pulling {entry.sha256[:12]}", "digest": digest, "total": entry.size,
@@ -53,6 +53,8 @@ def _status_of(e: LocalLLMError) -> int:
         return 400
     if isinstance(e, UnknownModelError):
         return 404
+    if isinstance(e, OfflineError):  # the server cannot download now: not a failure of the server
+        return 503
     return 500
 
 
