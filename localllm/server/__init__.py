@@ -72,6 +72,8 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     host name (see asgi.LocalNames; '*': any). `cache_reuse`: llama.cpp's --cache-reuse N (cache_reuse.py), 0 off."""
     import uvicorn
 
+    from localllm.server import liveness
+
     from localllm.server.app import MAX_BODY
     from localllm.server.asgi import LocalNames, create_app
 
@@ -117,7 +119,7 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                                 timeout_graceful_shutdown=3, lifespan="on")
-        server = uvicorn.Server(config)
+        server = liveness.Server(config)  # a stop signal ends the process within 5 s (liveness.py)
         server.run(sockets=[sock])
     finally:
         sock.close()

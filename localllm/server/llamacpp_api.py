@@ -277,6 +277,10 @@ async def detokenize(state: ServerState, request: Request):
 
 
 async def health(state: ServerState, request: Request):
+    from localllm.server.liveness import unavailable
+
+    if (why := await unavailable(state)) is not None:  # 503 while a request would not be served now
+        raise ApiError(503, why)
     return json_response({"status": "ok"})
 
 
