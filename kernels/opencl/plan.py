@@ -420,11 +420,11 @@ class DecodePlan:
         end = self.STEP_TABLES + G * W
         s[self.STEP_TABLES:end] = tables.reshape(-1)
         cl, queue = self.cl, self.dev.queue
+        cl.enqueue_copy(queue, self.step_buf, s[:end], is_blocking=False)
         gate = None
-        if self.gate_steps:
+        if self.gate_steps:  # (after the upload: PoCL and Intel's runtime wait in a write enqueued behind it)
             gate = cl.UserEvent(self.dev.context)
             cl.enqueue_barrier(queue, wait_for=[gate])
-        cl.enqueue_copy(queue, self.step_buf, s[:end], is_blocking=False)
         enqueue = cl.enqueue_nd_range_kernel
         for k, g, l in self.launches:
             enqueue(queue, k, g, l)
