@@ -99,6 +99,8 @@ def _validate(request: dict) -> dict:
 
 def main() -> None:
     _die_with_parent()
+    with contextlib.suppress(OSError):
+        os.nice(10)  # a client's grammar yields the cores to the server's forward passes
     os.environ["RUST_BACKTRACE"] = "0"
     _limit_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
@@ -146,9 +148,13 @@ class _Worker:
             return None
 
     async def ask(self, request: dict) -> dict | None:
+        """The worker's answer, or None if it died."""
         data = json.dumps(request, ensure_ascii=True).encode()
-        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-        await self.proc.stdin.drain()
+        try:
+            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+            await self.proc.stdin.drain()
+        except (ConnectionError, RuntimeError):
+            return None
         return await self._receive()
 
     @property
@@ -215,6 +221,8 @@ class GrammarPool:
             raise LocalLLMError("the server is stopping")
         worker = None
         try:
+            while self.idle and not self.idle[-1].alive:  # one that died idle (killed from outside)
+                self.idle.pop().kill()
             worker = self.idle.pop() if self.idle else await self._wait(_Worker.start(), cancelled)
             self.active.add(worker)
             t0 = time.monotonic()
