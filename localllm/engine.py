@@ -277,9 +277,9 @@ class Engine:
 
     def take_donor(self, tokens: list[int], n_past: int,
                    extra: list[Sequence] = ()) -> tuple[Sequence | None, list[Splice]]:
-        """The donor (a retained sequence, or one of `extra`) that lets the most of tokens[n_past:-1] be
-        spliced instead of computed, taken out of the retained list, and its splices; (None, []) when none
-        has a chunk of at least `cache_reuse` tokens. The last prompt token is always computed (its logits)."""
+        """The donor (a fork of a retained sequence, or one of `extra`) that lets the most of tokens[n_past:-1] be
+        spliced instead of computed, and its splices; (None, []) when none has a chunk of at least `cache_reuse`
+        tokens. The last prompt token is always computed (its logits). The caller closes the donor."""
         if self.cache_reuse <= 0:
             return None, []
         best, best_splices, best_n = None, [], 0
@@ -290,7 +290,11 @@ class Engine:
             if n > best_n:
                 best, best_splices, best_n = donor, splices, n
         if best is not None and best in self.retained:
+            # It stays retained (a keystroke's request is the best donor for the one after a ring update too);
+            # the generation reads a fork of it, the most recently used one goes last.
             self.retained.remove(best)
+            self.retained.append(best)
+            best = best.fork()
         return best, best_splices
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -135,7 +135,8 @@ def test_an_insertion_computes_only_the_inserted_tokens_and_names_nothing_after_
         assert gen.timings.prompt_n <= 3 + 16 + 1
         assert gen.seq.cache.name_limit == 203 // 16
         assert len(gen.seq.cache.names) <= 203 // 16
-        assert gen.donor is None and engine.retained == []  # the donor was taken and given back
+        assert gen.donor is None  # the donor's fork was given back; the donor itself stays retained
+        assert engine.retained == [first.seq] and first.seq.cache.length == len(base)
         gen.seq.close()
     finally:
         engine.cache_reuse = 0
@@ -241,3 +242,32 @@ def test_the_first_position_is_never_taken_from_a_later_one():
     # the prompt is the donor without its first 10 tokens: everything from position 1 on may move, not position 0
     assert find_splices(donor[10:], 0, 89, donor, 0, 16) == [Splice(1, 11, 88)]
     assert find_splices(donor, 0, 99, donor, 0, 16) == [Splice(0, 0, 99)]
+
+
+def test_the_chat_app_keeps_the_later_turns_when_the_oldest_leave_the_context():
+    from tui.chat_session import ChatSession, TurnStats, load_engine
+
+    chat = load_engine(MODEL, 512)
+    assert chat.cache_reuse > 0
+    session = ChatSession(chat)
+    topics = ["rivers", "mountains", "deserts", "forests", "oceans", "islands", "glaciers", "valleys", "caves",
+              "lakes", "volcanoes", "canyons"]
+    messages = []
+    for topic in topics:
+        messages.append({"role": "user", "content": f"Tell me three facts about {topic}, in one short sentence "
+                                                    f"each, and say which is most surprising about {topic}."})
+        messages.append({"role": "assistant", "content": f"Here are three facts about {topic}: they are old, "
+                                                         f"they change slowly, and {topic} shape the climate."})
+    messages.append({"role": "user", "content": "And which of them did you like best?"})
+    params = GenerationParams(max_tokens=4, sampling=SamplingParams(temperature=0))
+    from localllm.chat_history import fits
+
+    # the first turn as long as fits whole; the next one a pair longer, so its oldest turns must go
+    k = max(k for k in range(1, len(topics)) if fits(chat, messages[:2 * k] + messages[-1:], 4))
+    first = TurnStats()
+    list(session.stream(messages[:2 * k] + messages[-1:], "", params, first))
+    later = TurnStats()
+    list(session.stream(messages[:2 * k + 2] + messages[-1:], "", params, later))
+    assert first.dropped == 0 and later.dropped > 0  # the oldest turns left the prompt: it changed near its start
+    assert later.cache_n > later.prompt_n  # the turns that stayed came from the cache, moved
+    session.close()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from localllm import session_file, warmup
+from localllm.cache_reuse import DEFAULT_CACHE_REUSE
 from localllm.chat_history import fit_messages
 from localllm.engine import Engine, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError
@@ -22,7 +23,11 @@ def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], Non
     """Load a model quietly (the console progress bars would corrupt the screen), reporting kernel compilation,
     which only happens on a first start, to `on_compile(done, total)`."""
     with warmup.reporting(on_compile):
-        return Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type, device=device, warm="first-token")
+        engine = Engine.load(name, ctx=ctx or None, quiet=True, kv_type=kv_type, device=device, warm="first-token")
+    # A conversation whose oldest messages left the context, or whose earlier message was edited, keeps the
+    # later turns' keys from its own cache, moved (cache_reuse.py), as `serve --cache-reuse` does.
+    engine.cache_reuse = DEFAULT_CACHE_REUSE
+    return engine
 
 
 @dataclass

@@ -149,7 +149,9 @@ def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel
 
     def loader(path, quiet=True):
         engine = Engine(path, ctx=ctx, quiet=quiet, backend=device)
-        engine.cache_reuse, engine.retained_max = cache_reuse, parallel  # a kept donor per slot, as llama.cpp
+        # A kept donor per slot, as llama.cpp's slots keep their caches, and one more: llama.vim's ring update
+        # (extra context only) must not push out the last keystroke's cache, which the next keystroke needs.
+        engine.cache_reuse, engine.retained_max = cache_reuse, parallel + 1
         return engine, Scheduler(engine, parallel=parallel, max_queue=max_queue, speculation=speculation)
 
     base = ServerState(engine=None, scheduler=None, model_name="", model_path="", max_tokens=max_tokens,
