@@ -12,11 +12,14 @@ missing one is a failure, elsewhere the tests skip with the reason.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -169,3 +172,53 @@ def test_llama_vims_instruction_mode_rewrites_the_selection_on_tab(vim_at):
     vim.keys(":w", "Enter")
     text = vim.wait(lambda: path.read_text() != original and path.read_text(), "the file to be rewritten")
     assert "times" in text, text
+
+
+class _StubInfill(BaseHTTPRequestHandler):
+    """A server that answers every /infill with one suggestion written with the server's `separators`."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.requests += 1
+        body = json.dumps({"content": " a * b", "timings/prompt_n": 1, "timings/prompt_ms": 1.0,
+                           "timings/prompt_per_token_ms": 1.0, "timings/prompt_per_second": 1000.0,
+                           "timings/predicted_n": 4, "timings/predicted_ms": 4.0,
+                           "timings/predicted_per_token_ms": 1.0, "timings/predicted_per_second": 1000.0,
+                           "truncated": False, "tokens_cached": 12}, separators=self.server.separators).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("separators, shown", [((",", ":"), True), ((", ", ": "), False)],
+                         ids=["compact-as-llama.cpp", "spaced-as-json.dumps"])
+def test_llama_vim_shows_only_answers_written_as_llamacpp_writes_them(tmp_path, separators, shown):
+    """Why item 1 of issue 37: the same suggestion, from a stub server, is shown when written compactly and
+    dropped by s:fim_on_response when written with Python's default separators ('"content": "')."""
+    _tools_or_skip()
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), _StubInfill)
+    stub.separators, stub.requests = separators, 0
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    path = tmp_path / "demo.py"
+    path.write_text("def multiply(a, b):\n")
+    vim = Vim(tmp_path, f"http://127.0.0.1:{stub.server_address[1]}", path)
+    try:
+        vim.started()
+        vim.keys("G", "o")
+        vim.wait(lambda: vim.read_state()[1:3] == ["2:1", "i"], "insert mode on line 2", 30)
+        vim.type("    return")
+        if shown:
+            vim.wait(lambda: vim.read_state()[:2] == ["shown", "2:11"], "the stub's suggestion")
+            assert vim.screen()[1].rstrip() == "    return a * b"
+        else:
+            vim.wait(lambda: stub.requests >= 3, "the plugin's requests", 30)
+            time.sleep(3)  # the answers came back: the plugin had time to show one
+            assert vim.read_state()[0] == "none" and vim.screen()[1].rstrip() == "    return", vim.screen()
+    finally:
+        vim.close()
+        stub.shutdown()
