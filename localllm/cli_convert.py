@@ -26,7 +26,11 @@ def resolve_source(src: str, quiet: bool) -> Path:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import HfHubHTTPError
 
-        path = snapshot_download(repo_id=repo, revision=revision or None, allow_patterns=HUB_FILES)
+        from localllm.hub import offline
+
+        # --offline / LOCALLLM_OFFLINE / HF_HUB_OFFLINE: only what the cache holds, never a download
+        path = snapshot_download(repo_id=repo, revision=revision or None, allow_patterns=HUB_FILES,
+                                 **({"local_files_only": True} if offline() else {}))
     except ImportError:
         raise LocalLLMError("hf:// sources need the huggingface_hub package") from None
     except (HfHubHTTPError, OSError, ValueError) as e:

@@ -170,3 +170,20 @@ def test_a_gemma2_lm_head_that_differs_from_the_embedding_is_refused_with_the_re
     write_safetensors(ckpt / "model.safetensors", sd, "F32")
     refused(ckpt, tmp_path / "o.gguf", "lm_head.weight", "differs from the token embedding")
 
+
+
+def test_an_hf_source_under_offline_reads_only_the_cache(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from localllm import cli_convert
+
+    seen = {}
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        seen.update(kw)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setenv("LOCALLLM_OFFLINE", "1")
+    cli_convert.resolve_source("hf://owner/repo", quiet=True)
+    assert seen == {"local_files_only": True}
