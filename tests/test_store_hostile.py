@@ -209,3 +209,60 @@ def test_api_create_errors_name_no_server_path(tmp_path, monkeypatch):
         models_api._create("bomb", "checkpoint", upload, None, lambda s: None)
     assert str(tmp_path) not in e.value.message and "config.json" in e.value.message
     assert not list((tmp_path / "home" / "models").glob("*.gguf"))
+
+
+def _upload(tmp_path: Path, **changes) -> Path:
+    src = Path(__file__).parent / "data" / "arch" / "llama3"
+    blobs = tmp_path / "home" / "models" / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    upload = blobs / ".checkpoint-5678efab"
+    shutil.copytree(src, upload, ignore=shutil.ignore_patterns("reference.*"))
+    if changes:
+        cfg = json.loads((upload / "config.json").read_text())
+        (upload / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return upload
+
+
+def test_api_create_converts_in_a_process_stopped_past_its_time_budget_leaving_nothing(tmp_path, monkeypatch):
+    from localllm.server import create_worker, models_api
+    from localllm.server.app import ApiError
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(create_worker, "CONVERT_BASE_SECONDS", 0.3)
+    monkeypatch.setattr(create_worker, "CONVERT_SECONDS_PER_GB", 0.0)
+    upload = _upload(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(ApiError, match="longer than its 0 s budget"):
+        models_api._create("slow", "checkpoint", upload, "q4_k_m", lambda s: None)
+    assert time.monotonic() - t0 < 3
+    models = tmp_path / "home" / "models"
+    assert [p.name for p in models.iterdir() if p.is_file()] == []
+
+
+def test_api_create_stops_its_conversion_when_the_client_goes(tmp_path, monkeypatch):
+    import threading
+
+    from localllm.server import models_api
+    from localllm.server.app import ApiError
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home"))
+    upload = _upload(tmp_path)
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ApiError, match="client went away"):
+        models_api._create("gone", "checkpoint", upload, "q4_k_m", lambda s: None, cancel)
+    assert time.monotonic() - t0 < 3
+    models = tmp_path / "home" / "models"
+    assert [p.name for p in models.iterdir() if p.is_file()] == []
+
+
+def test_api_create_still_converts_a_good_checkpoint(tmp_path, monkeypatch):
+    from localllm.gguf_file import GGUFFile
+    from localllm.server import models_api
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home"))
+    upload = _upload(tmp_path)
+    models_api._create("good", "checkpoint", upload, None, lambda s: None)
+    with GGUFFile(tmp_path / "home" / "models" / "good.gguf") as g:
+        assert g.get("general.name") == "good" and "token_embd.weight" in g.tensors

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -347,19 +348,20 @@ def _without_paths(message: str, source: Path) -> str:
     return message
 
 
-def _create(name: str, kind: str, source: Path, quantize: str | None, say) -> None:
-    """Write model `name` from `source`; `say(status)` reports progress."""
+def _create(name: str, kind: str, source: Path, quantize: str | None, say, cancel=None) -> None:
+    """Write model `name` from `source`; `say(status)` reports progress; `cancel` (a threading.Event) set when the
+    client goes stops a conversion."""
     from localllm import store
 
     dest = store.model_path(name)
     tmp = _partial(dest)
     try:
         if kind == "checkpoint":
-            from localllm.convert import convert
+            from localllm.server import create_worker
 
             say(f"converting {source.name}" + (f" to {quantize.upper()}" if quantize else ""))
-            try:
-                convert(source, tmp, (quantize or "auto").lower(), model_name=name, progress=False)
+            try:  # in a process with a time and memory budget, stopped if the client goes (create_worker.py)
+                create_worker.convert(source, tmp, (quantize or "auto").lower(), name, cancel)
             except LocalLLMError as e:
                 raise ApiError(400, f"cannot convert {_shown(source)}: {_without_paths(str(e), source)}") from None
         else:
@@ -405,19 +407,29 @@ async def create(state: ServerState, request: Request):
     stream = f.get("stream", bool, True)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()  # set when the client goes: a conversion stops
 
     def say(status: str) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, status)
 
     def work():
         try:
-            _create(name, kind, source, quantize, say)
+            _create(name, kind, source, quantize, say, cancel)
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
 
     task = asyncio.ensure_future(off_loop(work))
     if not stream:
+        from localllm.server import create_worker
+
+        gone = asyncio.ensure_future(create_worker.client_gone(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            cancel.set()
         await task
         return ollama_response({"status": "success"})
 
@@ -440,7 +452,15 @@ async def create(state: ServerState, request: Request):
             raise
         yield ndjson_line({"status": "success"})
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    async def stopping_lines():
+        try:
+            async for line in lines():
+                yield line
+        finally:
+            if not task.done():
+                cancel.set()  # the client went away mid-create: its conversion stops
+
+    return StreamingResponse(stopping_lines(), media_type="application/x-ndjson")
 
 
 ROUTES = [
