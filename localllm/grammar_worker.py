@@ -44,6 +44,11 @@ MAX_MESSAGE = 64 << 20
 _HEADER = struct.Struct("<I")
 
 
+class ClientGone(LocalLLMError):
+    """The request's client disconnected while its grammar compiled (the compile was stopped). A LocalLLMError, so
+    the handler ends with an error response nobody reads, not an exception in the server's log."""
+
+
 class GrammarBusy(LocalLLMError):
     """Every grammar worker is busy and the queue is full: try again in RETRY_AFTER seconds."""
 
@@ -198,8 +203,8 @@ class GrammarPool:
 
     async def validate(self, request: dict, cancelled: asyncio.Future | None = None) -> dict:
         """The worker's answer for `request` (compile_grammar's keywords). Raises GrammarBusy when the queue is
-        full, LocalLLMError when the compile runs out of time or memory, asyncio.CancelledError when
-        `cancelled` completes first (the client went away)."""
+        full, LocalLLMError when the compile runs out of time or memory, ClientGone when `cancelled`
+        completes first (the client went away)."""
         if self.closed:
             raise LocalLLMError("the server is stopping")
         if self.running >= self.size and self.waiting >= self.queue:
@@ -273,7 +278,7 @@ class GrammarPool:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            raise asyncio.CancelledError("the client went away")
+            raise ClientGone("the client went away: its grammar's compile was stopped")
         return task.result()
 
     def close(self) -> None:
