@@ -160,8 +160,9 @@ def test_a_first_load_on_a_device_compiles_with_progress_and_the_next_one_compil
     with warmup.reporting(lambda done, total: shown.append((done, total))):
         e = Engine(model_file("smollm2-135m-instruct"), ctx=256, quiet=True, backend=device_spec())
     formats = {w.qtype for w in e.model.weights()}
-    assert shown[-1] == (len(formats) + 1, len(formats) + 1)  # a product per format, then the other kernels
-    assert [done for done, _ in shown] == list(range(len(formats) + 2))
+    # a product per format, the other kernels of the op-by-op forward (prompts), the decode plan's (a step)
+    assert shown[-1] == (len(formats) + 2, len(formats) + 2)
+    assert [done for done, _ in shown] == list(range(len(formats) + 3))
     labels = {p.name for p in tmp_path.rglob("*") if p.is_file()}
     assert any("forward_llama" in label for label in labels) and all(label.startswith("opencl:") for label in labels)
     shown.clear()
@@ -203,7 +204,37 @@ def test_a_decode_step_uploads_only_small_index_arrays_and_downloads_only_its_lo
     # (write, read) and the index of the logits row: seven copies of a few hundred bytes in all, each once per
     # step whatever the layer count, never a weight or an activation
     assert len(ups) <= 7 and sum(nbytes for _, nbytes, _ in ups) <= 1024, ups
+    if tiny.fused is not None:  # the decode plan (kernels/opencl/plan.py): all of that in one step buffer
+        assert len(ups) == 1, ups
     assert not [c for c in copies if c[0] == "device"]  # no device-side copies either (no storage growth here)
+
+
+def test_a_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit_for_bit():
+    # kernels/opencl/plan.py: 8 launches a layer, bound once (fused Q/K/V, RoPE with the KV write, the residual
+    # add with the next norm, gate/up with the activation), against the op-by-op forward of the same steps, on
+    # smollm2's Q4_1 and Q8_0 products; and a prompt after decode steps still agrees (its KV written by the plan)
+    _, e = engines("smollm2-135m-instruct")
+    model = e.model
+    plan = model.fused
+    assert plan is not None and plan.available
+
+    def steps(use_plan):
+        cache = model.new_cache(64)
+        out = [model.forward([1, 50, 300, 7, 9], cache)]
+        for _ in range(3):
+            plan._bypass = not use_plan
+            try:
+                out.append(model.forward([int(out[-1].argmax())], cache))
+            finally:
+                plan._bypass = False
+        out.append(model.forward([11, 12], cache, output_rows=np.arange(2)))  # a prompt chunk over the plan's KV
+        return np.concatenate(out)
+
+    before = plan.stats["steps"]
+    fused, op = steps(True), steps(False)
+    assert plan.stats["steps"] == before + 3
+    assert np.array_equal(bits(fused), bits(op))
+    assert len(plan.launches) == 3 + 8 * model.config.n_layers
 
 
 def test_a_model_larger_than_the_device_memory_is_refused_with_the_numbers(monkeypatch):

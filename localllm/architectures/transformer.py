@@ -302,7 +302,9 @@ class Transformer:
         def run():
             self.forward([0], self.new_pool(kv_type=kv_type).new_cache(4))
 
-        return [(f"whole forward {formats} {kv_type}", run)]  # one compile per set of formats
+        # one compile per set of formats; another backend's override (OpenCL's decode plan) compiles per device
+        where = "" if self.backend.name == "cpu" else f"{self.backend.name} "
+        return [(f"{where}whole forward {formats} {kv_type}", run)]
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""
