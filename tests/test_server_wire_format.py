@@ -38,6 +38,8 @@ OLLAMA_GENERATE = ["model", "created_at", "response", "thinking", "done", "done_
                    "eval_duration"]
 OLLAMA_CHAT = ["model", "created_at", "message", "done", "done_reason", "total_duration", "load_duration",
                "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration"]
+OLLAMA_TAG = ["name", "model", "modified_at", "size", "digest", "details"]
+OLLAMA_PS = ["name", "model", "size", "digest", "details", "expires_at", "size_vram", "context_length"]
 OLLAMA_SHOW = ["license", "modelfile", "parameters", "template", "system", "details", "messages", "model_info",
                "capabilities", "modified_at"]
 
@@ -179,6 +181,8 @@ def test_ollama_lines_are_what_gos_encoder_writes_for_ollamas_structs(coder):
     for path in ("/api/tags", "/api/ps", "/api/version"):
         r = coder.get(path)
         assert r.status_code == 200 and r.text == dumps_go(r.json()), path
+    assert keys(dumps_go(coder.get("/api/tags").json()["models"][0])) == OLLAMA_TAG
+    assert keys(dumps_go(coder.get("/api/ps").json()["models"][0])) == OLLAMA_PS
     # errors too
     r = coder.post("/api/generate", json={"model": CODER, "prompt": "x", "options": {"num_predict": "<many>"}})
     assert r.status_code == 400 and r.text == dumps_go(r.json()) and "\\u003c" in r.text

@@ -94,10 +94,14 @@ def ps(state: ServerState) -> list[dict]:
     out = []
     for m in state.registry.ps():
         entry = tag_entry(m.name, m.path)
-        entry.update({"size": m.size, "size_vram": 0, "expires_at": iso(m.expires_at()),
-                      "context_length": m.ctx})
-        out.append(entry)
+        out.append(ps_entry(entry, m.size, iso(m.expires_at()), m.ctx))
     return out
+
+
+def ps_entry(tag: dict, size: int, expires_at: str, ctx: int) -> dict:
+    """A loaded model as Ollama's ProcessModelResponse writes it (its fields' order; no modified_at)."""
+    return {"name": tag["name"], "model": tag["model"], "size": size, "digest": tag["digest"],
+            "details": tag["details"], "expires_at": expires_at, "size_vram": 0, "context_length": ctx}
 
 
 def model_cards(state: ServerState) -> list[dict]:

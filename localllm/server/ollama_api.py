@@ -71,8 +71,8 @@ async def ps(state: ServerState, request: Request):
 
         return ollama_response({"models": await off_loop(models_api.ps, state)})
     entry = _model_entry(state)
-    entry.update({"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0, "context_length": state.engine.ctx})
-    return ollama_response({"models": [entry]})
+    return ollama_response({"models": [models_api.ps_entry(entry, entry["size"], "2999-01-01T00:00:00Z",
+                                                           state.engine.ctx)]})
 
 
 async def show(state: ServerState, request: Request):
