@@ -13,6 +13,7 @@ import sys
 from localllm.chat_history import fit_messages
 from localllm.files import read_text_file
 from localllm.errors import LocalLLMError
+from localllm.loop_guard import CHAT_LOOP_PROTECTION, DRY_SEQUENCE_BREAKERS, NOTICE, RepeatGuard
 
 MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT) or path to a .gguf file"
 MIN_PERPLEXITY_CHUNK = 3  # a chunk scores tokens first+1 .. c-1 with first = c // 2: none below 3
@@ -57,6 +58,24 @@ def add_sampling_options(p) -> None:
                    "(default 0.05)")
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise repeats of the last 64 tokens "
                    "(default 1.0 = off)")
+    g.add_argument("--dry-multiplier", type=float, default=None, metavar="X",
+                   help="DRY (don't repeat yourself) penalty multiplier, llama.cpp's sampler; 0 = off (default: "
+                        f"{CHAT_LOOP_PROTECTION['dry_multiplier']} in a chat (`chat`, `run --chat`), else 0)")
+    g.add_argument("--dry-base", type=float, default=1.75, metavar="X",
+                   help="DRY: the penalty grows as base^(repeat length - allowed length) (default 1.75)")
+    g.add_argument("--dry-allowed-length", type=int, default=2, metavar="N",
+                   help="DRY: repeats this long are not penalized (default 2)")
+    g.add_argument("--dry-penalty-last-n", type=whole_number(-1), default=-1, metavar="N",
+                   help="DRY: look this many tokens back; -1 = the whole context, 0 = off (default -1)")
+    g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="TEXT",
+                   help="DRY: a repeat never reaches back past this text (repeatable; replaces the defaults "
+                        "\\n : \" *; 'none' for none)")
+    g.add_argument("--xtc-probability", type=float, default=0.0, metavar="P",
+                   help="XTC: chance per token of removing every top choice but the least likely (default 0 = off)")
+    g.add_argument("--xtc-threshold", type=float, default=0.1, metavar="P",
+                   help="XTC: top choices are those at least this likely (default 0.1)")
+    g.add_argument("--no-loop-guard", action="store_true",
+                   help="in a chat, do not stop an answer that repeats the same line or sentence over and over")
     g.add_argument("--seed", type=whole_number(0), default=None, help="random seed: same seed and settings, same text")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable; never printed)")
@@ -83,11 +102,33 @@ def generation_params(args):
     from localllm.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repeat_penalty=args.repeat_penalty, seed=args.seed)
+                              repeat_penalty=args.repeat_penalty, seed=args.seed, **loop_protection(args))
     max_tokens = None if args.max_tokens is not None and args.max_tokens < 0 else args.max_tokens
     return GenerationParams(max_tokens=max_tokens, stop=list(args.stop), sampling=sampling,
                             context_overflow=args.context_overflow, n_keep=args.keep,
                             speculation=speculation_params(args))
+
+
+def is_chat(args) -> bool:
+    return args.command == "chat" or bool(getattr(args, "chat", False))
+
+
+def loop_protection(args) -> dict:
+    """The DRY and XTC sampler settings: in a chat (`chat`, `run --chat`) DRY is on unless --dry-multiplier says
+    otherwise (CHAT_LOOP_PROTECTION, chosen by tools/measure_loops.py); a plain `run` keeps llama.cpp's defaults."""
+    mult = args.dry_multiplier
+    if mult is None:
+        mult = CHAT_LOOP_PROTECTION["dry_multiplier"] if is_chat(args) else 0.0
+    breakers = args.dry_sequence_breaker
+    if breakers is None:
+        breakers = DRY_SEQUENCE_BREAKERS
+    elif breakers == ["none"]:
+        breakers = ()
+    else:  # as llama.cpp's --dry-sequence-breaker, escapes like \n are read
+        breakers = tuple(b.encode("latin-1", "backslashreplace").decode("unicode_escape") for b in breakers)
+    return dict(dry_multiplier=mult, dry_base=args.dry_base, dry_allowed_length=args.dry_allowed_length,
+                dry_penalty_last_n=args.dry_penalty_last_n, dry_sequence_breakers=breakers,
+                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold)
 
 
 def add_speculation_options(p) -> None:
@@ -184,7 +225,9 @@ def cmd_run(args) -> int:
         if args.prompt_cache and not args.prompt_cache_ro:
             save_prompt_cache(engine, seq, args.prompt_cache, len(tokens))
         final = TokenEvent(None, "", finish_reason="length", timings=gen.timings)
-    for event in engine.generate(tokens, params, seq=seq) if final is None else ():
+    guard = RepeatGuard() if args.chat and not args.no_loop_guard else None
+    events = engine.generate(tokens, params, seq=seq) if final is None else iter(())
+    for event in events:
         if args.prompt_cache and final is None and not args.prompt_cache_ro:
             # As llama.cpp: the prompt's state is saved once it is evaluated (the first token just came out).
             save_prompt_cache(engine, seq, args.prompt_cache, len(tokens))
@@ -194,6 +237,11 @@ def cmd_run(args) -> int:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         final = event
+        if guard is not None and event.finish_reason is None and guard.feed(event.text):
+            events.close()
+            final.finish_reason = "loop"
+            print(f"\n[{NOTICE}]", file=sys.stderr)
+            break
     if args.prompt_cache_all and not args.prompt_cache_ro:
         save_prompt_cache(engine, seq, args.prompt_cache)  # the prompt and what was generated
     seq.close()
@@ -342,10 +390,16 @@ def chat_plain(args) -> int:
                 print(f"(the oldest {dropped} messages no longer fit the context: dropped)", file=sys.stderr)
                 messages[:] = kept
             prompt = engine.render_chat(messages)
-            for event in engine.generate(engine.tokenize_prompt(prompt, chat=True), params, seq=seq):
+            guard = None if args.no_loop_guard else RepeatGuard()
+            events = engine.generate(engine.tokenize_prompt(prompt, chat=True), params, seq=seq)
+            for event in events:
                 answer.append(event.text)
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+                if guard is not None and event.finish_reason is None and guard.feed(event.text):
+                    events.close()
+                    sys.stdout.write(f"\n[{NOTICE}]")
+                    break
         except KeyboardInterrupt:
             sys.stdout.write(" [stopped]")
         except LocalLLMError as e:

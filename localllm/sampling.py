@@ -16,10 +16,23 @@ implement the stages that have parameters here, in this order:
   2. penalties      over the last `repeat_last_n` accepted tokens (0 disables, < 0 = all of them), for each
                     token t seen c > 0 times: logit /= repeat_penalty if logit > 0 else logit *= repeat_penalty;
                     then logit -= c * frequency_penalty + presence_penalty
+  2b. DRY           ("don't repeat yourself", llama.cpp's `dry` sampler, off unless dry_multiplier > 0, dry_base >= 1
+                    and dry_penalty_last_n != 0), over the last `dry_penalty_last_n` accepted tokens (-1: all):
+                    rep_limit is the distance back to the newest sequence breaker (any token whose text contains
+                    one of `dry_sequence_breakers`, or a token whose text ends with a breaker's start followed by
+                    the tokens of the breaker's rest); nothing happens if rep_limit < dry_allowed_length. For each
+                    earlier position, the length of the longest suffix of the history that also ends there
+                    (capped at rep_limit); the token that followed such a match of length n >= dry_allowed_length
+                    would repeat it, and gets logit -= dry_multiplier * dry_base ** (n - dry_allowed_length), the
+                    exponent clamped so the penalty stays a finite float, n the longest such match; a token that is
+                    itself a single-token breaker is never penalized
   3. top-k          keep the k largest logits (k <= 0 disables)
   4. top-p          softmax over the candidates; keep the smallest prefix (by decreasing probability) whose
                     cumulative probability reaches p (p >= 1 disables)
   5. min-p          keep tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p) (0 disables)
+  5a. XTC           (off unless xtc_probability > 0 and xtc_threshold <= 0.5; llama.cpp's `xtc`): with probability
+                    xtc_probability (a draw from a generator of its own), if two or more candidates have softmax
+                    probability >= xtc_threshold, all of them but the least likely are removed
   5b. infill        (off unless `infill`; llama.cpp's `infill` sampler, which code-completion plugins ask for)
                     over the candidates' softmax: if 3 * p(end of generation) * n >= p(text), keep only the
                     end-of-generation tokens; else fold each token whose text is a prefix of another's into the
@@ -28,7 +41,7 @@ implement the stages that have parameters here, in this order:
   6. temperature    logits /= temperature
   7. dist           softmax over what is left, one draw from a numpy Generator (PCG64)
 
-Greedy (temperature <= 0): the argmax of the logits after stages 0-2 (mask, bias, penalties), ties broken by
+Greedy (temperature <= 0): the argmax of the logits after stages 0-2b (mask, bias, penalties, DRY), ties broken by
 the lowest token id. llama.cpp gets the same token by keeping only the max in its temperature stage.
 
 Reported log-probabilities (`SampledToken.logprob`, `.top_logprobs`) are the log-softmax over the whole
@@ -59,6 +72,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from localllm.errors import LocalLLMError, ModelFileError
+from localllm.loop_guard import DRY_SEQUENCE_BREAKERS
 
 __all__ = ["SamplingParams", "SampledToken", "Sampler", "top_k_ids"]
 
@@ -67,6 +81,10 @@ _SUBSAMPLE_MIN_VOCAB = 16384
 _SUBSAMPLE_MIN_SIZE = 4096
 # top-p without top-k: candidates tried before falling back to a full sort (llama.cpp uses 256)
 _TOP_P_FIRST_TRY = (256, 4096)
+# llama.cpp's bounds on DRY sequence breakers (llama_sampler_init_dry)
+_DRY_MAX_CHAR_LEN = 40
+_DRY_MAX_SEQ_LEN = 20
+_FLOAT_MAX_LOG = 88.7228391
 
 
 @dataclass
@@ -87,6 +105,23 @@ class SamplingParams:
     # wants logprobs (False: logprob is None; n_probs > 0 computes it anyway)
     logprob: bool = True
     infill: bool = False  # stage 5b (needs the vocabulary: Sampler(..., vocab=tokenizer))
+    # stage 2b, DRY (llama.cpp's names and defaults: off at multiplier 0); the breakers need Sampler(vocab=)
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole history (which the context bounds), 0: off
+    dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
+    # stage 5a, XTC (llama.cpp's names and defaults: off at probability 0)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+
+    @property
+    def dry_on(self) -> bool:
+        return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def xtc_on(self) -> bool:
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5
 
     @property
     def greedy(self) -> bool:
@@ -104,11 +139,12 @@ def _check_params(p: SamplingParams, vocab_size: int) -> None:
     def bad(msg: str) -> LocalLLMError:
         return LocalLLMError(f"invalid sampling parameter: {msg}")
 
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                 "dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold"):
         v = getattr(p, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise bad(f"{name} must be a finite number, got {v!r}")
-    for name in ("top_k", "repeat_last_n", "n_probs"):
+    for name in ("top_k", "repeat_last_n", "n_probs", "dry_allowed_length", "dry_penalty_last_n"):
         v = getattr(p, name)
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise bad(f"{name} must be an integer, got {v!r}")
@@ -118,6 +154,10 @@ def _check_params(p: SamplingParams, vocab_size: int) -> None:
         raise bad(f"min_p must be in [0, 1], got {p.min_p}")
     if p.repeat_penalty <= 0:
         raise bad(f"repeat_penalty must be > 0, got {p.repeat_penalty}")
+    if p.dry_penalty_last_n < -1:
+        raise bad(f"dry_penalty_last_n must be >= -1 (-1: the whole context, 0: off), got {p.dry_penalty_last_n}")
+    if isinstance(p.dry_sequence_breakers, str) or not all(isinstance(b, str) for b in p.dry_sequence_breakers):
+        raise bad("dry_sequence_breakers must be a list of strings")
     if p.n_probs < 0:
         raise bad(f"n_probs must be >= 0, got {p.n_probs}")
     if p.seed is not None and (not isinstance(p.seed, (int, np.integer)) or p.seed < 0):
@@ -218,6 +258,8 @@ class Sampler:
             params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
         self._history: deque[int] = deque(maxlen=last_n if last_n > 0 else None)
         self._counts: dict[int, int] = {}
+        self._dry = _DryStage(params, vocab) if params.dry_on else None
+        self._xtc_rng: np.random.Generator | None = None
         self._disallowed: np.ndarray | None = None
         # Stage 0b: this sequence's own matcher (a mask never depends on other sequences: batch invariance).
         self._grammar = grammar.matcher() if grammar is not None else None
@@ -235,6 +277,10 @@ class Sampler:
             seed = int(np.random.SeedSequence().entropy)  # fresh OS entropy, kept so a run can be replayed
         self.seed = int(seed)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        # XTC draws from a generator of its own (as llama.cpp's xtc sampler), so that turning it on does not
+        # change the draws of the final stage
+        self._xtc_rng = (np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 0x787463])))
+                         if self.params.xtc_on else None)
 
     def reset(self) -> None:
         """Forget the penalty history and restart the RNG (same seed if one was given, else fresh entropy) and
@@ -243,6 +289,8 @@ class Sampler:
             self._grammar.reset()
         self._history.clear()
         self._counts.clear()
+        if self._dry is not None:
+            self._dry.tokens.clear()
         self._reseed()
 
     def clone(self) -> "Sampler":
@@ -251,6 +299,10 @@ class Sampler:
         other._history = deque(self._history, maxlen=self._history.maxlen)
         other._counts = dict(self._counts)
         other._rng = copy.deepcopy(self._rng)
+        other._xtc_rng = copy.deepcopy(self._xtc_rng)
+        if self._dry is not None:
+            other._dry = copy.copy(self._dry)
+            other._dry.tokens = deque(self._dry.tokens, maxlen=self._dry.tokens.maxlen)
         if self._grammar is not None:
             other._grammar = self._grammar.clone()
         other._buf = np.empty_like(self._buf)
@@ -274,6 +326,8 @@ class Sampler:
         return self._grammar
 
     def _record(self, token_id: int) -> None:
+        if self._dry is not None:
+            self._dry.tokens.append(int(token_id))
         if self.params.repeat_last_n == 0:
             return
         token_id = int(token_id)
@@ -341,8 +395,25 @@ class Sampler:
         return m, m + math.log(float(e.sum(dtype=np.float64)))
 
     def _penalize(self, x: np.ndarray, original: np.ndarray) -> tuple[np.ndarray, dict[int, float]]:
-        """Stage 2, in a private buffer. Returns the penalized logits and the pre-penalty value of every
-        token it changed."""
+        """Stages 2 and 2b (penalties, DRY), in a private buffer. Returns the penalized logits and the
+        pre-penalty value of every token they changed."""
+        x, changed = self._repeat_penalties(x, original)
+        if self._dry is None:
+            return x, changed
+        ids, amounts = self._dry.penalties(self.vocab_size)
+        if ids.size == 0:
+            return x, changed
+        if x is original:
+            np.copyto(self._buf, x)
+            x = self._buf
+        before = x[ids]
+        for t, v in zip(ids.tolist(), before.tolist()):
+            changed.setdefault(t, v)
+        x[ids] = before - amounts
+        return x, changed
+
+    def _repeat_penalties(self, x: np.ndarray, original: np.ndarray) -> tuple[np.ndarray, dict[int, float]]:
+        """Stage 2."""
         if not self._penalties_on or not self._counts:
             return x, {}
         if x is original:  # never write into the caller's array
@@ -395,6 +466,36 @@ class Sampler:
                 ids, vals = ids[sel], vals[sel]
         return ids, vals, is_sorted
 
+    def _xtc(self, x: np.ndarray, ids, vals, is_sorted: bool):
+        """Stage 5a, XTC ("exclude top choices"), as llama.cpp's llama_sampler_xtc_apply: with probability
+        xtc_probability, of the candidates whose softmax probability is >= xtc_threshold, all but the least
+        likely are removed (nothing happens when fewer than two reach it)."""
+        p = self.params
+        if ids is None:
+            n = x.shape[0]
+        else:
+            n = ids.shape[0]
+        if n < 2:
+            return ids, vals, is_sorted
+        if float(self._xtc_rng.random()) > p.xtc_probability:
+            return ids, vals, is_sorted
+        orig = ids, vals, is_sorted
+        if ids is None:
+            ids = np.arange(n)
+            vals = x.astype(np.float64)
+        probs = np.exp(vals - vals.max())
+        probs /= probs.sum()
+        above = np.flatnonzero(probs >= p.xtc_threshold)
+        if above.shape[0] < 2:
+            return orig
+        # llama.cpp sorts by decreasing probability and keeps from the last one above the threshold on; ties
+        # by id keep it reproducible
+        order = np.lexsort((ids[above], -vals[above]))
+        drop = np.zeros(ids.shape[0], dtype=bool)
+        drop[above[order[:-1]]] = True
+        keep = ~drop
+        return ids[keep], vals[keep], is_sorted
+
     def _top_p_full(self, x: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray, bool]:
         """Top-p over the whole vocabulary. Like llama.cpp, first try the best few hundred tokens; if they do
         not reach p, sort the values (not the ids: a value sort is several times faster than an argsort) to
@@ -431,6 +532,8 @@ class Sampler:
         p = self.params
         if self._infill is not None:
             ids, vals, is_sorted = self._truncate(x)
+            if self._xtc_rng is not None and not p.greedy:
+                ids, vals, is_sorted = self._xtc(x, ids, vals, is_sorted)
             ids, vals = self._infill.apply(x, ids, vals, is_sorted)
             if p.greedy:  # llama.cpp's temperature stage keeps the max of what the infill stage left
                 i = int(np.argmax(vals))
@@ -439,7 +542,9 @@ class Sampler:
             return ids, np.exp(vals - vals.max())
         if p.greedy:
             return np.array([int(np.argmax(x))], dtype=np.int64), np.ones(1)
-        ids, vals, _ = self._truncate(x)
+        ids, vals, is_sorted = self._truncate(x)
+        if self._xtc_rng is not None:
+            ids, vals, is_sorted = self._xtc(x, ids, vals, is_sorted)
         if ids is None:  # no truncation: stay in float32 over the whole vocabulary
             w = self._ebuf
             np.subtract(x, np.float32(x.max()), out=w)
@@ -609,3 +714,135 @@ def _top_p_count(sorted_vals: np.ndarray, top_p: float) -> int:
     cum /= cum[-1]
     keep = int(np.searchsorted(cum, top_p, side="left")) + 1
     return min(max(keep, 1), sorted_vals.shape[0])
+
+
+class _DryStage:
+    """llama.cpp's DRY sampler (src/llama-sampling.cpp, llama_sampler_dry_apply; from koboldcpp): the state is
+    the last dry_penalty_last_n accepted tokens; `penalties` gives the logit decrements for the next draw."""
+
+    def __init__(self, params: SamplingParams, vocab):
+        self.multiplier = float(params.dry_multiplier)
+        self.base = float(params.dry_base)
+        self.allowed = int(params.dry_allowed_length)
+        last_n = int(params.dry_penalty_last_n)
+        self.tokens: deque[int] = deque(maxlen=None if last_n < 0 else last_n)
+        # max_exponent as llama.cpp computes it (an int: the float quotient truncated)
+        self.max_exponent = int(_FLOAT_MAX_LOG / math.log(self.base)) if self.base > 1.000001 else 0
+        # head token -> the tails (token tuples) that complete a breaker after it; () is a whole breaker
+        self.breakers: dict[int, list[tuple[int, ...]]] = (
+            dry_breakers(vocab, params.dry_sequence_breakers) if vocab is not None else {})
+        self.single = np.fromiter((h for h, tails in self.breakers.items() if () in tails), dtype=np.int64)
+
+    def rep_limit(self, toks: list[int]) -> int:
+        """Step 1: how far back a repeat may reach: to just after the newest breaker."""
+        n = len(toks)
+        last = n - 1
+        for i in range(n):
+            tails = self.breakers.get(toks[last - i])
+            if tails is None:
+                continue
+            longest = -1
+            for tail in tails:
+                k = len(tail)
+                if longest < k <= i and all(tail[o] == toks[last - i + o + 1] for o in range(k)):
+                    longest = k
+            if longest >= 0:
+                return i - longest
+        return n
+
+    def penalties(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, float32 amounts to subtract from their logits)."""
+        none = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
+        n = len(self.tokens)
+        if n <= self.allowed:
+            return none
+        toks = list(self.tokens)
+        limit = self.rep_limit(toks)
+        if limit < self.allowed:
+            return none
+        # Step 2: count[j] = min(length of the longest common suffix of toks[:j+1] and toks, limit), what
+        # llama.cpp's reversed Z-algorithm computes. Lengths past allowed + max_exponent give the same (clamped)
+        # penalty, so the search stops there.
+        cap = limit if self.max_exponent <= 0 else min(limit, max(self.allowed, 0) + self.max_exponent)
+        a = np.asarray(toks, dtype=np.int64)
+        last = n - 1
+        count = np.zeros(n, dtype=np.int64)
+        active = np.flatnonzero(a[:last] == a[last]) if cap > 0 else np.empty(0, dtype=np.int64)
+        d = 0
+        while active.size:
+            count[active] = d + 1
+            d += 1
+            if d >= cap:
+                break
+            active = active[active >= d]
+            active = active[a[active - d] == a[last - d]]
+        # Step 3: the token after each match of length >= allowed would extend it; keep the longest per token.
+        pos = np.flatnonzero(count[:last] >= self.allowed)
+        if pos.size == 0:
+            return none
+        nxt = a[pos + 1]
+        lens = count[pos]
+        order = np.lexsort((lens, nxt))
+        nxt, lens = nxt[order], lens[order]
+        last_of = np.flatnonzero(np.r_[nxt[1:] != nxt[:-1], True])
+        ids, lens = nxt[last_of], lens[last_of]
+        # Step 4: a single-token breaker is never penalized.
+        ok = (ids >= 0) & (ids < vocab_size)
+        if self.single.size:
+            ok &= ~np.isin(ids, self.single)
+        ids, lens = ids[ok], lens[ok]
+        exp = lens - self.allowed
+        if self.max_exponent > 0:
+            exp = np.minimum(exp, self.max_exponent)
+        amounts = (self.multiplier * np.power(self.base, exp.astype(np.float64))).astype(np.float32)
+        return ids, amounts
+
+
+def dry_breakers(vocab, breakers) -> dict[int, list[tuple[int, ...]]]:
+    """llama.cpp's processing of DRY sequence breakers (get_overlapping_token_sequences): every token whose text
+    contains a breaker is a whole breaker by itself; a token whose text ends with the start of a breaker is a
+    head, with the rest of the breaker tokenized (at most 20 tokens) as its tail. Breakers are cut to 40 bytes;
+    empty ones are skipped. Cached on the vocabulary (a pass over every token's text)."""
+    key = tuple(breakers)
+    cache = getattr(vocab, "_dry_breakers_cache", None)
+    if cache is None:
+        cache = {}
+        try:
+            vocab._dry_breakers_cache = cache
+        except AttributeError:
+            pass
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    pieces = getattr(vocab, "_dry_pieces", None)
+    if pieces is None:
+        pieces = [vocab.piece_bytes(t, True) for t in range(vocab.vocab_size)]
+        try:
+            vocab._dry_pieces = pieces
+        except AttributeError:
+            pass
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for b in key:
+        s = b.encode("utf-8")[:_DRY_MAX_CHAR_LEN]
+        if not s:
+            continue
+        first = s[:1]
+        for t, word in enumerate(pieces):
+            if s in word:
+                tails = out.setdefault(t, [])
+                if () not in tails:
+                    tails.append(())
+                continue
+            pos = word.find(first)
+            while pos != -1:
+                # the word's end, from pos, is a prefix of the breaker
+                rest = len(word) - pos
+                if rest < len(s) and word[pos:] == s[:rest]:
+                    tail = tuple(vocab.encode(s[rest:].decode("utf-8", errors="replace"), add_special=False,
+                                              parse_special=False)[:_DRY_MAX_SEQ_LEN])
+                    tails = out.setdefault(t, [])
+                    if tail not in tails:
+                        tails.append(tail)
+                pos = word.find(first, pos + 1)
+    cache[key] = out
+    return out

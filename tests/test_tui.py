@@ -17,6 +17,7 @@ from textual import events
 
 from localllm import catalog, paths
 from conftest import model_file
+from localllm.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.tui import conversations
 from localllm.tui.app import ChatApp, ChatInput, ChatMessage
 from localllm.tui.chat_session import load_engine
@@ -192,14 +193,15 @@ async def test_settings_are_saved_and_reach_the_generation(home):
         generations = []
         real_stream = app.session.stream
 
-        def spy(messages, system_prompt, params, stats):
+        def spy(messages, system_prompt, params, stats, **kw):
             generations.append(params)
-            return real_stream(messages, system_prompt, params, stats)
+            return real_stream(messages, system_prompt, params, stats, **kw)
 
         app.session.stream = spy
         await send(pilot, app, "Count from one to twenty.")
         await answered(pilot, app)
         assert generations[0].max_tokens == 6 and generations[0].sampling.seed == 42
+        assert generations[0].sampling.dry_multiplier == CHAT_LOOP_PROTECTION["dry_multiplier"] > 0  # loop protection
         stats = app.last_stats
         assert stats.generated == 6 and stats.finish_reason == "length" and not stats.context_full
 

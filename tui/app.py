@@ -315,7 +315,7 @@ class ChatApp(App):
         pieces = []
         error = None
         try:
-            for text in session.stream(messages, system_prompt, params, stats):
+            for text in session.stream(messages, system_prompt, params, stats, loop_guard=self.settings.loop_guard):
                 pieces.append(text)
                 self.post_message(TokenText(text))
         except LocalLLMError as e:

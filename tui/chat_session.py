@@ -16,6 +16,7 @@ from localllm.cache_reuse import DEFAULT_CACHE_REUSE
 from localllm.chat_history import fit_messages
 from localllm.engine import Engine, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError
+from localllm.loop_guard import NOTICE, RepeatGuard
 
 
 def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None,
@@ -46,6 +47,7 @@ class TurnStats:
     draft_n: int = 0  # speculative decoding: drafted tokens checked, and how many the model accepted
     draft_accepted: int = 0
     dropped: int = 0  # oldest messages left out of this turn's prompt to fit the context
+    looped: bool = False  # the loop guard stopped the answer (localllm.loop_guard)
 
     @property
     def context_full(self) -> bool:
@@ -61,6 +63,8 @@ class TurnStats:
 
     def outcome(self) -> str | None:
         """What the user should know about how the answer ended, if anything unusual happened."""
+        if self.looped:
+            return f"{NOTICE} Regenerate (Ctrl+R), or raise the DRY multiplier in Settings (F2)."
         if self.stopped:
             return "Stopped."
         if self.dropped:
@@ -111,7 +115,7 @@ class ChatSession:
         return self.engine.tokenize_prompt(self.engine.render_chat(kept), chat=True)
 
     def stream(self, messages: list[dict], system_prompt: str, params: GenerationParams,
-               stats: TurnStats) -> Iterator[str]:
+               stats: TurnStats, loop_guard: bool = True) -> Iterator[str]:
         """Text pieces of the next assistant message, filling `stats` as they come. Stops between two tokens
         once `self.cancel` is set; closing the generator then leaves the sequence holding what was generated."""
         self.cancel.clear()
@@ -120,6 +124,7 @@ class ChatSession:
         stats.dropped = self.dropped
         stats.context_size = self.engine.ctx
         stats.max_tokens = params.max_tokens
+        guard = RepeatGuard() if loop_guard else None
         t0 = time.perf_counter()
         events: Iterator[TokenEvent] = self.engine.generate(tokens, params, seq=self.seq)
         try:
@@ -135,6 +140,9 @@ class ChatSession:
                 stats.finish_reason = event.finish_reason
                 if event.text:
                     yield event.text
+                if guard is not None and event.finish_reason is None and guard.feed(event.text):
+                    stats.looped = stats.stopped = True
+                    return
                 if self.cancel.is_set() and event.finish_reason is None:
                     stats.stopped = True
                     return

@@ -67,6 +67,7 @@ SETTING_LABELS = {
     "top_k": ("Top-k", "0 = off"),
     "min_p": ("Min-p", "0 = off"),
     "repeat_penalty": ("Repeat penalty", "1 = off"),
+    "dry_multiplier": ("DRY multiplier", "loop protection; 0 = off"),
     "max_tokens": ("Max tokens", "per answer; -1 = no limit"),
     "ctx": ("Context size", "tokens; 0 = the model's (at most 4096); reloads the model"),
     "seed": ("Seed", "empty = random"),

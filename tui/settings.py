@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from localllm import paths
 from localllm.engine import GenerationParams
+from localllm.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.sampling import SamplingParams
 from localllm.speculative import SpeculationParams
 
@@ -31,6 +32,10 @@ class ChatSettings:
     top_k: int = 40
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    # loop protection (README, "Answers that end"): llama.cpp's DRY sampler, and a guard that stops an answer
+    # repeating the same line or sentence over and over
+    dry_multiplier: float = CHAT_LOOP_PROTECTION["dry_multiplier"]
+    loop_guard: bool = True
     max_tokens: int = 1024  # -1: until the model stops (or, without a context shift, the context is full)
     ctx: int = 0  # 0: the model's context length, at most 4096 (the engine's default)
     seed: int | None = None
@@ -44,7 +49,8 @@ class ChatSettings:
 
     def generation_params(self, can_shift: bool = True) -> GenerationParams:
         sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
+                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed,
+                                  dry_multiplier=self.dry_multiplier)
         overflow = self.context_overflow if can_shift else "stop"
         speculation = None if self.speculation == "off" else SpeculationParams(
             mode=self.speculation, draft_model=self.draft_model or None)
@@ -54,7 +60,7 @@ class ChatSettings:
 
     def validated(self) -> "ChatSettings":
         """These settings, or a ValueError naming the first value out of range."""
-        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty)
+        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty, self.dry_multiplier)
         checks = [
             (all(math.isfinite(v) for v in floats), "sampling values must be finite numbers"),
             (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
@@ -62,6 +68,7 @@ class ChatSettings:
             (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
             (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
             (self.repeat_penalty > 0, "repeat penalty must be > 0 (1 = off)"),
+            (0 <= self.dry_multiplier <= 100, "DRY multiplier must be in 0..100 (0 = off)"),
             (self.max_tokens == -1 or self.max_tokens > 0, "max tokens must be > 0, or -1 for no limit"),
             (self.ctx == 0 or 64 <= self.ctx <= MAX_CTX,
              f"context size must be in 64..{MAX_CTX} (0 = the model's default)"),
@@ -131,7 +138,10 @@ def _typed(s: ChatSettings) -> ChatSettings:
     for f in fields(ChatSettings):
         value = getattr(s, f.name)
         default = getattr(ChatSettings(), f.name)
-        if f.name == "seed":
+        if f.name == "loop_guard":
+            if not isinstance(value, bool):
+                raise TypeError(f.name)
+        elif f.name == "seed":
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f.name)
         elif isinstance(default, float):
@@ -140,7 +150,7 @@ def _typed(s: ChatSettings) -> ChatSettings:
         elif not isinstance(value, type(default)) or isinstance(value, bool):
             raise TypeError(f.name)
     return replace(s, temperature=float(s.temperature), top_p=float(s.top_p), min_p=float(s.min_p),
-                   repeat_penalty=float(s.repeat_penalty))
+                   repeat_penalty=float(s.repeat_penalty), dry_multiplier=float(s.dry_multiplier))
 
 
 def save(settings: ChatSettings) -> None:

@@ -384,6 +384,33 @@ def sampling_from(f: Fields, defaults: dict, vocab_size: int, names: dict | None
         frequency_penalty=f.get(n["frequency_penalty"], float, d["frequency_penalty"], lo=-100.0, hi=100.0),
         seed=f.get(n["seed"], int, None, lo=-(1 << 63), hi=(1 << 64) - 1),
         logprob=False,  # an API that reports logprobs turns it on for the requests that ask (sampling.py)
+        **dry_xtc_from(f, d),
+    )
+
+
+def dry_xtc_from(f: Fields, d: dict) -> dict:
+    """llama-server's DRY and XTC fields (the same names on its /completion and OpenAI routes, and here in Ollama's
+    options too): off unless asked for, as llama-server's defaults. A dry_base below 1 falls back to the default
+    (1.75), as llama-server does; dry_sequence_breakers must be a non-empty array of strings."""
+    from localllm.sampling import DRY_SEQUENCE_BREAKERS
+
+    base = f.get("dry_base", float, d.get("dry_base", 1.75), lo=-1e6, hi=1e6)
+    breakers = f.data.get("dry_sequence_breakers")
+    if breakers is None:
+        breakers = DRY_SEQUENCE_BREAKERS
+    elif (not isinstance(breakers, list) or not breakers or len(breakers) > 64
+          or not all(isinstance(b, str) for b in breakers)):
+        raise ApiError(400, "'dry_sequence_breakers' must be a non-empty array of strings (at most 64)",
+                       param="dry_sequence_breakers")
+    return dict(
+        dry_multiplier=f.get("dry_multiplier", float, d.get("dry_multiplier", 0.0), lo=-1e6, hi=1e6),
+        dry_base=base if base >= 1.0 else 1.75,
+        dry_allowed_length=f.get("dry_allowed_length", int, d.get("dry_allowed_length", 2), lo=-(1 << 20),
+                                 hi=1 << 20),
+        dry_penalty_last_n=f.get("dry_penalty_last_n", int, d.get("dry_penalty_last_n", -1), lo=-1, hi=1 << 20),
+        dry_sequence_breakers=tuple(breakers),
+        xtc_probability=f.get("xtc_probability", float, d.get("xtc_probability", 0.0), lo=-1e6, hi=1e6),
+        xtc_threshold=f.get("xtc_threshold", float, d.get("xtc_threshold", 0.1), lo=-1e6, hi=1e6),
     )
 
 

@@ -35,8 +35,8 @@ _SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "to
 def apply_samplers(f: Fields, sampling: SamplingParams) -> None:
     """`samplers`: the stages not listed are off (a missing temperature stage means no scaling, never greedy).
     Listed stages run in our chain's fixed order (sampling.py), which is llama.cpp's default order and the
-    order the plugins list them in. dry, xtc, typical-p, top-n-sigma and adaptive-p are accepted as no-ops:
-    their parameters are not supported and they do nothing at llama.cpp's defaults."""
+    order the plugins list them in. typical-p, top-n-sigma and adaptive-p are accepted as no-ops: their
+    parameters are not supported and they do nothing at llama.cpp's defaults."""
     raw = f.data.get("samplers")
     if raw is None:
         return
@@ -65,6 +65,10 @@ def apply_samplers(f: Fields, sampling: SamplingParams) -> None:
         sampling.temperature = 1.0
     if "penalties" not in names:
         sampling.repeat_penalty, sampling.presence_penalty, sampling.frequency_penalty = 1.0, 0.0, 0.0
+    if "dry" not in names:
+        sampling.dry_multiplier = 0.0
+    if "xtc" not in names:
+        sampling.xtc_probability = 0.0
     sampling.infill = "infill" in names
 
 
