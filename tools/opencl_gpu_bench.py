@@ -54,6 +54,49 @@ def copy_bandwidth(spec: str, mib: int = 1024, reps: int = 20) -> dict:
     return out
 
 
+def profiling_queues() -> None:
+    """Every Device opened from now on gets a queue with profiling on (for kernel_profile)."""
+    from localllm.kernels.opencl import device as cl_device
+
+    init = cl_device.Device.__init__
+
+    def with_profiling(self, *a, **kw):
+        init(self, *a, **kw)
+        self.queue = self.cl.CommandQueue(self.context, self.device,
+                                          properties=self.cl.command_queue_properties.PROFILING_ENABLE)
+
+    cl_device.Device.__init__ = with_profiling
+
+
+def kernel_profile(engine, tokens) -> dict:
+    """Per decode step through the plan: the kernels' own time, by kernel, and the time between one kernel's end
+    and the next one's start (launch gaps), from profiling events; medians over the steps."""
+    plan = engine.model.fused
+    seq = engine.new_sequence()
+    plan.events = []
+    try:
+        engine.evaluate(seq, tokens[:8])
+        plan.events.clear()
+        for tok in tokens[8:]:
+            engine.evaluate(seq, [tok])
+        steps = plan.events
+    finally:
+        plan.events = None
+        seq.close()
+    busy, gaps, span, by_name = [], [], [], {}
+    for step in steps:
+        t = [(name, e.profile.start * 1e-3, e.profile.end * 1e-3) for name, e in step]
+        busy.append(sum(end - start for _, start, end in t))
+        gaps.append(sum(max(0.0, t[i + 1][1] - t[i][2]) for i in range(len(t) - 1)))
+        span.append(t[-1][2] - t[0][1])
+        for name, start, end in t:
+            by_name.setdefault(name.split("_")[0], []).append(end - start)
+    n = len(steps)
+    return {"kernels_us": statistics.median(busy), "gaps_us": statistics.median(gaps), "span_us": statistics.median(span),
+            "launches": len(steps[0]) if steps else 0,
+            "by_kernel_us": {k: sum(v) / n for k, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+")
@@ -65,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--no-cpu", action="store_true")
     ap.add_argument("--no-op", action="store_true", help="skip the op-by-op host profile")
+    ap.add_argument("--kernels-only", action="store_true", help="only the plan's kernel-time profile per model")
     args = ap.parse_args(argv)
 
     import opencl_host_profile as hp
@@ -77,6 +121,18 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
     spec = args.device.partition(":")[2] or None
+    if args.kernels_only:
+        profiling_queues()
+        for name in args.models:
+            engine = Engine.load(name, ctx=1024, quiet=True, device=args.device, warm="first-token")
+            tokens = np.random.default_rng(0).integers(0, engine.model.config.vocab_size, 8 + args.tokens).tolist()
+            hp.wall(engine, tokens[:12])
+            r = {"model": Path(name).stem, "kernels": kernel_profile(engine, tokens)}
+            results["models"].append(r)
+            print(r["model"], json.dumps(r["kernels"]), flush=True)
+            save()
+            del engine
+        return 0
     results["copy"] = copy_bandwidth(spec)
     print("copy:", results["copy"], flush=True)
     save()

@@ -124,6 +124,7 @@ class DecodePlan:
         # host profile (tools/opencl_host_profile.py): when set, each step's launches wait on a user event until
         # the host has enqueued all of them, so the host's time is measured without the device's work beside it
         self.gate_steps = False
+        self.events = None  # a list: each step's (kernel name, event) pairs are kept there (opencl_gpu_bench.py)
         self.stats = {"steps": 0, "launches": 0, "host_s": 0.0, "bytes_up": 0, "bytes_down": 0}
 
     @staticmethod
@@ -426,8 +427,11 @@ class DecodePlan:
             gate = cl.UserEvent(self.dev.context)
             cl.enqueue_barrier(queue, wait_for=[gate])
         enqueue = cl.enqueue_nd_range_kernel
-        for k, g, l in self.launches:
-            enqueue(queue, k, g, l)
+        if self.events is not None:  # a kernel-time profile (a queue with profiling on): each launch's event
+            self.events.append([(k.function_name, enqueue(queue, k, g, l)) for k, g, l in self.launches])
+        else:
+            for k, g, l in self.launches:
+                enqueue(queue, k, g, l)
         cache.commit()
         out = np.empty((1, c.vocab_size), np.float32)
         st = self.stats
