@@ -59,16 +59,12 @@ async def version(state: ServerState, request: Request):
 
 async def tags(state: ServerState, request: Request):
     if state.registry is not None:  # the models this server serves that are in the store
-        from localllm.server import models_api
-
         return ollama_response({"models": await off_loop(models_api.tags, state)})
     return ollama_response({"models": [_model_entry(state)]})
 
 
 async def ps(state: ServerState, request: Request):
     if state.registry is not None:  # the models loaded now, and until when
-        from localllm.server import models_api
-
         return ollama_response({"models": await off_loop(models_api.ps, state)})
     entry = _model_entry(state)
     return ollama_response({"models": [models_api.ps_entry(entry, entry["size"], "2999-01-01T00:00:00Z",
