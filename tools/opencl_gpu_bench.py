@@ -127,9 +127,9 @@ def main(argv=None) -> int:
             engine = Engine.load(name, ctx=1024, quiet=True, device=args.device, warm="first-token")
             tokens = np.random.default_rng(0).integers(0, engine.model.config.vocab_size, 8 + args.tokens).tolist()
             hp.wall(engine, tokens[:12])
-            r = {"model": Path(name).stem, "kernels": kernel_profile(engine, tokens)}
+            r = {"model": Path(name).stem, "kernels": kernel_profile(engine, tokens), "tok_s": hp.wall(engine, tokens)}
             results["models"].append(r)
-            print(r["model"], json.dumps(r["kernels"]), flush=True)
+            print(r["model"], f"{r['tok_s']:.1f} tok/s", json.dumps(r["kernels"]), flush=True)
             save()
             del engine
         return 0

@@ -223,15 +223,6 @@ KERNELS(bf16, BF16)
 #define ROWS_NT 8  // x rows per work-item of the "rows" shape's matmul
 #endif
 
-// WORD_LOADS (formats.py sets it for the "lanes" shape's devices, GPUs): a chunk's 8-bit and 4-bit codes are read
-// as one or two 16-byte vloads of uints and split with shifts, not 16 or 32 byte loads (one memory instruction a
-// chunk where a GPU issued 16); the codes, and so every result, are the same bits either way.
-#ifdef LOCALLLM_WORD_LOADS
-#define WORD_LOADS 1
-#else
-#define WORD_LOADS 0
-#endif
-
 // The 32 codes of chunk c, u - OFF, into float q[32], in order. A macro, not a function: each format's
 // constants must specialise it (a generic out-of-line decoder with run-time L, H would branch per element).
 #define DECODE_CODES(L, H, OFF, c, q)                                                                           \
@@ -243,21 +234,7 @@ KERNELS(bf16, BF16)
         /* bytes holding elements j, j + 8, j + 16, j + 24 took 2.3 ms */                                      \
         global const uchar *lo8 = (global const uchar *)lo + (c) * (4 * L);                                    \
         uint u[32];                                                                                             \
-        if (L == 8 && WORD_LOADS) {                                                                             \
-            for (int w = 0; w < 8; w += 4) {                                                                    \
-                uint4 v4 = vload4(0, lo + (c) * 8 + w);                                                         \
-                uint wv[4] = {v4.s0, v4.s1, v4.s2, v4.s3};                                                      \
-                for (int k = 0; k < 16; k++) u[4 * w + k] = (wv[k >> 2] >> (8 * (k & 3))) & 0xFFu;             \
-            }                                                                                                   \
-        } else if (L == 4 && WORD_LOADS) {                                                                      \
-            uint4 v4 = vload4(0, lo + (c) * 4);                                                                 \
-            uint wv[4] = {v4.s0, v4.s1, v4.s2, v4.s3};                                                          \
-            for (int j = 0; j < 16; j++) {                                                                      \
-                uint v = (wv[j >> 2] >> (8 * (j & 3))) & 0xFFu;                                                 \
-                u[j] = v & 0xFu;                                                                                \
-                u[j + 16] = v >> 4;                                                                             \
-            }                                                                                                   \
-        } else if (L == 8) {                                                                                    \
+        if (L == 8) {                                                                                           \
             for (int j = 0; j < 32; j++) u[j] = lo8[j];                                                         \
         } else if (L == 4) {                                                                                    \
             for (int j = 0; j < 16; j++) {                                                                      \

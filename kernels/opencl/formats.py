@@ -297,8 +297,6 @@ def _build_options(dev: Device) -> tuple[str, ...]:
     opts = list(capability_options(dev))
     if dev.emulate_integer_dot:
         opts.append("-DLOCALLLM_INTEGER_DOT_EMULATED=1")
-    if shape_for(dev) == "lanes":
-        opts.append("-DLOCALLLM_WORD_LOADS=1")  # formats.cl DECODE_CODES: 16-byte loads of the codes (GPUs)
     if dev.info.platform == INTEL_CPU_PLATFORM and dev.info.type == "CPU":
         opts.append("-DLOCALLLM_FMA=1")  # formats.cl's MAC: see there
     if integer_dot(opts) and dev.device.single_fp_config & dev.cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:

@@ -49,7 +49,17 @@
 float row_scale(global const float *xr, uint d, float eps, local float *part) {
     uint lid = get_local_id(0);
     float acc = 0.0f;
-    for (uint i = lid; i < d; i += ROW_WG) acc = MAC(xr[i], xr[i], acc);
+    uint i = lid;
+    // four of the slice's values loaded before they are summed, in the same order: a GPU issues the four loads
+    // together instead of waiting out each one's latency (a 1536-wide row: 24 loads in a row took 19 us)
+    for (; i + 3 * ROW_WG < d; i += 4 * ROW_WG) {
+        float a0 = xr[i], a1 = xr[i + ROW_WG], a2 = xr[i + 2 * ROW_WG], a3 = xr[i + 3 * ROW_WG];
+        acc = MAC(a0, a0, acc);
+        acc = MAC(a1, a1, acc);
+        acc = MAC(a2, a2, acc);
+        acc = MAC(a3, a3, acc);
+    }
+    for (; i < d; i += ROW_WG) acc = MAC(xr[i], xr[i], acc);
 #ifdef LOCALLLM_SUBGROUPS_INTEL
     float sg = sub_group_reduce_add(acc);
     if (get_sub_group_local_id() == 0) part[lid / 16] = sg;
@@ -69,6 +79,19 @@ float row_scale(global const float *xr, uint d, float eps, local float *part) {
     return 1.0f / sqrt(total / (float)d + eps);
 }
 
+// o[i] = (xr[i] * scale) * w[i] over the work-item's slice, four elements' loads before their stores
+#define STORE_NORMED(o, xr, w, scale, d)                                                                        \
+    for (uint i0 = get_local_id(0); i0 < (d); i0 += 4 * ROW_WG) {                                               \
+        float v_[4], w_[4];                                                                                     \
+        for (int u = 0; u < 4; u++) {                                                                           \
+            uint i = i0 + u * ROW_WG;                                                                           \
+            v_[u] = i < (d) ? (xr)[i] : 0.0f;                                                                   \
+            w_[u] = i < (d) ? (w)[i] : 0.0f;                                                                    \
+        }                                                                                                       \
+        for (int u = 0; u < 4; u++)                                                                             \
+            if (i0 + u * ROW_WG < (d)) (o)[i0 + u * ROW_WG] = (v_[u] * (scale)) * w_[u];                         \
+    }
+
 // rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
 // The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
 kernel SG_ATTR void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
@@ -77,7 +100,7 @@ kernel SG_ATTR void rms_norm(global const float *x, global const float *w, globa
     global const float *xr = x + (ulong)r * d;
     float scale = row_scale(xr, d, eps, part);
     global float *o = out + (ulong)r * d;
-    for (uint i = lid; i < d; i += ROW_WG) o[i] = (xr[i] * scale) * w[i];
+    STORE_NORMED(o, xr, w, scale, d)
 }
 
 // add_rms(x, dlt, pw, w, h, d, eps, flags, s): the residual stream's step between two products, one work-group
@@ -94,15 +117,26 @@ kernel SG_ATTR void add_rms(global float *x, global const float *dlt, global con
     global float *xr = x + (ulong)r * d;
     global const float *dr = dlt + (ulong)r * d;
     float post = (flags & ADD_POST_NORM) ? row_scale(dr, d, eps, part) : 0.0f;
-    for (uint i = lid; i < d; i += ROW_WG) {
-        float v = xr[i];
-        if (flags & ADD_SCALE) v = v * s;
-        if (flags & ADD_DELTA) v = v + ((flags & ADD_POST_NORM) ? (dr[i] * post) * pw[i] : dr[i]);
-        xr[i] = v;
+    // four elements at a time, every load before any store (they may alias as far as the compiler knows)
+    for (uint i0 = lid; i0 < d; i0 += 4 * ROW_WG) {
+        float v[4], a[4], p[4];
+        for (int u = 0; u < 4; u++) {
+            uint i = i0 + u * ROW_WG;
+            v[u] = i < d ? xr[i] : 0.0f;
+            a[u] = i < d && (flags & ADD_DELTA) ? dr[i] : 0.0f;
+            p[u] = i < d && (flags & ADD_POST_NORM) ? pw[i] : 0.0f;
+        }
+        for (int u = 0; u < 4; u++) {
+            uint i = i0 + u * ROW_WG;
+            float x1 = v[u];
+            if (flags & ADD_SCALE) x1 = x1 * s;
+            if (flags & ADD_DELTA) x1 = x1 + ((flags & ADD_POST_NORM) ? (a[u] * post) * p[u] : a[u]);
+            if (i < d) xr[i] = x1;
+        }
     }
     float scale = row_scale(xr, d, eps, part);
     global float *o = h + (ulong)r * d;
-    for (uint i = lid; i < d; i += ROW_WG) o[i] = (xr[i] * scale) * w[i];
+    STORE_NORMED(o, xr, w, scale, d)
 }
 
 // rope(x, cos, sin, heads, head_dim, rope_dim, neox): rotate x (n, heads, head_dim) in place by the angles of
