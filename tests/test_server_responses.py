@@ -145,6 +145,9 @@ def test_fields_it_cannot_honour_are_accepted_and_ignored(http):
     r = http.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["metadata"] == {"a": "b"} and r.json()["tools"] == []
+    # tools of other types are left out of the prompt: the same prompt as without them
+    plain = http.post("/v1/responses", json={"model": CODER, "input": "Hi", "max_output_tokens": 4})
+    assert r.json()["usage"]["input_tokens"] == plain.json()["usage"]["input_tokens"]
     r = http.post("/v1/responses", json={"model": CODER, "input": [{"type": "message", "role": "critic",
                                                                     "content": "x"}]})
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]

@@ -139,8 +139,11 @@ def _tools(value) -> tuple[list[dict], list[dict]]:
 
 
 def _tool_choice(value, tools: list[dict]):
+    """The chat route's tool_choice; None when no function tool is offered (other tool types are left out)."""
+    if not tools:
+        return None
     if value is None or value in ("auto", "none", "required"):
-        return value if tools or value != "required" else None
+        return value
     if isinstance(value, dict) and value.get("type") == "function":
         name = value.get("name") or (value.get("function") or {}).get("name")
         return {"type": "function", "function": {"name": name}}
