@@ -54,7 +54,11 @@ class AuthMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.OPEN and scope.get("method") != "OPTIONS":
-            if not self.authorized(dict(scope.get("headers") or [])):
+            headers = dict(scope.get("headers") or [])
+            # the chat page and its files hold no secret: a browser gets them, and the page sends the key typed in
+            page = scope["path"].startswith("/ui/") or (scope["path"] == "/" and b"text/html" in
+                                                          headers.get(b"accept", b""))
+            if not page and not self.authorized(headers):
                 response = error_response(flavor_of(scope["path"]), 401, "invalid or missing API key "
                                           "(send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                           headers={"WWW-Authenticate": "Bearer"})
@@ -274,7 +278,11 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
                host: str = "127.0.0.1") -> Starlette:
     """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
     call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
-    routes = []
+    from localllm.server import webui
+
+    # The chat page first: `/` is the page for a browser and Ollama's "is running" for its clients (webui.py)
+    routes = [Route("/", webui.root(endpoint(state, ollama_api.root, "/")), methods=["GET", "HEAD"]),
+              Route(webui.PREFIX + "{name}", webui.asset, methods=["GET", "HEAD"])]
     for module in (anthropic_api, openai_api, responses_api, llamacpp_api, ollama_api, embeddings_api, models_api,
                    ollama_pull):
         for path, methods, fn in module.ROUTES:
