@@ -1,7 +1,8 @@
 """The chat TUI (`tui/`), driven through Textual's Pilot on the real smollm2 model (and gemma3 for a model
 switch); snapshots of its main screens use a stand-in engine so they are deterministic.
 
-Settings and conversations go to a temporary LOCALLLM_HOME whose `models` links to the real model store.
+Settings and conversations go to a temporary LOCALLLM_HOME whose `models` links to the catalog's test models in the
+real store (and nothing else the user downloaded).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from textual import events
 
 from localllm import catalog, paths
-from conftest import model_file
+from conftest import CATALOG_MODELS, model_file
 from localllm.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.tui import conversations
 from localllm.tui.app import ChatApp, ChatInput, ChatMessage
@@ -46,9 +47,17 @@ def shared_engine(name, ctx, on_compile, kv_type="f32", device="cpu"):
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
+    """A store of its own holding links to the catalog's test models only: the model picker lists what the store
+    holds, and a user's other downloads must not change what these tests see (issue 41 item 4)."""
     for name in (SMOLLM, GEMMA):
         model_file(name)
-    (tmp_path / "models").symlink_to(paths.models_dir(), target_is_directory=True)
+    models = tmp_path / "models"
+    models.mkdir()
+    real = paths.models_dir()
+    for name in CATALOG_MODELS:
+        for file in (f"{name}.gguf", f".{name}.gguf.verified.json"):
+            if (real / file).exists():
+                (models / file).symlink_to(real / file)
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
     return tmp_path
 
