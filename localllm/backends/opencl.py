@@ -5,7 +5,9 @@ What crosses to the device per forward: the token ids, the positions, the RoPE r
 layer group the KV storage columns of the new tokens and of the keys attention reads (the block table spelled
 out; small ints, uploaded once per group, not per layer); what comes back: only the logits rows asked for
 (`to_host`). Weights are uploaded once, the quantized ones re-laid for the device's kernels
-(kernels/opencl/formats.py `relayout`: aligned quants, float32 scales), the float ones as stored.
+(kernels/opencl/formats.py `relayout`: aligned quants, float32 scales), the float ones as stored. A decode step
+of one sequence runs instead from a prepared launch list (`whole_forward`, kernels/opencl/plan.py): one upload of
+a small step buffer (token, position, RoPE row, KV columns and block tables) and the logits' download a token.
 
 KV storage is the pool's blocks in device arrays (n_kv, columns, dim), float32; the pool's bookkeeping (block
 tables, prefix names, LRU) stays on the host as integers, so prefix reuse, speculative rollback and sliding
