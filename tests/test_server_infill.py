@@ -22,7 +22,7 @@ def stand_in_engine(name: str, ctx: int = 4096):
     return SimpleNamespace(tokenizer=Tokenizer.from_file(model_file(name)), ctx=ctx, name=name)
 
 
-def test_infill_layout_is_llamacpps_repo_level_pattern():
+def test_infill_layout_is_llamacpps_repo_level_pattern_with_the_typed_line_after_the_middle_token():
     engine = stand_in_engine(CODER)
     tok = engine.tokenizer
     fim = tok.fim
@@ -32,6 +32,13 @@ def test_infill_layout_is_llamacpps_repo_level_pattern():
     text = tok.decode(ids)
     assert text == ("<|repo_name|>myproject\n<|file_sep|>a.py\nX = 1\n<|file_sep|>filename\n"
                     "<|fim_prefix|>def f():\n    <|fim_suffix|>\nprint(f())\n<|fim_middle|>")
+    # The text typed so far on the cursor's line starts the middle: a keystroke only extends the prompt's end.
+    typed = infill_tokens(engine, "def f():\n", "\nprint(f())\n", "    ret", n_predict=32)
+    assert tok.decode(typed) == ("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>def f():\n"
+                                 "<|fim_suffix|>\nprint(f())\n<|fim_middle|>    ret")
+    more = infill_tokens(engine, "def f():\n", "\nprint(f())\n", "    retu", n_predict=32)
+    first_change = next((i for i, (a, b) in enumerate(zip(typed, more)) if a != b), len(typed))
+    assert first_change > typed.index(fim["mid"])
     # The prefix keeps its end and the suffix its start when they do not fit (3:1 of the batch).
     small = stand_in_engine(CODER, ctx=64)
     ids = infill_tokens(small, "x = 1\n" * 100, "y = 2\n" * 100)
