@@ -38,3 +38,23 @@ def test_the_measurements_loop_definition():
     assert not looped("A day to dream\n" * 2, "stop")
     assert looped("Waves crash on rocks.\n" * 2, "length")
     assert max_repeats("") == 0
+
+
+def test_run_chat_stops_a_real_loop_with_a_notice():
+    """gemma3-270m is a base model: asked in a chat template, greedy, without DRY, it writes the question back line
+    after line; `run --chat` stops it at the 4th time and says so."""
+    import subprocess
+    import sys
+
+    from conftest import model_file
+
+    model_file("gemma3-270m")
+    out = subprocess.run([sys.executable, "-m", "localllm", "run", "gemma3-270m", "--chat", "Write a haiku about the sea.",
+                          "--temp", "0", "-n", "150", "--dry-multiplier", "0", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    answer = json.loads(out.stdout)
+    assert "loop guard" in out.stderr and answer["timings"]["predicted_n"] < 150
+    assert max_repeats(answer["text"]) == 4
