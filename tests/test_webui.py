@@ -141,6 +141,12 @@ def test_chat_in_a_real_browser(server, tmp_path):
             assert '<strong>bold</strong>' in html and '<span class="tok-kw">def</span>' in html
             assert '<span class="tok-com"># one</span>' in html and "<img" not in html and "&lt;img" in html
 
+            # the page's loop guard: a line of prose the 4th time (the line being written does not count yet)
+            assert page.evaluate("repeatedLine('A day to dream\\n'.repeat(4))")
+            assert not page.evaluate("repeatedLine('A day to dream\\n'.repeat(3) + 'A day to dream')")
+            assert not page.evaluate("repeatedLine('```\\n' + 'print(\\'hello world\\')\\n'.repeat(5))")
+            assert page.evaluate("repeatedLine('```\\n' + 'print(\\'hello world\\')\\n'.repeat(8))")
+
             # the conversation is kept in the browser's storage across a reload; the theme toggles
             page.reload()
             page.wait_for_selector(".msg.user", timeout=10000)

@@ -96,6 +96,24 @@ function markdown(src) {
   return html.join("");
 }
 
+// ---- loop guard (localllm/loop_guard.py's rule, lines only: a line of prose the 4th time ends the answer) ----
+
+function repeatedLine(text) {
+  const counts = new Map();
+  let code = false;
+  const lines = text.split("\n");
+  lines.pop();  // the line still being written
+  for (const raw of lines) {
+    if (/^\s*```/.test(raw)) { code = !code; continue; }
+    const key = raw.replace(/^\s*(?:[-*+>#]+|\d+[.)])\s+/, "").replace(/\s+/g, " ").trim().toLowerCase();
+    if (key.split(" ").length < (code ? 1 : 3) || (key.match(/[\p{L}\p{N}]/gu) || []).length < 8) continue;
+    const n = (counts.get(key) || 0) + 1;
+    counts.set(key, n);
+    if (n >= (code ? 8 : 4)) return true;
+  }
+  return false;
+}
+
 // ---- state -------------------------------------------------------------------------------------------
 
 const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "dry_multiplier", "max_tokens", "seed", "api_key"];
@@ -197,7 +215,7 @@ async function answer() {
   controller = new AbortController();
   $("send").hidden = true; $("stop").hidden = false; $("regenerate").hidden = true;
   setStatus("Thinking\u2026");
-  let pending = false, tokens = 0;
+  let pending = false, tokens = 0, looped = false;
   const t0 = performance.now();
   let tFirst = null;
   const paint = () => {
@@ -236,6 +254,11 @@ async function answer() {
           tokens++;
           reply.content += text;
           if (!pending) { pending = true; requestAnimationFrame(paint); }
+          if (text.includes("\n") && repeatedLine(reply.content)) {
+            reply.note = "Stopped: the answer kept repeating the same line (loop guard). Regenerate, or raise the DRY multiplier in Settings.";
+            looped = true;
+            controller.abort();
+          }
         }
         if (choice.finish_reason === "length") reply.note = "Reached max tokens: raise it in Settings, or regenerate.";
       }
@@ -243,7 +266,7 @@ async function answer() {
     const secs = (performance.now() - (tFirst || t0)) / 1000;
     setStatus(tFirst ? `first token ${((tFirst - t0) / 1000).toFixed(2)} s \u00b7 ${(tokens / Math.max(secs, 1e-3)).toFixed(1)} chunks/s` : "");
   } catch (e) {
-    if (e.name === "AbortError") { reply.note = "Stopped."; setStatus("Stopped."); }
+    if (e.name === "AbortError") { if (!looped) reply.note = "Stopped."; setStatus(looped ? "Loop guard" : "Stopped."); }
     else { reply.note = "Error: " + e.message; setStatus(e.message, true); }
   } finally {
     controller = null;
