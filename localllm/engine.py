@@ -152,6 +152,15 @@ class Sequence:
         self.tokens[:] = tokens[:common]
         return common
 
+    def block_list(self, gi: int) -> np.ndarray:
+        """The blocks this sequence holds in layer group gi (kept once computed: for finished sequences only)."""
+        cached = getattr(self, "_blocks", None)
+        if cached is None or cached[0] != self.cache.length:
+            cached = (self.cache.length, [np.asarray([b for b in t if b is not None], np.int64)
+                                          for t in self.cache.tables])
+            self._blocks = cached
+        return cached[1][gi]
+
     def fork(self) -> "Sequence":
         """A read-only twin holding the same KV blocks (refcounts, no copy): this sequence's history kept as a
         donor of chunks (`Engine.cache_reuse`) while this one is rewritten."""
@@ -270,6 +279,19 @@ class Engine:
         self.retained.append(seq)
         while len(self.retained) > self.retained_max:
             self.retained.pop(0).close()
+
+    def retained_only_blocks(self) -> int:
+        """KV blocks that only retained sequences hold (no live sequence does): what cache reuse keeps."""
+        if not self.retained:
+            return 0
+        total = 0
+        for gi, g in enumerate(self.kv_pool.groups):
+            # A retained sequence's tables never change (it is finished; a donor is read through a fork), so its
+            # blocks are listed once: the server publishes this after every step (~20 us, not ~0.5 ms).
+            held = np.concatenate([seq.block_list(gi) for seq in self.retained])
+            counts = np.bincount(held, minlength=len(g.refs))
+            total += int(((counts > 0) & (g.refs == counts)).sum())
+        return total
 
     def drop_retained(self) -> None:
         while self.retained:

@@ -54,6 +54,7 @@ class Metrics:
         self.live_sequences = 0
         self.kv_blocks_held = 0
         self.kv_blocks_idle = 0
+        self.kv_blocks_retained = 0
         self.kv_bytes = 0
         self.kv_budget_bytes = 0
         self.draft_tokens = 0  # speculative decoding (serve --spec): tokens drafted, accepted, verify forwards
@@ -78,6 +79,8 @@ class Metrics:
             ("sequences_live", "gauge", "Sequences holding KV cache blocks for a request.", self.live_sequences),
             ("kv_cache_blocks_held", "gauge", "KV blocks held by live sequences.", self.kv_blocks_held),
             ("kv_cache_blocks_idle", "gauge", "KV blocks kept cached for prefix reuse.", self.kv_blocks_idle),
+            ("kv_cache_blocks_retained", "gauge", "KV blocks of finished requests kept whole for chunk reuse "
+             "(--cache-reuse), held by no live sequence.", self.kv_blocks_retained),
             ("kv_cache_bytes", "gauge", "Bytes of KV cache storage allocated.", self.kv_bytes),
             ("kv_cache_budget_bytes", "gauge", "Storage the idle cached blocks may grow to.", self.kv_budget_bytes),
             ("draft_tokens_total", "counter", "Speculative tokens drafted and verified.", self.draft_tokens),

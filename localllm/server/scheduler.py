@@ -267,8 +267,10 @@ class Scheduler:
         m.active = len(self._running)
         m.queued = len(self._waiting) + len(self._inbox)
         m.live_sequences = self.live_sequences
-        m.kv_blocks_held = pool.blocks_held()
+        retained = self.engine.retained_only_blocks()
+        m.kv_blocks_held = pool.blocks_held() - retained
         m.kv_blocks_idle = pool.blocks_idle()
+        m.kv_blocks_retained = retained
         m.kv_bytes = pool.nbytes
         m.kv_budget_bytes = pool.budget_bytes
 
