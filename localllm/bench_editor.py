@@ -123,11 +123,16 @@ def session_files(edit: str | None) -> tuple[Path, list[Path]]:
 
 
 def run(url: str, edit: str | None = None, n_lines: int = 3, keystrokes: int = 8, api_key: str | None = None,
-        seed: int = 0, ring_chunks: int = RING_N_CHUNKS, ring_moves: bool = True) -> dict:
+        seed: int = 0, ring_chunks: int = RING_N_CHUNKS, ring_moves: bool = True,
+        temperature: float | None = None) -> dict:
     import httpx
 
     edit_path, others = session_files(edit)
     warmups, steps = exchange(edit_path, others, n_lines, keystrokes, seed, ring_chunks, ring_moves)
+    if temperature is not None:  # llama.vim sends none (the server's default); 0: answers two servers can compare
+        for body, moved in steps:
+            if moved is not None:
+                body["temperature"] = temperature
     keys = [body for body, moved in steps if moved is not None]
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -211,6 +216,6 @@ def main(args) -> int:
     if args.lines < 1 or args.keystrokes < 1 or args.ring_chunks < 0:
         raise LocalLLMError("--lines and --keystrokes must be at least 1, --ring-chunks at least 0")
     res = run(args.url, args.file, args.lines, args.keystrokes, args.api_key, ring_chunks=args.ring_chunks,
-              ring_moves=not args.no_ring_moves)
+              ring_moves=not args.no_ring_moves, temperature=args.temperature)
     print(json.dumps(res) if args.json else format_report(res))
     return 0 if res["keystrokes"] and not res["failed"] else 1

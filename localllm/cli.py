@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ring-moves", action="store_true",
                    help="llama-vim: keep the ring as it is between lines (default: it moves, one chunk out and one "
                         "in, with its warm-up request, when the cursor goes to the next line)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="llama-vim: send this temperature with each keystroke (default: none, as llama.vim; 0 makes "
+                        "the suggestions of two runs comparable)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=cmd_bench_serve)
 
