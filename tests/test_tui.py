@@ -330,9 +330,18 @@ async def test_first_run_offers_to_pull_the_default_model(tmp_path, monkeypatch)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         assert isinstance(app.screen, ConfirmPull)
-        assert "smollm2-135m-instruct" in str(app.screen.query_one("Static").render())
+        offer = str(app.screen.query_one("Static").render())
+        assert "smollm2-135m-instruct" in offer
+        # a short list to choose from, not a silent decision (issue 41 item 1)
+        assert "qwen2.5-coder-0.5b-instruct" in offer and "qwen2.5-coder-1.5b-instruct" in offer
         await pilot.press("escape")
         assert app.session is None and "F3" in str(app.query_one("#stats").render())
+    app = ChatApp(None, loader=shared_engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        await pilot.click("#choose")
+        await pilot.pause()
+        assert isinstance(app.screen, ModelPicker)
 
 
 @pytest.mark.anyio

@@ -25,6 +25,31 @@ from localllm.tui.conversations import Conversation, ConversationError
 from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen, human_size
 from localllm.tui.settings import ChatSettings
 
+# The first run's short list (issue 41 item 1): the catalog's chat models, what each is good for, and their speed
+# as measured on a busy 2-core dev machine (tools/measure_loops.py: generated tokens / seconds, prompts included, over
+# the 20 everyday prompts; README "Answers that end"). The default comes first.
+FIRST_RUN = {
+    "qwen2.5-coder-1.5b-instruct": "the default: the best answers, code above all; no loop in 40 answers",
+    "qwen2.5-coder-0.5b-instruct": "faster; fair plain answers and code; 1 loop in 20",
+    "smollm2-135m-instruct": "tiny; shallow answers, and loops (7 in 60; 2 with DRY)",
+}
+FIRST_RUN_SPEED = {"qwen2.5-coder-1.5b-instruct": "4-6 tokens/s", "qwen2.5-coder-0.5b-instruct": "22 tokens/s",
+                   "smollm2-135m-instruct": "18-20 tokens/s"}
+
+
+def first_run_choices() -> str:
+    """What the first run says when nothing is downloaded: the short list to choose from."""
+    entries = catalog.entries()
+    lines = ["No model is downloaded yet. The catalog's chat models (speed on a busy 2-core machine):", ""]
+    for name, about in FIRST_RUN.items():
+        if name in entries:
+            speed = FIRST_RUN_SPEED.get(name)
+            lines.append(f"  {name}  {human_size(entries[name].size)}{f', {speed}' if speed else ''}: {about}")
+    lines += ["", "Gemma 3 270M is a base model (it continues text; it does not chat). F3 lists them all, and "
+              "pulls any GGUF from the hub."]
+    return "\n".join(lines)
+
+
 CSS = """
 #topbar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
 #messages { height: 1fr; padding: 0 1; }
@@ -184,7 +209,7 @@ class ChatApp(App):
             local = [m.name for m in store.local_models()] + [m.name for m in hub.hub_models()]
             default = catalog.default_entry().name
             if not local:
-                self.offer_pull(default, "No model is downloaded yet.")
+                self.offer_pull(default, first_run_choices(), choose=True)
                 return
             self.model_name = default if default in local else local[0]
         try:
@@ -197,16 +222,19 @@ class ChatApp(App):
             return
         self.load_model(self.model_name)
 
-    def offer_pull(self, name: str, why: str) -> None:
+    def offer_pull(self, name: str, why: str, choose: bool = False) -> None:
         size = human_size(catalog.find(name).size)
 
-        def answered(yes: bool | None) -> None:
-            if yes:
+        def answered(yes: bool | str | None) -> None:
+            if yes == "choose":
+                self.push_screen(ModelPicker(None), self.model_chosen)
+            elif yes:
                 self.push_screen(ModelPicker(None, pull_now=name), self.model_chosen)
             else:
                 self.show_status("No model loaded: F3 picks or pulls one.")
 
-        self.push_screen(ConfirmPull(f"{why}\n\nPull {name} ({size}) now? You can cancel the download."), answered)
+        self.push_screen(ConfirmPull(f"{why}\n\nPull {name} ({size}) now? You can cancel the download.", choose),
+                         answered)
 
     def update_topbar(self) -> None:
         model = self.session.engine.name if self.session else (self.model_name or "no model")

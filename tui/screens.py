@@ -409,20 +409,28 @@ class ConfirmPull(ModalScreen[bool]):
 
     BINDINGS = [Binding("escape", "no", "Not now")]
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, choose: bool = False):
+        """`choose`: a third button, "Choose another", whose answer is "choose" (the model picker)."""
         super().__init__()
         self.message = message
+        self.choose = choose
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="confirm"):
             yield Static(self.message)
             with Horizontal(classes="buttons"):
                 yield Button("Pull it", variant="primary", id="yes", compact=True)
+                if self.choose:
+                    yield Button("Choose another", id="choose", compact=True)
                 yield Button("Not now (Esc)", id="no", compact=True)
 
     @on(Button.Pressed, "#yes")
     def yes(self) -> None:
         self.dismiss(True)
+
+    @on(Button.Pressed, "#choose")
+    def choose_another(self) -> None:
+        self.dismiss("choose")
 
     @on(Button.Pressed, "#no")
     def action_no(self) -> None:
