@@ -333,6 +333,10 @@ def chat_settings_overrides(args, saved):
         changes["ctx"] = args.ctx
     if args.seed is not None:
         changes["seed"] = args.seed
+    if args.dry_multiplier is not None:
+        changes["dry_multiplier"] = args.dry_multiplier
+    if args.no_loop_guard:
+        changes["loop_guard"] = False
     if args.stop:
         changes["stop"] = list(args.stop)
     if args.spec is not None:

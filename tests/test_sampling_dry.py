@@ -231,3 +231,16 @@ def test_cli_chat_turns_dry_on_and_plain_run_keeps_llamacpp_defaults():
     assert run.sampling.dry_multiplier == 0 and chat.sampling.dry_multiplier > 0
     assert off.sampling.dry_multiplier == 0 and off.sampling.dry_sequence_breakers == ("\n",)
     assert off.sampling.xtc_probability == 0.5
+
+
+def test_chat_app_takes_the_loop_protection_flags():
+    from localllm.cli import build_parser
+    from localllm.cli_generate import chat_settings_overrides
+    from localllm.tui.settings import ChatSettings
+
+    p = build_parser()
+    plain = chat_settings_overrides(p.parse_args(["chat"]), ChatSettings())
+    off = chat_settings_overrides(p.parse_args(["chat", "--dry-multiplier", "0", "--no-loop-guard"]), ChatSettings())
+    assert plain.dry_multiplier > 0 and plain.loop_guard
+    assert off.dry_multiplier == 0 and not off.loop_guard
+    assert off.generation_params().sampling.dry_multiplier == 0
