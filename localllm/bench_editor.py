@@ -144,7 +144,10 @@ def run(url: str, edit: str | None = None, n_lines: int = 3, keystrokes: int = 8
 
         def post(body: dict) -> tuple[float, dict | None, str | None]:
             t0 = time.perf_counter()
-            r = client.post("/infill", content=json.dumps(body), headers={"Content-Type": "application/json"})
+            try:
+                r = client.post("/infill", content=json.dumps(body), headers={"Content-Type": "application/json"})
+            except httpx.HTTPError as e:  # the server went away or broke the connection: say so, no traceback
+                raise LocalLLMError(f"{base}/infill: {type(e).__name__}: {e}") from None
             dt = time.perf_counter() - t0
             if r.status_code != 200:
                 return dt, None, f"HTTP {r.status_code}: {r.text[:300]}"
