@@ -25,22 +25,23 @@ from localllm.tui.conversations import Conversation, ConversationError
 from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen, human_size
 from localllm.tui.settings import ChatSettings
 
-# The first run's short list (issue 41 item 1): the catalog's chat models, what each is good for, and their speed
-# as measured on a busy 2-core dev machine (tools/measure_loops.py: generated tokens / seconds, prompts included, over
-# the 20 everyday prompts; README "Answers that end"). The default comes first.
+# The first run's short list (issue 41 item 1): the catalog's chat models, what each is good for (the 20 everyday
+# prompts of tools/measure_loops.py, README "Answers that end"), and their decode speed on the 2-core dev machine
+# (`localllm run MODEL --chat "Explain how a rainbow forms, in simple words." --seed 0 -n 128 -v`, load ~3). The
+# default comes first.
 FIRST_RUN = {
     "qwen2.5-coder-1.5b-instruct": "the default: the best answers, code above all; no loop in 40 answers",
     "qwen2.5-coder-0.5b-instruct": "faster; fair plain answers and code; 1 loop in 20",
     "smollm2-135m-instruct": "tiny; shallow answers, and loops (7 in 60; 2 with DRY)",
 }
-FIRST_RUN_SPEED = {"qwen2.5-coder-1.5b-instruct": "4-6 tokens/s", "qwen2.5-coder-0.5b-instruct": "22 tokens/s",
-                   "smollm2-135m-instruct": "18-20 tokens/s"}
+FIRST_RUN_SPEED = {"qwen2.5-coder-1.5b-instruct": "15 tokens/s", "qwen2.5-coder-0.5b-instruct": "27 tokens/s",
+                   "smollm2-135m-instruct": "31 tokens/s"}
 
 
 def first_run_choices() -> str:
     """What the first run says when nothing is downloaded: the short list to choose from."""
     entries = catalog.entries()
-    lines = ["No model is downloaded yet. The catalog's chat models (speed on a busy 2-core machine):", ""]
+    lines = ["No model is downloaded yet. The catalog's chat models (speed: on 2 cores of a Zen 5):", ""]
     for name, about in FIRST_RUN.items():
         if name in entries:
             speed = FIRST_RUN_SPEED.get(name)
