@@ -244,3 +244,24 @@ def test_chat_app_takes_the_loop_protection_flags():
     assert plain.dry_multiplier > 0 and plain.loop_guard
     assert off.dry_multiplier == 0 and not off.loop_guard
     assert off.generation_params().sampling.dry_multiplier == 0
+
+
+@pytest.mark.parametrize("probs, last, want, mult, base, allowed, last_n, breakers", [
+    # llama.cpp's tests/test-sampling.cpp, test_dry: probabilities after DRY and a softmax
+    ([0.25] * 4, [0, 1], [0.25] * 4, 1.0, 1.1, 2, 4, {}),
+    ([0.25] * 4, [0, 1, 2, 0, 1], [0.296923, 0.296923, 0.109232, 0.296923], 1.0, 1.1, 2, 5, {}),
+    ([0.2] * 5, [0, 1, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 2, 6, {3: [()]}),
+    ([0.2] * 5, [0, 1, 2, 0, 1], [0.241818, 0.241818, 0.032727, 0.241818, 0.241818], 2.0, 1.1, 2, 5, {}),
+    ([0.2] * 5, [0, 1, 2, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 4, 7, {}),
+])
+def test_llamacpps_own_dry_cases(probs, last, want, mult, base, allowed, last_n, breakers):
+    n = len(probs)
+    s = Sampler(SamplingParams(temperature=0, dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed,
+                               dry_penalty_last_n=last_n), n)
+    s._dry.breakers = breakers
+    s._dry.single = np.array([h for h, tails in breakers.items() if () in tails], dtype=np.int64)
+    s.accept_many(last)
+    logits = np.log(np.array(probs, dtype=np.float32))
+    x, _ = s._penalize(logits, logits)
+    p = np.exp(x.astype(np.float64) - x.max())
+    np.testing.assert_allclose(p / p.sum(), want, atol=1e-5)
