@@ -562,6 +562,7 @@ class Sampler:
         from. Without truncation the candidates are the whole vocabulary (zero-probability tokens included).
         Does not advance the RNG. With a grammar, its full mask applies."""
         user = self._disallowed
+        xtc_rng = copy.deepcopy(self._xtc_rng)  # XTC's draw here is not one of the sequence's
         if self._grammar is not None:
             banned = np.logical_not(self._grammar.allowed())
             self._disallowed = banned if user is None else (banned | user)
@@ -569,6 +570,7 @@ class Sampler:
             return self._distribution(logits)
         finally:
             self._disallowed = user
+            self._xtc_rng = xtc_rng
 
     def _distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         original = np.asarray(logits)

@@ -265,3 +265,17 @@ def test_llamacpps_own_dry_cases(probs, last, want, mult, base, allowed, last_n,
     x, _ = s._penalize(logits, logits)
     p = np.exp(x.astype(np.float64) - x.max())
     np.testing.assert_allclose(p / p.sum(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("threshold, kept", [
+    # llama.cpp's tests/test-sampling.cpp, test_xtc on {0.4, 0.3, 0.2, 0.1} ("should" and "should not")
+    (0.09, [0.1]), (0.19, [0.2, 0.1]), (0.29, [0.3, 0.2, 0.1]),
+    (0.39, [0.4, 0.3, 0.2, 0.1]), (0.41, [0.4, 0.3, 0.2, 0.1]), (0.51, [0.4, 0.3, 0.2, 0.1]),
+])
+def test_llamacpps_own_xtc_cases(threshold, kept):
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, xtc_probability=1.0,
+                               xtc_threshold=threshold, seed=0), 4)
+    ids, p = s.distribution(np.log(probs).astype(np.float32))
+    left = sorted(probs[ids[p > 0]].tolist(), reverse=True)
+    np.testing.assert_allclose(left, kept)
