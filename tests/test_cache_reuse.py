@@ -245,7 +245,7 @@ def test_the_first_position_is_never_taken_from_a_later_one():
 
 
 def test_the_chat_app_keeps_the_later_turns_when_the_oldest_leave_the_context():
-    from tui.chat_session import ChatSession, TurnStats, load_engine
+    from localllm.tui.chat_session import ChatSession, TurnStats, load_engine
 
     chat = load_engine(MODEL, 512)
     assert chat.cache_reuse > 0
