@@ -40,13 +40,12 @@ def time_generation(engine, n: int) -> float:
     return time.perf_counter() - t
 
 
-def time_generation_at_depth(engine, n: int, depth: int, reps: int) -> list[float]:
-    """tg n after `depth` tokens of context (llama-bench -d): the context is evaluated once, then each repetition
-    decodes n tokens one forward at a time and the sequence is cut back to `depth` (llama-bench re-evaluates the
-    context before every repetition; the timed part is the same). One warm-up repetition first. A model with
-    sliding-window layers (gemma3) has let go of keys the context's end needs by then: its context is evaluated
-    again instead."""
-    context, tokens = _tokens(engine, depth, seed=5), _tokens(engine, n, seed=1)
+def _timed_at_depth(engine, depth: int, reps: int, step) -> list[float]:
+    """`step(seq)` timed after `depth` tokens of context (llama-bench -d): the context is evaluated once, then each
+    repetition runs `step` and the sequence is cut back to `depth` (llama-bench re-evaluates the context before
+    every repetition; the timed part is the same). One warm-up repetition first. A model with sliding-window layers
+    (gemma3) has let go of keys the context's end needs by then: its context is evaluated again instead."""
+    context = _tokens(engine, depth, seed=5)
     seq = None
     try:
         times = []
@@ -55,8 +54,7 @@ def time_generation_at_depth(engine, n: int, depth: int, reps: int) -> list[floa
                 seq = engine.new_sequence()
                 engine.evaluate(seq, context)
             t = time.perf_counter()
-            for tok in tokens:
-                engine.evaluate(seq, [tok])
+            step(seq)
             times.append(time.perf_counter() - t)
             if seq.cache.can_truncate(depth):
                 seq.truncate(depth)
@@ -67,33 +65,23 @@ def time_generation_at_depth(engine, n: int, depth: int, reps: int) -> list[floa
     finally:
         if seq is not None:
             seq.close()
+
+
+def time_generation_at_depth(engine, n: int, depth: int, reps: int) -> list[float]:
+    """tg n after `depth` tokens of context: n tokens decoded one forward at a time."""
+    tokens = _tokens(engine, n, seed=1)
+
+    def decode(seq):
+        for tok in tokens:
+            engine.evaluate(seq, [tok])
+
+    return _timed_at_depth(engine, depth, reps, decode)
 
 
 def time_prompt_at_depth(engine, n: int, depth: int, reps: int) -> list[float]:
-    """pp n after `depth` tokens of context (llama-bench -p n -d depth): the context is evaluated once, then each
-    repetition processes n prompt tokens on top of it and the sequence is cut back to `depth`; one warm-up
-    repetition first. A model with sliding-window layers evaluates its context again each time (see
-    time_generation_at_depth)."""
-    context, tokens = _tokens(engine, depth, seed=5), _tokens(engine, n, seed=2)
-    seq = None
-    try:
-        times = []
-        for _ in range(reps + 1):
-            if seq is None:
-                seq = engine.new_sequence()
-                engine.evaluate(seq, context)
-            t = time.perf_counter()
-            engine.evaluate(seq, tokens)
-            times.append(time.perf_counter() - t)
-            if seq.cache.can_truncate(depth):
-                seq.truncate(depth)
-            else:
-                seq.close()
-                seq = None
-        return times[1:]
-    finally:
-        if seq is not None:
-            seq.close()
+    """pp n after `depth` tokens of context (llama-bench -p n -d depth): n prompt tokens in one pass."""
+    tokens = _tokens(engine, n, seed=2)
+    return _timed_at_depth(engine, depth, reps, lambda seq: engine.evaluate(seq, tokens))
 
 
 def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> dict:
