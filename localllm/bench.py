@@ -163,21 +163,15 @@ def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3, depth: int
         result[key] = statistics.fmean(speeds)
         result[f"{key}_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
         result[f"{key}_n"] = n
-    if depth and n_prompt:
-        if depth + n_prompt >= engine.ctx:
-            raise ValueError(f"pp{n_prompt} at depth {depth} does not fit the context of {engine.ctx} tokens")
-        speeds = [n_prompt / t for t in time_prompt_at_depth(engine, n_prompt, depth, reps)]
-        result["pp_depth"] = statistics.fmean(speeds)
-        result["pp_depth_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
-        result["pp_depth_n"] = n_prompt
-        result["depth"] = depth
-    if depth and n_gen:
-        if depth + n_gen >= engine.ctx:
-            raise ValueError(f"tg{n_gen} at depth {depth} does not fit the context of {engine.ctx} tokens")
-        speeds = [n_gen / t for t in time_generation_at_depth(engine, n_gen, depth, reps)]
-        result["tg_depth"] = statistics.fmean(speeds)
-        result["tg_depth_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
-        result["tg_depth_n"] = n_gen
+    for key, n, fn in (("pp_depth", n_prompt, time_prompt_at_depth), ("tg_depth", n_gen, time_generation_at_depth)):
+        if not (depth and n):
+            continue
+        if depth + n >= engine.ctx:
+            raise ValueError(f"{key[:2]}{n} at depth {depth} does not fit the context of {engine.ctx} tokens")
+        speeds = [n / t for t in fn(engine, n, depth, reps)]
+        result[key] = statistics.fmean(speeds)
+        result[f"{key}_sd"] = statistics.stdev(speeds) if len(speeds) > 1 else 0.0
+        result[f"{key}_n"] = n
         result["depth"] = depth
     if "tg" in result:
         result["weight_bytes_per_token"] = weight_bytes_per_token(engine)
