@@ -14,23 +14,32 @@ HUB_FILES = ["config.json", "generation_config.json", "model*.safetensors", "mod
              "added_tokens.json", "chat_template.jinja", "chat_template.json"]
 
 
-def resolve_source(src: str, quiet: bool) -> Path:
-    """A local checkpoint directory, or hf://owner/repo[@revision] fetched (only the files needed) into the
-    Hugging Face cache."""
+def resolve_source(src: str, quiet: bool, max_download: int | None = None) -> Path:
+    """A local checkpoint directory, or hf://owner/repo[@revision]: only the files a conversion reads, fetched
+    into localllm's cache (hub.fetch_checkpoint: their declared sizes checked against `max_download` and the free
+    disk space before anything is downloaded, each file stopped at its declared size, nothing kept where the
+    checkpoint would be unless all arrived). Offline (LOCALLLM_OFFLINE, HF_HUB_OFFLINE): what an earlier fetch
+    left, else the Hugging Face cache, never a download."""
     if not src.startswith("hf://"):
         return Path(src)
     repo, _, revision = src[len("hf://"):].partition("@")
     if repo.count("/") != 1:
         raise LocalLLMError(f"{src}: expected hf://owner/repo[@revision]")
     try:
-        from huggingface_hub import snapshot_download
         from huggingface_hub.utils import HfHubHTTPError
 
-        from localllm.hub import offline
+        from localllm import hub
 
-        # --offline / LOCALLLM_OFFLINE / HF_HUB_OFFLINE: only what the cache holds, never a download
+        if not hub.offline():
+            return hub.fetch_checkpoint(repo, revision or None, HUB_FILES, max_download, quiet)
+        # --offline / LOCALLLM_OFFLINE / HF_HUB_OFFLINE: only what is on disk, never a download
+        found = hub.cached_checkpoint(repo, revision or None)
+        if found is not None:
+            return found
+        from huggingface_hub import snapshot_download
+
         path = snapshot_download(repo_id=repo, revision=revision or None, allow_patterns=HUB_FILES,
-                                 **({"local_files_only": True} if offline() else {}))
+                                 local_files_only=True)
     except ImportError:
         raise LocalLLMError("hf:// sources need the huggingface_hub package") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
@@ -46,7 +55,12 @@ def cmd_convert(args) -> int:
 
     logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf-py's notes on keys overwritten, as llama.cpp's are
     out_type = (args.type or "auto").lower()
-    src = resolve_source(args.src, args.quiet)
+    max_download = None
+    if args.max_download is not None:
+        from localllm.disk import parse_size
+
+        max_download = parse_size(args.max_download)
+    src = resolve_source(args.src, args.quiet, max_download)
     mix = out_type in QUANTIZE_MIXES
     if args.imatrix and not mix:
         raise LocalLLMError(f"--imatrix applies to the mixes made through `localllm quantize` (q4_0 ... q6_k), "
@@ -112,7 +126,9 @@ def add_commands(sub) -> None:
                     "(the same keys, tensor names, order and bytes), without torch. SRC is a directory (config.json, "
                     "model*.safetensors, single or sharded with model.safetensors.index.json, tokenizer.json and/or "
                     "tokenizer.model, tokenizer_config.json) or hf://owner/repo[@revision] (only those files are "
-                    "fetched). Architectures: llama (Llama, Mistral), qwen2, qwen3, gemma3. The output is written beside its final path as "
+                    "fetched, into localllm's cache folder, hf-checkpoints/; with LOCALLLM_OFFLINE or HF_HUB_OFFLINE "
+                    "set, only that folder or the Hugging Face cache is read). Architectures: llama (Llama, "
+                    "Mistral), qwen2, qwen3, gemma3. The output is written beside its final path as "
                     "OUT.partial and renamed when complete; an interrupted run keeps it for --resume.")
     p.add_argument("src", metavar="SRC", help="checkpoint directory or hf://owner/repo[@revision]")
     p.add_argument("-o", "--output", "--outfile", metavar="OUT.gguf",
@@ -126,6 +142,11 @@ def add_commands(sub) -> None:
     p.add_argument("--imatrix", metavar="FILE",
                    help="with a quantize mix --type: the importance matrix for its quantize step (`localllm imatrix` "
                         "or llama-imatrix; see `localllm quantize --imatrix`)")
+    p.add_argument("--max-download", metavar="SIZE",
+                   help="hf:// only: the most the checkpoint's files may hold, e.g. 20G or 500M (default: the free "
+                        "space of the disk they are fetched to, less 1 GiB kept free, which also bounds any SIZE). "
+                        "The repo's listing is checked first and nothing is downloaded past it; each file stops at "
+                        "the size the hub declares")
     p.add_argument("--name", help="general.name (default: from the checkpoint)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (every tensor, its type and shape) and "
                    "write nothing")

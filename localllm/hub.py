@@ -189,6 +189,7 @@ class HubFile:
     name: str  # path inside the repo
     size: int | None
     sha256: str | None
+    git_sha1: str | None = None  # the git blob id: what checks a file kept outside LFS (a config, a tokenizer)
 
 
 def _gguf_groups(files: list[HubFile]) -> dict[str, list[HubFile]]:
@@ -395,19 +396,22 @@ def _staging(name: str) -> Path:
     return paths.models_dir() / f".hub-partial-{_encode(name)}"
 
 
-def _list_files(ref: HubRef, base: str) -> tuple[str, list[HubFile]]:
+def _list_files(ref: HubRef, base: str, revision: str | None = None) -> tuple[str, list[HubFile]]:
+    """(the commit, the repo's files with their sizes and digests) at `revision` (default: main)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        info = HfApi(endpoint=base).model_info(ref.repo, files_metadata=True, timeout=_timeout())
+        info = HfApi(endpoint=base).model_info(ref.repo, revision=revision, files_metadata=True,
+                                               timeout=_timeout())
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):
             raise DownloadError(f"{ref.repo}: the hub refused access ({status}); a gated or private repo needs "
                                 "HF_TOKEN") from None
         if status == 404:
-            raise UnknownModelError(f"{ref.repo}: no such repository on the hub") from None
+            raise UnknownModelError(f"{ref.repo}: no such repository" + (f" or revision {revision!r}" if revision
+                                                                         else "") + " on the hub") from None
         raise DownloadError(f"{ref.repo}: {str(e).splitlines()[0]}") from None
     except (OSError, ValueError) as e:
         raise DownloadError(f"{ref.repo}: the hub did not answer ({e})") from None
@@ -415,7 +419,8 @@ def _list_files(ref: HubRef, base: str) -> tuple[str, list[HubFile]]:
         if type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore"):
             raise DownloadError(f"{ref.repo}: the hub did not answer ({type(e).__name__}: {e})") from None
         raise
-    files = [HubFile(s.rfilename, s.lfs.size if s.lfs else s.size, s.lfs.sha256 if s.lfs else None)
+    files = [HubFile(s.rfilename, s.lfs.size if s.lfs else s.size, s.lfs.sha256 if s.lfs else None,
+                     getattr(s, "blob_id", None) if not s.lfs else None)
              for s in info.siblings or []]
     return info.sha or "main", files
 
@@ -451,9 +456,20 @@ class _CountingFile:
         return self._f.truncate(*a)
 
 
+def _git_blob_id(path: Path) -> str:
+    """The git blob id of a file (sha1 of 'blob SIZE\\0' and its bytes): the hub's digest of a file outside LFS."""
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as src:
+        while block := src.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, quiet: bool,
-              progress: Progress | None) -> str:
-    """Download one file into `partial` (resuming what is there), check size and sha256; its sha256."""
+              progress: Progress | None, git_ok: bool = False) -> str:
+    """Download one file into `partial` (resuming what is there), check size and sha256; its sha256. With
+    `git_ok`, a file outside LFS (no sha256 on the hub) is checked against its git blob id instead, which is
+    returned."""
     if offline():
         raise OfflineError(f"{f.name}: the network is off (--offline or HF_HUB_OFFLINE); nothing was downloaded")
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
@@ -478,7 +494,10 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
         raise
     size = meta.size if meta.size is not None else f.size
     expected = (f.sha256 or (meta.etag if meta.etag and re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None))
-    if expected is None:
+    git_id = None
+    if expected is None and git_ok:
+        git_id = f.git_sha1 or (meta.etag if meta.etag and re.fullmatch(r"[0-9a-f]{40}", meta.etag) else None)
+    if expected is None and git_id is None:
         raise DownloadError(f"{f.name}: the hub gives no sha256 for it, so it cannot be verified")
     if f.sha256 and meta.etag and re.fullmatch(r"[0-9a-f]{64}", meta.etag) and meta.etag != f.sha256:
         raise DownloadError(f"{f.name}: the hub's listing and its file disagree on the sha256 ({f.sha256} vs "
@@ -487,7 +506,7 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
         raise DownloadError(f"{f.name}: the hub's listing says {f.size} bytes, the file {size}")
     if size is None:
         raise DownloadError(f"{f.name}: the hub gives no size for it, so its download could not be bounded")
-    digest = "sha256:" + expected
+    digest = "sha256:" + (expected or git_id)
     have = partial.stat().st_size if partial.exists() else 0
     if size is not None and have > size:
         partial.unlink()
@@ -502,7 +521,7 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
             now = time.monotonic()
             if progress is not None and (now - last[0] > 0.1 or done == size):
                 last[0] = now
-                progress({"status": f"pulling {expected[:12]}", "digest": digest, "total": size,
+                progress({"status": f"pulling {digest[7:19]}", "digest": digest, "total": size,
                           "completed": done})
 
         report(have)
@@ -530,6 +549,13 @@ def _download(ref: HubRef, base: str, revision: str, f: HubFile, partial: Path, 
                 raise
     if progress is not None:
         progress({"status": "verifying sha256 digest"})
+    if git_id is not None:
+        got = _git_blob_id(partial)
+        if got != git_id:
+            partial.unlink(missing_ok=True)
+            raise DownloadError(f"{f.name}: git blob id {got} does not match the hub's {git_id}; the download "
+                                "was removed")
+        return got
     h = hashlib.sha256()
     with open(partial, "rb") as src:
         while block := src.read(8 << 20):
@@ -670,3 +696,139 @@ def ensure(text: str, quiet: bool = False, allow_pull: bool = True, pull_ref=Non
 
 def decode_name(stem: str) -> str:
     return unquote(stem)
+
+
+# ---- checkpoints for `convert hf://` --------------------------------------------------------------------------
+#
+# A checkpoint (config, tokenizer, safetensors) is fetched into `checkpoints_dir()/OWNER--REPO/COMMIT/`, bounded
+# as a pull is: the repo's listing gives every file's size before anything is downloaded, the total is refused
+# past the caller's limit or the disk's free space (less disk.KEEP_FREE), and each file stops at its declared
+# size and is checked against the hub's sha256 (LFS) or git blob id (a file kept in git). The files are fetched
+# into `.partial-COMMIT-PID/` beside it and the folder is renamed into place when all are there: a failed, too
+# long or interrupted download leaves nothing where the checkpoint would be (a killed run's folder is removed by
+# the next run).
+
+REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
+
+
+def checkpoints_dir() -> Path:
+    return paths.cache_dir() / "hf-checkpoints"
+
+
+def _checkpoint_folder(repo: str, revision: str | None) -> tuple[Path, Path]:
+    """(the repo's folder, the file that records which commit `revision` was) for a checked repo name."""
+    user, _, name = repo.partition("/")
+    text = f"hf://{repo}"
+    _check_name(text, user, "user")
+    _check_name(text, name, "repo")
+    if revision is not None and (not REVISION_RE.fullmatch(revision) or ".." in revision):
+        raise _refuse(f"{text}@{revision}", "the revision is not a branch, tag or commit name")
+    folder = checkpoints_dir() / f"{user}--{name}"
+    return folder, folder / "refs" / quote(revision or "main", safe="")
+
+
+def cached_checkpoint(repo: str, revision: str | None) -> Path | None:
+    """The checkpoint an earlier fetch_checkpoint left for repo@revision (no network), if any."""
+    folder, ref_file = _checkpoint_folder(repo, revision)
+    try:
+        commit = ref_file.read_text().strip()
+    except OSError:
+        return None
+    snapshot = folder / commit
+    return snapshot if re.fullmatch(r"[0-9a-f]{40}", commit) and snapshot.is_dir() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_partials(folder: Path) -> None:
+    """The `.partial-COMMIT-PID` folders of runs that are no longer running (killed mid-download)."""
+    if not folder.is_dir():
+        return
+    for p in folder.glob(".partial-*-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    from fnmatch import fnmatchcase
+
+    return "/" not in name and any(fnmatchcase(name, p) for p in patterns)
+
+
+def fetch_checkpoint(repo: str, revision: str | None, patterns: list[str], limit: int | None = None,
+                     quiet: bool = False) -> Path:
+    """The folder of repo@revision's top-level files matching `patterns` (fnmatch), downloaded unless already
+    there. `limit`: the most bytes the files may declare (None: the free disk space less disk.KEEP_FREE, which
+    also bounds any limit). Raises DownloadError (or UnknownModelError) before downloading anything when the
+    repo, its sizes or the space do not allow it."""
+    from localllm import disk
+
+    if offline():
+        raise OfflineError(f"hf://{repo}: the network is off (--offline or HF_HUB_OFFLINE); nothing was downloaded")
+    folder, ref_file = _checkpoint_folder(repo, revision)
+    base = endpoint()
+    _probe(base)
+    ref = HubRef(repo)
+    commit, files = _list_files(ref, base, revision)
+    if not re.fullmatch(r"[0-9a-f]{40}", commit or ""):
+        raise DownloadError(f"hf://{repo}: the hub gave no commit for {revision or 'main'}")
+    wanted = [f for f in files if _matches(f.name, patterns)]
+    names = {f.name for f in wanted}
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        raise DownloadError(f"hf://{repo}: no config.json and *.safetensors at {revision or 'main'}: not a "
+                            "Hugging Face safetensors checkpoint")
+    for f in wanted:
+        if not FILE_PART_RE.fullmatch(f.name):
+            raise DownloadError(f"hf://{repo}: the file name {f.name[:80]!r} is not a plain file name")
+        if f.size is None:
+            raise DownloadError(f"hf://{repo}: the hub gives no size for {f.name}, so its download could not be "
+                                "bounded")
+    snapshot = folder / commit
+    _remove_dead_partials(folder)
+    if not snapshot.is_dir():
+        total = sum(f.size for f in wanted)
+        room = disk.free_bytes(folder) - disk.KEEP_FREE
+        what = f"hf://{repo}: the {len(wanted)} files a conversion reads declare {disk.gb(total)}"
+        if limit is not None and total > limit:
+            raise DownloadError(f"{what}, more than the {disk.gb(limit)} allowed (--max-download); nothing was "
+                                "downloaded")
+        if total > room:
+            raise DownloadError(f"{what}, more than the disk holding {checkpoints_dir()} has free "
+                                f"({disk.gb(max(room, 0))} once {disk.gb(disk.KEEP_FREE)} is kept free); nothing "
+                                "was downloaded")
+        staging = folder / f".partial-{commit}-{os.getpid()}"
+        staging.mkdir(parents=True, exist_ok=True)
+        try:
+            for f in wanted:
+                part = staging / (f.name + ".partial")
+                try:
+                    _download(ref, base, commit, f, part, quiet, None, git_ok=True)
+                except DownloadError as e:  # (its 'pull again to resume' is not this folder's way)
+                    why = re.sub(r";? ?\(?pull again to resume\)?", "", str(e)).rstrip()
+                    raise DownloadError(f"hf://{repo}: {why}; nothing was kept") from None
+                os.replace(part, staging / f.name)
+            try:
+                os.rename(staging, snapshot)
+            except OSError:
+                if not snapshot.is_dir():  # (another run may have put the same commit in place meanwhile)
+                    raise
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DownloadError(f"hf://{repo}: the disk is full while downloading; nothing was kept") from None
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    ref_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ref_file.with_name(f".{ref_file.name}.{os.getpid()}.partial")
+    tmp.write_text(commit)
+    os.replace(tmp, ref_file)
+    return snapshot

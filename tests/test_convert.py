@@ -257,21 +257,21 @@ def test_default_type_keeps_f16_source_as_f16(tmp_path):
 
 
 def test_hub_source_fetches_only_the_files_a_conversion_reads(monkeypatch, tmp_path):
-    import huggingface_hub
-
-    from localllm import cli_convert
+    from localllm import cli_convert, hub
 
     seen = {}
 
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
-        seen.update(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns)
-        return str(tmp_path)
+    def fake_fetch(repo, revision, patterns, limit=None, quiet=False):
+        seen.update(repo=repo, revision=revision, patterns=patterns, limit=limit)
+        return tmp_path
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert cli_convert.resolve_source("hf://owner/repo@v1.0", quiet=True) == tmp_path
-    assert seen["repo_id"] == "owner/repo" and seen["revision"] == "v1.0"
-    assert "model*.safetensors" in seen["allow_patterns"] and "tokenizer.model" in seen["allow_patterns"]
-    assert not any(p.endswith((".bin", ".pt", "*")) for p in seen["allow_patterns"])
+    monkeypatch.setattr(hub, "fetch_checkpoint", fake_fetch)  # (test_convert_hub.py fetches from a fake hub)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("LOCALLLM_OFFLINE", raising=False)
+    assert cli_convert.resolve_source("hf://owner/repo@v1.0", quiet=True, max_download=5) == tmp_path
+    assert seen["repo"] == "owner/repo" and seen["revision"] == "v1.0" and seen["limit"] == 5
+    assert "model*.safetensors" in seen["patterns"] and "tokenizer.model" in seen["patterns"]
+    assert not any(p.endswith((".bin", ".pt", "*")) for p in seen["patterns"])
     with pytest.raises(LocalLLMError, match="hf://owner/repo"):
         cli_convert.resolve_source("hf://just-a-name", quiet=True)
 

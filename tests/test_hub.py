@@ -40,6 +40,7 @@ class FakeHub:
         self.fail_after_drop: set[str] = set()  # files whose next request after the drop gets a 503
         self.corrupt: dict[str, int] = {}  # file -> offset of a flipped byte
         self.authorization: list[str | None] = []  # each request's Authorization header
+        self.plain: set[str] = set()  # files kept in git, not LFS: no sha256, the git blob id as their ETag
         hub_self = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -90,6 +91,9 @@ class FakeHub:
             siblings = [{"rfilename": "README.md", "size": 12, "blobId": "b" * 40}]
             for name, (p, sha) in self.repos[repo].items():
                 size = p.stat().st_size
+                if name in self.plain:
+                    siblings.append({"rfilename": name, "size": size, "blobId": git_blob_id(p)})
+                    continue
                 siblings.append({"rfilename": name, "size": size, "blobId": sha[:40],
                                  "lfs": {"size": size, "sha256": sha, "pointerSize": 134}})
             return self._json(h, {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
@@ -110,9 +114,12 @@ class FakeHub:
         h.send_response(206 if rng else 200)
         h.send_header("Content-Length", str(size - start))
         h.send_header("Accept-Ranges", "bytes")
-        h.send_header("ETag", f'"{sha}"')
-        h.send_header("X-Linked-Etag", f'"{sha}"')
-        h.send_header("X-Linked-Size", str(size))
+        if name in self.plain:
+            h.send_header("ETag", f'"{git_blob_id(file)}"')
+        else:
+            h.send_header("ETag", f'"{sha}"')
+            h.send_header("X-Linked-Etag", f'"{sha}"')
+            h.send_header("X-Linked-Size", str(size))
         h.send_header("X-Repo-Commit", COMMIT)
         if rng:
             h.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
@@ -135,6 +142,11 @@ class FakeHub:
                     return
                 h.wfile.write(block)
                 pos += len(block)
+
+
+def git_blob_id(path: Path) -> str:
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def tiny_gguf(path: Path, label: str, n: int = 4096) -> Path:
