@@ -5,8 +5,12 @@
 Everything here works inside the model store (`paths.models_dir()`): a model is `NAME.gguf` there, a name is a
 plain file name (store.name_problem), and blobs (what the `ollama` client uploads before a create) live in its
 `blobs/` folder as `sha256-<64 hex>`, a digest checked strictly before it is used as a file name (Ollama's
-CVE-2026-7020 was a path traversal through a digest). A copy is a hard link: a second name for the same bytes.
-A new model is written to a partial file in the store and renamed into place, so a failed create leaves nothing.
+CVE-2026-7020 was a path traversal through a digest). The blobs folder holds at most LOCALLLM_BLOBS_MAX bytes
+(default BLOBS_MAX, 100 GB) and an upload never leaves less than disk.KEEP_FREE (1 GiB) free on its disk: a blob
+past either is refused with a 413 before its first byte is written when it declares its length, or as soon as it
+passes the bound when it is chunked (the partial file removed); uploads in flight count with what they declared.
+A copy is a hard link: a second name for the same bytes. A new model is written to a partial file in the store
+and renamed into place, so a failed create leaves nothing.
 """
 
 from __future__ import annotations
@@ -264,16 +268,90 @@ async def blob_exists(state: ServerState, request: Request):
     return await blob_upload(state, request)
 
 
+BLOBS_MAX = 100 * 1000 ** 3  # bytes the blobs folder may hold (LOCALLLM_BLOBS_MAX)
+BLOB_CLAIM_STEP = 16 << 20  # a chunked upload claims room in steps of this many bytes
+_blob_lock = threading.Lock()
+_blob_claims: dict[Path, int] = {}  # uploads in flight: the bytes each may write (declared, or claimed so far)
+
+
+def blobs_max() -> int:
+    from localllm import disk
+
+    text = os.environ.get("LOCALLLM_BLOBS_MAX")
+    if not text:
+        return BLOBS_MAX
+    try:
+        return disk.parse_size(text)
+    except LocalLLMError as e:
+        raise ApiError(500, f"LOCALLLM_BLOBS_MAX: {e}") from None
+
+
+def _claim_blob_room(folder: Path, tmp: Path, n: int) -> None:
+    """Let the upload into `tmp` write `n` bytes in all, or refuse it (413): the blobs folder's files and the
+    other uploads' claims may not pass blobs_max(), and what all of them have still to write must leave
+    disk.KEEP_FREE free on the disk."""
+    from localllm import disk
+
+    def size(p: Path) -> int:
+        try:
+            return p.stat().st_size
+        except OSError:
+            return 0
+
+    limit = blobs_max()
+    with _blob_lock:
+        stored = 0
+        with os.scandir(folder) as it:
+            for entry in it:
+                if entry.is_file(follow_symlinks=False) and Path(entry.path) not in _blob_claims:
+                    stored += entry.stat(follow_symlinks=False).st_size  # (an upload's .checkpoint- folder: links)
+        others = {p: c for p, c in _blob_claims.items() if p != tmp}
+        held = stored + sum(others.values())
+        if held + n > limit:
+            raise ApiError(413, f"the blob store is full: it holds {disk.gb(held)} of the {disk.gb(limit)} it may "
+                                f"(LOCALLLM_BLOBS_MAX), and this blob needs {disk.gb(n)}; nothing was written. "
+                                "Blobs stay until removed from the model store's blobs folder")
+        to_write = n - size(tmp) + sum(max(0, c - size(p)) for p, c in others.items())
+        free = disk.free_bytes(folder)
+        if free - to_write < disk.KEEP_FREE:
+            raise ApiError(413, f"the server's disk has {disk.gb(free)} free and keeps {disk.gb(disk.KEEP_FREE)} "
+                                f"free: this blob ({disk.gb(n)}) does not fit; nothing was written")
+        _blob_claims[tmp] = n
+
+
 async def blob_upload(state: ServerState, request: Request):
-    """Ollama's POST /api/blobs/:digest: the body is stored once its sha256 matches the digest."""
+    """Ollama's POST /api/blobs/:digest: the body is stored once its sha256 matches the digest (a blob already
+    there is not read again, as Ollama answers it: 200). Bounded by the blobs folder's total and the disk's free
+    space (_claim_blob_room): past them, a 413 and nothing kept."""
     path = blob_path(request.path_params["digest"])
     want = path.name[len("sha256-"):]
+    if path.is_file():
+        return Response(status_code=200)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _partial(path)
+    length = request.headers.get("content-length")
+    declared = int(length) if length is not None and length.isdigit() else None
     digest = hashlib.sha256()
+    written = 0
+
+    async def claim(needed: int) -> int:
+        """Room for `needed` bytes in all (a chunked body: a step more when there is room for it)."""
+        if declared is None:
+            with contextlib.suppress(ApiError):
+                await off_loop(_claim_blob_room, path.parent, tmp, needed + BLOB_CLAIM_STEP)
+                return needed + BLOB_CLAIM_STEP
+        await off_loop(_claim_blob_room, path.parent, tmp, needed)
+        return needed
+
     try:
+        claimed = await claim(declared or 0)  # a declared length: refused before a byte is written
         with open(tmp, "wb") as out:
             async for chunk in request.stream():
+                written += len(chunk)
+                if written > claimed:
+                    if declared is not None:
+                        raise ApiError(400, f"the body is longer than its Content-Length ({declared} bytes)")
+                    claimed = await claim(written)  # a chunked body claims room as it comes
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != want:
@@ -284,6 +362,8 @@ async def blob_upload(state: ServerState, request: Request):
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        with _blob_lock:
+            _blob_claims.pop(tmp, None)
     return Response(status_code=201)
 
 
