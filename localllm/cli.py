@@ -210,7 +210,8 @@ def cmd_serve(args) -> int:
           ctx=args.ctx, max_tokens=args.max_tokens, cors_origins=args.cors_origin, max_body=args.max_body,
           max_queue=args.max_queue, verbose=args.verbose, speculation=speculation_params(args),
           allowed_hosts=args.allowed_host, device=args.device, models=args.models, max_loaded=args.max_loaded,
-          pins=args.pin, keep_alive=args.keep_alive, cache_reuse=args.cache_reuse)
+          pins=args.pin, keep_alive=args.keep_alive, cache_reuse=args.cache_reuse,
+          slot_save_path=args.slot_save_path)
     return 0
 
 
@@ -376,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "other positions from its KV cache, their keys re-rotated, instead of computing them (an "
                         "editor's moved context, the text after the cursor; default %(default)s; 0: off, each "
                         "answer then exactly what a fresh forward of its prompt gives)")
+    p.add_argument("--slot-save-path", metavar="DIR", default=None,
+                   help="as llama.cpp's: the folder where POST /slots/N?action=save writes a slot's KV cache and "
+                        "action=restore reads it back (an agent's long system prompt computed once, not at every "
+                        "start); created if missing; without it those actions answer 501")
     p.add_argument("--max-tokens", type=whole_number(1), default=2048, metavar="N",
                    help="tokens one request may generate at most, and the default when it names none (default "
                         "2048, at most the context)")

@@ -272,7 +272,9 @@ class Engine:
 
     def retire(self, seq: Sequence) -> None:
         """A finished sequence: kept whole as a donor of chunks while cache reuse is on (the oldest kept one
-        goes when more than `retained_max` are), else closed (its named blocks stay cached in the pool)."""
+        goes when more than `retained_max` are), else closed (its named blocks stay cached in the pool, its last
+        partial block too: the next turn of its conversation starts with all of it)."""
+        seq.cache.remember_tail(seq.tokens)
         if self.cache_reuse <= 0 or not seq.tokens:
             seq.close()
             return

@@ -453,6 +453,22 @@ class KVCache:
                     self.pool.name(gi, table[j], name, parent, tokens[j * BLOCK : (j + 1) * BLOCK])
             parent = name
 
+    def remember_tail(self, tokens) -> None:
+        """Name the full blocks and the last, partly filled one of a finished sequence (its first tokens kept
+        with it), so a request that goes on from it (a conversation's next turn, a restored slot) copies those
+        positions instead of computing them (attach_prefix's partial match). Only for a sequence that is not
+        written again: the tail's name stands for what the block holds now."""
+        self.remember(tokens)
+        n, j = min(len(tokens), self.length), len(self.names)
+        if not j * BLOCK < n < (j + 1) * BLOCK:
+            return  # no partial tail, or names stop before it (after a context shift)
+        tail = np.asarray(tokens[j * BLOCK : n], np.int64)
+        parent = self.names[-1] if self.names else b""
+        name = hashlib.blake2b(parent + b"tail" + tail.tobytes(), digest_size=16).digest()
+        for gi, table in enumerate(self.tables):
+            if j < len(table) and table[j] is not None:
+                self.pool.name(gi, table[j], name, parent, tail)
+
     def cached_prefix(self, tokens) -> tuple[int, list[bytes]]:
         """How many leading full blocks of `tokens` the pool holds for every layer (sliding groups only need
         the blocks the next query sees), and their names."""

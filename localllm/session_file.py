@@ -93,6 +93,23 @@ def save(engine, seq, path: str | os.PathLike, n_tokens: int | None = None) -> N
         raise
 
 
+def save_tokens(engine, tokens: list[int], path: str | os.PathLike) -> int:
+    """Write the KV cache of `tokens` (a finished request's prompt and answer) to `path`, atomically; returns the
+    file's size. The pool's cached blocks for them are taken where it still holds them (a finished request's
+    blocks stay cached until another needs the room), and only what it lost is computed again."""
+    seq = engine.new_sequence()
+    try:
+        if tokens:
+            got = seq.cache.attach_prefix(tokens)
+            seq.tokens = list(tokens[:got])
+            if got < len(tokens):
+                engine.evaluate(seq, list(tokens[got:]))
+        save(engine, seq, path)
+    finally:
+        seq.close()
+    return os.path.getsize(path)
+
+
 # What reading a damaged zip member can raise: truncated or bit-flipped data, an unsupported compression method,
 # an encrypted member, a broken deflate stream.
 _DAMAGED = (OSError, EOFError, ValueError, zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, NotImplementedError,

@@ -205,6 +205,29 @@ def test_a_prompt_that_parts_inside_a_block_reuses_the_positions_before_it_bitwi
     seq.close()
 
 
+@pytest.mark.parametrize("name", [SMALL, "gemma3-270m"])
+def test_the_next_turn_of_a_finished_sequence_takes_its_partly_filled_last_block_too_bitwise(name):
+    """A finished request's last block is partly filled (100 tokens: 6 blocks and 4 positions): retired, it is
+    named with its tokens, so the conversation's next turn reuses all 100 positions, not 96, and its logits are
+    bitwise a cold pass's. A live sequence's tail stays unnamed (it is still being written)."""
+    e = engine(name)
+    a = text_tokens(e, 100, seed=10)
+    b = a + text_tokens(e, 20, seed=11)
+    fresh_pool(e)
+    cold_seq = e.new_sequence()
+    cold = e.evaluate(cold_seq, b)
+    cold_seq.close()
+    fresh_pool(e)
+    first = e.new_sequence()
+    e.evaluate(first, a)
+    assert e.new_sequence().reuse_prefix(b) == 96  # live: only its full blocks are named
+    e.retire(first)
+    seq = e.new_sequence()
+    assert seq.reuse_prefix(b) == 100
+    assert np.array_equal(e.evaluate(seq, b[100:]), cold)
+    seq.close()
+
+
 def test_the_tokens_kept_for_partial_reuse_leave_with_their_blocks():
     pool = cpu_pool(1, 2, 4, 3)
     c = pool.new_cache(1000)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import socket
 import sys
 
@@ -62,14 +63,15 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
           allowed_hosts: list[str] | None = None, device: str = "cpu", models: list[str] | None = None,
           max_loaded: int | None = None, pins: list[str] | None = None, keep_alive: float | None = None,
-          offline: bool = False, cache_reuse: int = 0) -> None:
+          offline: bool = False, cache_reuse: int = 0, slot_save_path: str | None = None) -> None:
     """Serve until Ctrl-C: `model` alone (loaded now, pinned), or several (`models`; none: any model of the store)
     loaded by the requests' `model` field, up to `max_loaded` at once (None: as many as fit in the memory
     available now), each kept `keep_alive` seconds after its last request (None: 5 minutes; the one model: for
     ever), `pins` always. `speculation` (a SpeculationParams): decode every request speculatively. A catalog model
     or hub reference named here that is not in the store yet is pulled first, unless `offline`.
     `allowed_hosts`: names clients may call the server by beyond localhost, IP addresses and this machine's
-    host name (see asgi.LocalNames; '*': any). `cache_reuse`: llama.cpp's --cache-reuse N (cache_reuse.py), 0 off."""
+    host name (see asgi.LocalNames; '*': any). `cache_reuse`: llama.cpp's --cache-reuse N (cache_reuse.py), 0 off.
+    `slot_save_path`: llama.cpp's --slot-save-path, the folder of /slots/N?action=save|restore (created)."""
     import uvicorn
 
     from localllm.server import liveness
@@ -78,8 +80,6 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     from localllm.server.asgi import LocalNames, create_app
 
     if offline:
-        import os
-
         os.environ["LOCALLLM_OFFLINE"] = "1"  # /api/pull too: nothing is downloaded
     if parallel < 1:
         raise LocalLLMError("--parallel must be at least 1")
@@ -90,11 +90,18 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
         raise LocalLLMError("give one MODEL or --models A,B,..., not both")
     if max_loaded is not None and max_loaded < 1:
         raise LocalLLMError("--max-loaded must be at least 1")
+    if slot_save_path:
+        try:
+            os.makedirs(slot_save_path, exist_ok=True)
+        except OSError as e:
+            raise LocalLLMError(f"--slot-save-path {slot_save_path}: cannot create the folder: {e.strerror or e}") \
+                from None
+        slot_save_path = os.path.abspath(slot_save_path)
     sock = bind(host, port)  # before loading: a taken port fails fast
     try:
         registry, state, name = _registry(model, models or [], pins or [], max_loaded, keep_alive, ctx, device,
                                           parallel, max_queue, speculation, max_tokens, api_key,
-                                          max_body or MAX_BODY, offline, cache_reuse)
+                                          max_body or MAX_BODY, offline, cache_reuse, slot_save_path)
         engine = state.engine if model is not None else None
         app = create_app(state, cors_origins, allowed_hosts, host)
         if not is_loopback(host) and not api_key:
@@ -132,7 +139,7 @@ def _served_name(given: str, path) -> str:
 
 
 def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel, max_queue, speculation,
-              max_tokens, api_key, max_body, offline=False, cache_reuse=0):
+              max_tokens, api_key, max_body, offline=False, cache_reuse=0, slot_save_path=None):
     """(registry, the app's state, the one model's name or None) for serve()'s options; the one model and the
     pinned ones are loaded now, so that a bad file fails before the port opens."""
     from localllm import catalog, store
@@ -155,7 +162,7 @@ def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel
         return engine, Scheduler(engine, parallel=parallel, max_queue=max_queue, speculation=speculation)
 
     base = ServerState(engine=None, scheduler=None, model_name="", model_path="", max_tokens=max_tokens,
-                       parallel=parallel, api_key=api_key, max_body=max_body)
+                       parallel=parallel, api_key=api_key, max_body=max_body, slot_save_path=slot_save_path)
     allowed, default = None, None
     if not several:
         path = store.ensure(model, offline=offline)  # a missing catalog model or hub reference is pulled now

@@ -44,6 +44,13 @@ class ServerState:
     # Several models behind one port (registry.ModelRegistry): the app's base state holds it, and each request
     # gets the state of the model it names. None: this state's one engine serves every request.
     registry: object | None = None
+    # llama.cpp's --slot-save-path: the folder `/slots/N?action=save|restore` write and read; None: refused (501)
+    slot_save_path: str | None = None
+
+
+def id_slot(f) -> int:
+    """llama.cpp's `id_slot` field of a completion request: the slot to run in, -1 (the default) for any."""
+    return f.get("id_slot", int, -1, lo=-1, hi=1 << 16)
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -275,13 +282,14 @@ class Fields:
 # ---- running a request ---------------------------------------------------------------------------------
 
 
-def submit(state: ServerState, tokens: list[int], params) -> Handle:
+def submit(state: ServerState, tokens: list[int], params, slot: int = -1) -> Handle:
+    """The request into the model's scheduler. `slot`: llama.cpp's id_slot (-1: any free slot)."""
     if not tokens:
         raise ApiError(400, "the prompt is empty")
     if len(tokens) + 1 > state.engine.ctx:
         raise ApiError(400, f"the prompt is {len(tokens)} tokens but the context holds {state.engine.ctx}")
     try:
-        return state.scheduler.submit(SchedRequest(tokens, params))
+        return state.scheduler.submit(SchedRequest(tokens, params, slot))
     except RequestFailed as e:
         raise ApiError(e.status, str(e)) from None
 

@@ -192,7 +192,7 @@ class WebPageGuard:
 MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/messages",
                 "/v1/messages/count_tokens", "/api/generate", "/api/chat", "/api/show", "/api/embed",
                 "/api/embeddings", "/completion", "/completions", "/infill", "/tokenize", "/detokenize",
-                "/apply-template", "/embedding", "/embeddings", "/props", "/slots", "/metrics"}
+                "/apply-template", "/embedding", "/embeddings", "/props", "/slots", "/slots/{id_slot}", "/metrics"}
 # Read without loading anything: with no model named and none loaded, an empty answer.
 PEEK_ROUTES = {"/slots": lambda: json_response([]),
                "/metrics": lambda: PlainTextResponse(Metrics().render(), media_type="text/plain; version=0.0.4")}
@@ -216,8 +216,8 @@ async def _model_request(state: ServerState, request: Request, path: str):
     """(name, keep_alive, body) a request names; the body (parsed once) is kept for its handler."""
     from localllm.server.registry import parse_keep_alive
 
-    if request.method != "POST":
-        return request.query_params.get("model") or None, None, None
+    if request.method != "POST" or (path == "/slots/{id_slot}" and request.query_params.get("action") == "erase"):
+        return request.query_params.get("model") or None, None, None  # an erase has no body (llama.cpp's)
     data = await read_json(request, state.max_body)
     request.scope[BODY_KEY] = data
     name = data.get("model")

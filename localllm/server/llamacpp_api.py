@@ -12,9 +12,9 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 
 from localllm import __version__
 from localllm.engine import GenerationParams
-from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, first_item, fix_seed, json_response,
-                                 off_loop, prompt_tokens, read_json, sampling_from, sse, stream_error,
-                                 stream_events, submit, watching_disconnect)
+from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, first_item, fix_seed, id_slot,
+                                 json_response, off_loop, prompt_tokens, read_json, sampling_from, sse,
+                                 stream_error, stream_events, submit, watching_disconnect)
 from localllm.server import llamacpp_ext as ext
 from localllm.server.infill import IndentCut, infill_tokens
 
@@ -126,13 +126,14 @@ def _probs(state: ServerState, event) -> dict:
     return out
 
 
-def _final(state: ServerState, params, final: Final, content: str, tokens: list[int], text: str) -> dict:
+def _final(state: ServerState, params, final: Final, content: str, tokens: list[int], text: str,
+           slot: int) -> dict:
     """The last answer of a request, keys in the order of llama.cpp's to_json_non_oaicompat (final); `text` is
     all that was generated (`content` is "" at the end of a stream, which sent it already)."""
     stop_type = "limit" if final.finish_reason == "length" else ("word" if final.stop_word else "eos")
     # tokens_cached is llama.cpp's: the tokens the KV cache holds after the request (the prompt and what was
     # generated, less the last token, which is never evaluated); timings.cache_n counts the prompt tokens reused.
-    return {"index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True,
+    return {"index": 0, "content": content, "tokens": tokens, "id_slot": slot, "stop": True,
             "model": state.model_name, "tokens_predicted": final.completion_tokens,
             "tokens_evaluated": final.prompt_tokens, "generation_settings": _settings(state, params),
             "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
@@ -164,7 +165,7 @@ async def _items(handle, first, n_indent: int, n_prompt: int):
 async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int], params: GenerationParams):
     n_indent = f.get("n_indent", int, 0, lo=0, hi=1 << 16)
     fields = ext.response_fields(f)
-    handle = submit(state, tokens, params)
+    handle = submit(state, tokens, params, id_slot(f))
     n_probs = params.sampling.n_probs
     if not f.get("stream", bool, False):
 
@@ -178,7 +179,8 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
 
         events, final = await watching_disconnect(request, handle, gather())
         text = "".join(e.text for e in events)
-        out = _final(state, params, final, text, [e.token for e in events if e.token is not None], text)
+        out = _final(state, params, final, text, [e.token for e in events if e.token is not None], text,
+                     handle.slot)
         if n_probs:
             out["completion_probabilities"] = [_probs(state, e) for e in events if e.token is not None]
         return json_response(ext.pick_fields(fields, out))
@@ -190,12 +192,13 @@ async def _run(state: ServerState, request: Request, f: Fields, tokens: list[int
         try:
             async for item in _items(handle, first, n_indent, len(tokens)):
                 if isinstance(item, Final):
-                    yield sse(ext.pick_fields(fields, _final(state, params, item, "", [], "".join(text))))
+                    yield sse(ext.pick_fields(fields, _final(state, params, item, "", [], "".join(text),
+                                                             handle.slot)))
                     return
                 text.append(item.text)
                 # llama.cpp's to_json_non_oaicompat (partial), in its order
                 out = {"index": 0, "content": item.text, "tokens": [item.token] if item.token is not None else [],
-                       "stop": False, "id_slot": 0, "tokens_predicted": len(text),
+                       "stop": False, "id_slot": handle.slot, "tokens_predicted": len(text),
                        "tokens_evaluated": len(tokens)}
                 if n_probs and item.token is not None:
                     out["completion_probabilities"] = [_probs(state, item)]
@@ -337,6 +340,81 @@ async def slots(state: ServerState, request: Request):
     return json_response(out)
 
 
+# What a slot file's name may not hold (llama.cpp's fs_validate_filename): path separators and the characters
+# Windows reserves, so a name is one file inside --slot-save-path and nothing else.
+_RESERVED = set('/\\:*?"<>|')
+
+
+def slot_filename(name) -> str:
+    """`name` if it is a plain file name for --slot-save-path, else a 400: no path (no separator, no `..`), no
+    control, format or unassigned character (terminal escapes, U+202E), no leading or trailing space, no trailing
+    dot, at most 255 bytes of UTF-8."""
+    import unicodedata
+
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "'filename' must be a non-empty string", param="filename")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+        size = 256
+    if (size > 255 or name in (".", "..") or name != name.strip() or name.endswith(".")
+            or any(c in _RESERVED or unicodedata.category(c)[0] == "C" for c in name)):
+        raise ApiError(400, "Invalid filename", param="filename")
+    return name
+
+
+async def slot_action(state: ServerState, request: Request):
+    """llama.cpp's POST /slots/{id_slot}?action=save|restore|erase: a slot's KV cache written to, or read from,
+    a file of --slot-save-path (localllm's session format: checked against the model, written atomically), so
+    an agent's long system prompt is computed once per model, not once per server start; erase forgets it."""
+    import asyncio
+    import time
+    from pathlib import Path
+
+    from localllm.server.scheduler import RequestFailed, SlotBusy
+
+    if not state.slot_save_path:
+        raise ApiError(501, "This server does not support slots action. Start it with --slot-save-path DIR",
+                       kind="not_supported_error")
+    try:
+        slot = int(request.path_params["id_slot"])
+    except ValueError:
+        raise ApiError(400, "Invalid slot ID") from None
+    action = request.query_params.get("action", "")
+    if action not in ("save", "restore", "erase"):
+        raise ApiError(400, "Invalid action: expected ?action=save, restore or erase")
+    filename = None
+    if action != "erase":
+        f = Fields(await read_json(request, state.max_body))
+        filename = slot_filename(f.data.get("filename"))
+    path = Path(state.slot_save_path) / filename if filename else None
+    if action == "restore" and not path.is_file():
+        raise ApiError(400, f"failed to restore slot {slot}: no file {filename!r} in the slot save path")
+    sched = state.scheduler
+    work = {"save": lambda engine: sched.save_slot(slot, path),
+            "restore": lambda engine: sched.restore_slot(slot, path),
+            "erase": lambda engine: sched.erase_slot(slot)}[action]
+    t0 = time.perf_counter()
+    while True:  # a busy slot: llama.cpp defers the action until the slot is idle; so does this
+        try:
+            result = await sched.run(work)
+            break
+        except SlotBusy:
+            if await request.is_disconnected():
+                raise ApiError(499, "the client went away") from None
+            await asyncio.sleep(0.05)
+        except RequestFailed as e:
+            raise ApiError(e.status, str(e)) from None
+    ms = round(1000 * (time.perf_counter() - t0), 3)
+    if action == "save":
+        return json_response({"id_slot": slot, "filename": filename, "n_saved": result[0], "n_written": result[1],
+                              "timings": {"save_ms": ms}})
+    if action == "restore":
+        return json_response({"id_slot": slot, "filename": filename, "n_restored": result[0], "n_read": result[1],
+                              "timings": {"restore_ms": ms}})
+    return json_response({"id_slot": slot, "n_erased": result})
+
+
 async def metrics(state: ServerState, request: Request):
     return PlainTextResponse(state.scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -353,4 +431,5 @@ ROUTES = [
     ("/detokenize", ["POST"], detokenize),
     ("/apply-template", ["POST"], apply_template),
     ("/slots", ["GET"], slots),
+    ("/slots/{id_slot}", ["POST"], slot_action),
 ]

@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, constrain,
-                                 first_item, fix_seed, json_response, off_loop, prompt_tokens, read_json,
+                                 first_item, fix_seed, id_slot, json_response, off_loop, prompt_tokens, read_json,
                                  sampling_from, sse, stream_error, stream_events, submit)
 from localllm.server import llamacpp_ext as ext
 from localllm.server import tool_calls
@@ -208,7 +208,7 @@ async def completions(state: ServerState, request: Request):
         tokens = await off_loop(infill_tokens, state.engine, prompt, f.data["suffix"])
     else:
         tokens = await off_loop(_prompt_tokens, state, f.data["prompt"])
-    handle = submit(state, tokens, params)
+    handle = submit(state, tokens, params, id_slot(f))
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
     def body(choices, usage=None):
@@ -296,7 +296,7 @@ async def chat_completions(state: ServerState, request: Request):
         # Off the event loop: a model's template may take its whole render budget (2 s) and /health must answer.
         tokens = await off_loop(chat_prompt, state, f.data["messages"])
     calling = plan is not None and plan.choice != "none"
-    handle = submit(state, tokens, params)
+    handle = submit(state, tokens, params, id_slot(f))
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
     if not opts["stream"]:

@@ -48,6 +48,7 @@ PREFILL_BUDGET = 256  # prompt tokens evaluated per step, across the requests be
 class Request:
     tokens: list[int]
     params: GenerationParams
+    slot: int = -1  # llama.cpp's id_slot: run in this slot when it is idle (see _pick_slot); -1: any
 
 
 @dataclass
@@ -68,6 +69,10 @@ class RequestFailed(Exception):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class SlotBusy(RequestFailed):
+    """A slot action asked for a slot that is running a request (the caller waits and asks again)."""
 
 
 def _failure(e: Exception) -> RequestFailed:
@@ -91,6 +96,7 @@ class Handle:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.submitted = time.perf_counter()
+        self.slot = max(request.slot, 0)  # the slot it runs in, once admitted (llama.cpp's id_slot in answers)
 
     def cancel(self) -> None:
         """Stop generating (the client went away): the scheduler drops the request at its next step."""
@@ -123,6 +129,7 @@ class _Running:
     handle: Handle
     gen: Generation
     prefill: list[int]  # prompt tokens still to evaluate
+    slot: int = 0
     logits: object = None  # the logits the next step samples from
     t_prefill: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
@@ -147,6 +154,13 @@ class Scheduler:
         self._tasks: deque[tuple] = deque()  # (fn, future, loop): other engine work (embeddings), between steps
         self._stop = False
         self.live_sequences = 0
+        # What each slot's last request left in the KV cache (its prompt and what it generated), and when it
+        # finished: llama.cpp's slots, each holding one conversation. The blocks themselves are the pool's, shared
+        # by every request that starts the same way; this record is what `/slots/N?action=save` writes and what
+        # a new request without an id_slot is matched against (the free slot that shares the longest prefix
+        # with its prompt, else the least recently used), so a conversation's turns keep to one slot.
+        self.slot_tokens: list[list[int]] = [[] for _ in range(self.parallel)]
+        self._slot_used = [0.0] * self.parallel
         self._thread = threading.Thread(target=self._loop, name="localllm-scheduler", daemon=True)
         self._publish()
 
@@ -162,6 +176,9 @@ class Scheduler:
         self._thread.join(timeout=10)
 
     def submit(self, request: Request) -> Handle:
+        if not -1 <= request.slot < self.parallel:
+            raise RequestFailed(f"id_slot {request.slot}: the server has {self.parallel} slots (0 to "
+                                f"{self.parallel - 1}; -1: any)")
         handle = Handle(request, asyncio.get_running_loop(), self)
         with self._lock:
             if len(self._inbox) + len(self._waiting) >= self.max_queue:
@@ -209,20 +226,64 @@ class Scheduler:
     def slots(self) -> list[dict]:
         """What each of the `parallel` slots runs now (llama.cpp's GET /slots), read from the event loop: a
         snapshot, taken without stopping the engine thread."""
-        running = list(self._running)
+        running = {r.slot: r for r in list(self._running)}
         out = []
         for i in range(self.parallel):
+            r = running.get(i)
             slot = {"id": i, "n_ctx": self.engine.ctx, "speculative": self.speculation is not None,
-                    "is_processing": i < len(running)}
-            if i < len(running):
-                r = running[i]
+                    "is_processing": r is not None}
+            if r is not None:
                 t = r.gen.timings
                 slot.update({"n_prompt_tokens": len(r.gen.tokens), "n_prompt_tokens_processed": t.prompt_n,
                              "n_prompt_tokens_cache": t.cache_n, "params": r.gen.params,
                              "next_token": [{"has_next_token": r.gen.finish_reason is None,
                                              "n_decoded": t.predicted_n}]})
+            else:
+                slot["n_past"] = len(self.slot_tokens[i])  # what the idle slot's cache holds
             out.append(slot)
         return out
+
+    def busy_slots(self) -> set[int]:  # engine thread (a task run between steps)
+        return {r.slot for r in self._running}
+
+    # ---- slot files (llama.cpp's /slots/N?action=...): engine-thread tasks, run between two steps -------------
+
+    def _idle_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.parallel:
+            raise RequestFailed(f"no slot {slot}: the server has {self.parallel} (0 to {self.parallel - 1})")
+        if slot in self.busy_slots():
+            raise SlotBusy(f"slot {slot} is processing a request")
+
+    def save_slot(self, slot: int, path) -> tuple[int, int]:
+        """(tokens saved, bytes written): slot's cache written to `path` (session_file's format)."""
+        from localllm import session_file
+
+        self._idle_slot(slot)
+        tokens = self.slot_tokens[slot]
+        return len(tokens), session_file.save_tokens(self.engine, tokens, path)
+
+    def restore_slot(self, slot: int, path) -> tuple[int, int]:
+        """(tokens restored, bytes read): a saved cache loaded into the pool as slot's conversation, so the next
+        request that starts with those tokens computes only what follows them."""
+        import os
+
+        from localllm import session_file
+
+        self._idle_slot(slot)
+        seq = session_file.load(self.engine, path)  # checked against the model before any byte is used
+        self.slot_tokens[slot] = list(seq.tokens)
+        self._slot_used[slot] = time.perf_counter()
+        self.engine.retire(seq)  # kept as a finished request's sequence is (its blocks, the tail's too, cached)
+        self._publish()
+        return len(seq.tokens), os.path.getsize(path)
+
+    def erase_slot(self, slot: int) -> int:
+        """Forget slot's conversation; returns how many tokens it held. (Its blocks stay in the pool's cache,
+        which every request shares, until the room is needed.)"""
+        self._idle_slot(slot)
+        n = len(self.slot_tokens[slot])
+        self.slot_tokens[slot] = []
+        return n
 
     def wake(self) -> None:
         with self._lock:
@@ -281,6 +342,8 @@ class Scheduler:
         r.gen.release_donor()
         if r.gen.seq is not None:
             if isinstance(outcome, Final) or getattr(outcome, "status", None) == 499:
+                self.slot_tokens[r.slot] = list(r.gen.seq.tokens)
+                self._slot_used[r.slot] = time.perf_counter()
                 self.engine.retire(r.gen.seq)  # kept as a donor of chunks when cache reuse is on
             else:
                 r.gen.seq.close()  # a failed forward: nothing of it is worth keeping
@@ -288,9 +351,35 @@ class Scheduler:
         if outcome is not None:
             r.handle._put(outcome)
 
+    def _pick_slot(self, request: Request, busy: set[int]) -> int | None:
+        """The slot a waiting request runs in (None: none is free). The one it names if that is idle; when that
+        one is busy, another idle one rather than waiting as llama-server does: the KV cache is the pool's, shared
+        by every slot, so a request loses no cached prefix by running elsewhere, and llama.vim, which names slot 0
+        in every request, keeps its warm-ups and keystrokes in one batched step."""
+        free = [i for i in range(self.parallel) if i not in busy]
+        if not free:
+            return None
+        if request.slot >= 0 and request.slot not in busy:
+            return request.slot
+
+        def common(i: int) -> int:
+            a, b = self.slot_tokens[i], request.tokens
+            n = min(len(a), len(b))
+            k = 0
+            while k < n and a[k] == b[k]:
+                k += 1
+            return k
+
+        best = max(free, key=lambda i: (common(i), -self._slot_used[i]))
+        return best if common(best) > 0 else min(free, key=lambda i: self._slot_used[i])
+
     def _admit(self) -> None:
+        busy = self.busy_slots()
         while self._waiting and len(self._running) < self.parallel:
             handle = self._waiting.popleft()
+            slot = self._pick_slot(handle.request, busy)
+            busy.add(slot)
+            handle.slot = slot
             seq = self.engine.new_sequence()
             self.live_sequences += 1
             params = handle.request.params
@@ -309,7 +398,7 @@ class Scheduler:
                 self.metrics.requests_failed += 1
                 handle._put(_failure(e))
                 continue
-            self._running.append(_Running(handle, gen, prefill, spec=spec))
+            self._running.append(_Running(handle, gen, prefill, slot=slot, spec=spec))
 
     def _step(self) -> None:
         # Cancelled requests leave first: their blocks are back in the pool before anything else runs.
