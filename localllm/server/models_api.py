@@ -419,9 +419,14 @@ def _create_source(f: Fields) -> tuple[str, Path, Path | None]:
 
 
 def _shown(source: Path) -> str:
-    """A source as an error names it to the client: an upload's scratch folder as "the uploaded checkpoint", a
-    path by its last part (the server's folders are not the client's business)."""
-    return "the uploaded checkpoint" if source.name.startswith(".checkpoint-") else repr(source.name)
+    """A source as an error names it to the client: an upload's scratch folder as "the uploaded checkpoint", an
+    uploaded blob as "the uploaded model", a path by its last part (the server's folders are not the client's
+    business)."""
+    if source.name.startswith(".checkpoint-"):
+        return "the uploaded checkpoint"
+    if source.parent.name == "blobs" and DIGEST.fullmatch(source.name):
+        return "the uploaded model"
+    return repr(source.name)
 
 
 def _without_paths(message: str, source: Path) -> str:
@@ -429,12 +434,14 @@ def _without_paths(message: str, source: Path) -> str:
     for path, what in ((source, _shown(source)), (source.parent, "the server's folder"), (_store(), "the model store")):
         for form in {str(path), str(path.resolve())}:
             message = message.replace(form + "/", "").replace(form, what)
+    if _shown(source) == "the uploaded model":  # (its file name is the store's, not the client's)
+        message = message.replace(source.name, "the uploaded model")
     return message
 
 
 def _create(name: str, kind: str, source: Path, quantize: str | None, say, cancel=None) -> None:
     """Write model `name` from `source`; `say(status)` reports progress; `cancel` (a threading.Event) set when the
-    client goes stops a conversion."""
+    client goes stops a conversion or a quantization (each runs in a process of its own: create_worker.py)."""
     from localllm import store
 
     dest = store.model_path(name)
@@ -451,13 +458,14 @@ def _create(name: str, kind: str, source: Path, quantize: str | None, say, cance
         else:
             check_gguf(source)
             if quantize:
-                from localllm.quantize import quantize_file
+                from localllm.server import create_worker
 
                 say(f"quantizing to {quantize.upper()}")
-                try:
-                    quantize_file(source, tmp, quantize)
+                try:  # in a process with a time and memory budget, stopped if the client goes, as a conversion
+                    create_worker.quantize(source, tmp, quantize, cancel)
                 except LocalLLMError as e:
-                    raise ApiError(400, f"cannot quantize {source.name}: {_without_paths(str(e), source)}") from None
+                    raise ApiError(400, f"cannot quantize {_shown(source)}: {_without_paths(str(e), source)}") \
+                        from None
             else:
                 say("writing model")
                 link_or_copy(source, dest, True)
@@ -491,7 +499,7 @@ async def create(state: ServerState, request: Request):
     stream = f.get("stream", bool, True)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()  # set when the client goes: a conversion stops
+    cancel = threading.Event()  # set when the client goes: a conversion or quantization stops
 
     def say(status: str) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, status)
@@ -542,7 +550,7 @@ async def create(state: ServerState, request: Request):
                 yield line
         finally:
             if not task.done():
-                cancel.set()  # the client went away mid-create: its conversion stops
+                cancel.set()  # the client went away mid-create: its conversion or quantization stops
 
     return StreamingResponse(stopping_lines(), media_type="application/x-ndjson")
 
