@@ -126,7 +126,8 @@ def add_commands(sub) -> None:
                     "(the same keys, tensor names, order and bytes), without torch. SRC is a directory (config.json, "
                     "model*.safetensors, single or sharded with model.safetensors.index.json, tokenizer.json and/or "
                     "tokenizer.model, tokenizer_config.json) or hf://owner/repo[@revision] (only those files are "
-                    "fetched, into localllm's cache folder, hf-checkpoints/; with LOCALLLM_OFFLINE or HF_HUB_OFFLINE "
+                    "fetched, into localllm's cache folder, hf-checkpoints/, and kept only once all have arrived whole, "
+                    "bounded by --max-download; with LOCALLLM_OFFLINE or HF_HUB_OFFLINE "
                     "set, only that folder or the Hugging Face cache is read). Architectures: llama (Llama, "
                     "Mistral), qwen2, qwen3, gemma3. The output is written beside its final path as "
                     "OUT.partial and renamed when complete; an interrupted run keeps it for --resume.")
