@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The models the test suite runs on (catalog names; see models/).
 TEST_MODELS := smollm2-135m-instruct gemma3-270m qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
-.PHONY: setup setup-dev chat test test-models bench clean
+.PHONY: setup setup-dev chat test test-models test-clients clients bench clean
 
 # What running models needs (make chat); the tests' tools come with setup-dev (make test): the official API
 # clients, and the OpenCL checkers (Oclgrind, Intel's CPU runtime: 850 MB that a chat user does not need).
@@ -34,11 +34,31 @@ test-models: setup
 	$(BIN)/localllm pull $(TEST_MODELS)
 
 test: setup-dev test-models
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -m "not clients"
+
+# The real clients (tests/test_real_clients.py): Claude Code and Codex CLI from npm, aider, llm, LangChain,
+# pydantic-ai and instructor from PyPI, pinned in tests/clients/, installed under .clients/ apart from the
+# project's environment (aider in one of its own: it pins most of what it uses). .ci/run runs them after `make test`.
+CLIENTS ?= .clients
+
+clients: $(CLIENTS)/.installed
+
+$(CLIENTS)/.installed: tests/clients/package.json tests/clients/requirements.txt tests/clients/requirements-aider.txt
+	rm -rf $(CLIENTS) && mkdir -p $(CLIENTS)/npm
+	cp tests/clients/package.json $(CLIENTS)/npm/
+	cd $(CLIENTS)/npm && npm install --no-audit --no-fund --loglevel=error
+	$(PYTHON) -m venv $(CLIENTS)/py
+	$(CLIENTS)/py/bin/python -m pip install --quiet -r tests/clients/requirements.txt
+	$(PYTHON) -m venv $(CLIENTS)/aider
+	$(CLIENTS)/aider/bin/python -m pip install --quiet -r tests/clients/requirements-aider.txt
+	touch $@
+
+test-clients: setup-dev test-models clients
+	LOCALLLM_CLIENTS=$(abspath $(CLIENTS)) $(BIN)/python -m pytest -q --durations=15 -m clients
 
 # LLAMA_BENCH=/path/to/llama-bench: llama.cpp's figures beside localllm's, as ratios from the same run.
 bench: setup
 	$(BIN)/localllm bench --present --depth 4096 $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CLIENTS) build *.egg-info
