@@ -144,7 +144,10 @@ def test_ollama_embed_and_the_older_embeddings_route_through_the_official_client
     r = client.embed(model=MODEL, input=TEXTS[:3])
     assert len(r.embeddings) == 3 and r.prompt_eval_count > 0
     oai = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
-    assert r.embeddings == [d.embedding for d in oai.embeddings.create(model=MODEL, input=TEXTS[:3]).data]
+    # The same float32 vectors: Ollama's route writes them as Go writes float32 (9 digits at most), OpenAI's as
+    # the float64 they widen to
+    same = [d.embedding for d in oai.embeddings.create(model=MODEL, input=TEXTS[:3]).data]
+    assert np.array_equal(np.asarray(r.embeddings, np.float32), np.asarray(same, np.float32))
     old = client.embeddings(model=MODEL, prompt=TEXTS[0]).embedding  # Ollama's older route: not normalized
     v = np.asarray(old)
     assert abs(np.linalg.norm(v) - 1) > 0.01

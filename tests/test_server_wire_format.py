@@ -20,7 +20,7 @@ import pytest
 from conftest import model_file
 from test_server import start_server, stop_server
 
-from localllm.server.app import dumps_compact, dumps_go
+from localllm.server.app import dumps_compact, dumps_go, go_float32
 
 CODER = "qwen2.5-coder-0.5b-instruct"
 
@@ -83,6 +83,25 @@ def test_compact_writer_matches_the_reference_writers_byte_for_byte():
     # Go's json.Marshal (Ollama): the same, with HTML characters and the JS line separators escaped
     assert dumps_go(value) == ('{"content":"héllo \\u003cb\\u003e \\u0026 \\u2028 \\"q\\"\\n",'
                                '"n":[1,2.5,null,true]}')
+
+
+def test_float32_values_are_written_as_gos_encoder_writes_them():
+    # what Go's json.Marshal of a []float32 printed for these values (Go 1.19, Debian's golang-go)
+    values = [0.1, 1e-7, -1.5e-7, 123456792.0, 1e21, 3.4028235e38, -0.0, 1.0, 0.0, -0.01379362028092146, 1e-6,
+              9.99e-7, 1.4e-45]
+    go = "0.1,1e-7,-1.5e-7,123456790,1e+21,3.4028235e+38,-0,1,0,-0.01379362,0.000001,9.99e-7,1e-45"
+    assert ",".join(map(go_float32, values)) == go
+
+
+def test_ollama_embed_writes_its_vectors_as_go_writes_float32(coder):
+    r = coder.post("/api/embed", json={"model": CODER, "input": ["a", "b c"]})
+    assert r.status_code == 200
+    raw = r.text
+    assert keys(raw) == ["model", "embeddings", "total_duration", "prompt_eval_count"]
+    vectors = r.json()["embeddings"]
+    numbers = raw[raw.index('"embeddings":[[') + 15 : raw.index("]]")].replace("],[", ",").split(",")
+    assert len(numbers) == 2 * len(vectors[0]) and numbers == [go_float32(x) for row in vectors for x in row]
+    assert all(len(n.lstrip("-0.").replace(".", "").split("e")[0]) <= 9 for n in numbers)  # float32's digits
 
 
 def test_infill_answer_passes_llama_vims_check_and_keeps_llamacpps_key_order(coder):

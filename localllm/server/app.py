@@ -15,6 +15,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -478,6 +479,26 @@ _GO_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u
 def dumps_go(obj) -> str:
     """JSON as Go's json.Marshal writes it (Ollama): compact, UTF-8, HTML characters escaped."""
     return dumps_compact(obj).translate(_GO_ESCAPES)
+
+
+def go_float32(x) -> str:
+    """A float32 as Go's encoding/json writes it (Ollama's []float32 embeddings): the shortest digits that read
+    back to the same float32, positional unless |x| < 1e-6 or >= 1e21, where it is exponential with Go's
+    exponent ("1e-7", "1e+21"), where Python's float64 repr of the same value has twice the digits."""
+    f = np.float32(x)
+    a = abs(f)
+    if a != 0 and (a < np.float32(1e-6) or a >= np.float32(1e21)):
+        text = np.format_float_scientific(f, unique=True, trim="-")
+        mantissa, _, exponent = text.partition("e")
+        sign, digits = exponent[0], exponent[1:].lstrip("0")
+        # Go writes at least two exponent digits, then json.Marshal turns e-0N into e-N (not e+0N)
+        return f"{mantissa}e{sign}{digits if sign == '-' else digits.rjust(2, '0')}"
+    return np.format_float_positional(f, unique=True, trim="-")
+
+
+def go_float32_rows(rows) -> str:
+    """A matrix of float32 as Go's json.Marshal writes [][]float32."""
+    return "[" + ",".join("[" + ",".join(map(go_float32, row)) + "]" for row in rows) + "]"
 
 
 def _encode(text: str) -> bytes:

@@ -16,8 +16,10 @@ import time
 
 import numpy as np
 from starlette.requests import Request
+from starlette.responses import Response
 
-from localllm.server.app import ApiError, Fields, ServerState, json_response, off_loop, ollama_response, read_json
+from localllm.server.app import (ApiError, Fields, ServerState, dumps_go, go_float32_rows, json_response, off_loop,
+                                 ollama_response, read_json)
 
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
@@ -111,10 +113,13 @@ async def ollama_embed(state: ServerState, request: Request):
     _check_dimensions(state, f)
     tokens = await off_loop(_tokenize, state, items, "input", truncate)
     vectors = await _embed(state, tokens)
-    # Ollama's EmbedResponse (its load_duration of 0 left out: omitempty)
-    return ollama_response({"model": f.get("model", str, state.model_name), "embeddings": vectors.tolist(),
-                            "total_duration": time.perf_counter_ns() - start,
-                            "prompt_eval_count": sum(len(t) for t in tokens)})
+    # Ollama's EmbedResponse, in its field order (its load_duration of 0 left out: omitempty), the vectors
+    # written as Go writes []float32: "-0.01379362", not the float64 repr "-0.01379362028092146"
+    head = dumps_go({"model": f.get("model", str, state.model_name)})
+    tail = dumps_go({"total_duration": time.perf_counter_ns() - start,
+                     "prompt_eval_count": sum(len(t) for t in tokens)})
+    text = await off_loop(lambda: f'{head[:-1]},"embeddings":{go_float32_rows(vectors)},{tail[1:]}')
+    return Response(text.encode(), media_type="application/json; charset=utf-8")
 
 
 async def ollama_embeddings(state: ServerState, request: Request):
