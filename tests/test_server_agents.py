@@ -17,7 +17,8 @@ from conftest import model_file
 from test_server import start_server, stop_server
 
 from localllm.chat_template import ChatTemplate
-from localllm.server.anthropic_api import fold_system, render_system_anywhere, to_chat_request
+from localllm.server.anthropic_api import to_chat_request
+from localllm.server.app import fold_system, render_system_anywhere
 from localllm.server.tool_calls import relaxed_keywords
 
 CODER = "qwen2.5-coder-0.5b-instruct"
@@ -69,6 +70,15 @@ def test_a_template_that_takes_one_system_message_gets_the_others_folded_into_it
     chatml = ChatTemplate(None)
     assert "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>system\nA file changed." in \
         render_system_anywhere(chatml.render, messages)
+
+
+def test_system_messages_given_as_text_parts_fold_as_their_text():
+    # OpenAI's content parts: a late system message as [{"type": "text", ...}] folds as its text
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+                {"role": "user", "content": "Go on"}]
+    assert render_system_anywhere(ChatTemplate(ONE_SYSTEM).render, messages) == \
+        "<user>Be brief. Hi<assistant>Hello.<user>Go on"
 
 
 def test_the_keywords_the_grammar_engine_cannot_enforce_are_named():

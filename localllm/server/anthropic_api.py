@@ -41,8 +41,8 @@ from localllm.errors import LocalLLMError
 from localllm.server import tool_calls
 from localllm.toolcalls import CallDelta, TextDelta, ToolError, ToolPlan, plan_tools
 from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, dumps_compact, first_item,
-                                 fix_seed, json_response, off_loop, prompt_tokens, read_json, sampling_from,
-                                 stream_events, submit, watching_disconnect)
+                                 fix_seed, json_response, off_loop, prompt_tokens, read_json,
+                                 render_system_anywhere, sampling_from, stream_events, submit, watching_disconnect)
 from localllm.server.app import anthropic_error_body as error_body
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -330,31 +330,6 @@ def to_chat_request(data: dict) -> ChatRequest:
 # and Ollama routes (localllm/toolcalls.py, server/tool_calls.py): the plan renders them into the prompt through
 # the model's template and constrains the call; its parser finds the calls in the answer, which leave as
 # tool_use blocks and input_json_delta events (message_body, EventWriter) with stop_reason "tool_use".
-
-
-def fold_system(messages: list[dict]) -> list[dict]:
-    """The messages with every system message folded into one system prompt at the start (their texts in
-    order, a blank line apart)."""
-    system = [m["content"] for m in messages if m["role"] == "system"]
-    rest = [m for m in messages if m["role"] != "system"]
-    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
-
-
-def render_system_anywhere(render, messages: list[dict]) -> str:
-    """render(messages), with system messages after the first message rendered where they stand when the
-    template renders them there (ChatML templates do); a template that refuses them ("roles must alternate")
-    or leaves their text out gets them folded into the system prompt (fold_system), as llama-server does for a
-    template that takes one system message."""
-    late = [m["content"] for m in messages[1:] if m["role"] == "system"]
-    if not late:
-        return render(messages)
-    try:
-        text = render(messages)
-        if all(c.strip() in text for c in late):
-            return text
-    except LocalLLMError:
-        pass
-    return render(fold_system(messages))
 
 
 async def prompt_text(state: ServerState, chat: ChatRequest, params: GenerationParams | None) -> str:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from localllm.engine import Engine
+from localllm.errors import LocalLLMError
 from localllm.server.scheduler import Final, Handle, RequestFailed, Scheduler
 from localllm.server.scheduler import Request as SchedRequest
 
@@ -216,6 +217,40 @@ async def off_loop(fn, *args, **kwargs):
     tokenizing: 4-26 s for 4 MB on smollm2, by how often words repeat) must not hold the event loop, which
     serves every other request."""
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def _content_text(content) -> str:
+    """A message's text: its string, or its text parts joined (OpenAI's and Anthropic's part lists)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """The messages with every system message folded into one system prompt at the start (their texts in
+    order, a blank line apart)."""
+    system = [_content_text(m.get("content")) for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
+
+
+def render_system_anywhere(render, messages: list[dict]) -> str:
+    """render(messages), with system messages after the first message rendered where they stand when the
+    template renders them there (ChatML templates do); a template that refuses them ("roles must alternate")
+    or leaves their text out gets them folded into the system prompt (fold_system), as llama-server does for a
+    template that takes one system message. Every chat route renders its messages through this."""
+    late = [_content_text(m.get("content")) for m in messages[1:] if isinstance(m, dict) and m.get("role") == "system"]
+    if not late:
+        return render(messages)
+    try:
+        text = render(messages)
+        if all(c.strip() in text for c in late):
+            return text
+    except LocalLLMError:
+        pass
+    return render(fold_system(messages))
 
 
 def prompt_tokens(state: "ServerState", text: str, chat: bool = False) -> list[int]:

@@ -13,8 +13,8 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from localllm import __version__
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, first_item, fix_seed, id_slot,
-                                 json_response, off_loop, prompt_tokens, read_json, sampling_from, sse,
-                                 stream_error, stream_events, submit, watching_disconnect)
+                                 json_response, off_loop, prompt_tokens, read_json, render_system_anywhere,
+                                 sampling_from, sse, stream_error, stream_events, submit, watching_disconnect)
 from localllm.server import llamacpp_ext as ext
 from localllm.server.infill import IndentCut, infill_tokens
 
@@ -313,7 +313,8 @@ async def apply_template(state: ServerState, request: Request):
     add = f.get("add_generation_prompt", bool, True)
     tools = f.get("tools", list, None)
     if not tool_calls.uses_tools(tools, f.data.get("tool_choice"), messages):
-        prompt = await off_loop(state.engine.render_chat, messages, add)  # a template may take its whole budget
+        # a template may take its whole budget; late system messages as the chat route renders them
+        prompt = await off_loop(render_system_anywhere, lambda msgs: state.engine.render_chat(msgs, add), messages)
         return json_response({"prompt": prompt})
     template = state.engine.template
 
@@ -321,7 +322,8 @@ async def apply_template(state: ServerState, request: Request):
         try:
             plan = plan_tools(template, tools or [], f.data.get("tool_choice"),
                               f.get("parallel_tool_calls", bool, None))
-            return plan.render(template, messages, add_generation_prompt=add)
+            return render_system_anywhere(
+                lambda msgs: plan.render(template, msgs, add_generation_prompt=add), messages)
         except ToolError as e:
             raise ApiError(400, str(e), param=e.param) from None
 

@@ -21,8 +21,8 @@ from localllm import __version__
 from localllm.chat_history import fit_messages
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, constrain, first_item, fix_seed,
-                                 ndjson_line, off_loop, ollama_response, prompt_tokens, read_json, sampling_from,
-                                 stream_error, stream_events, submit)
+                                 ndjson_line, off_loop, ollama_response, prompt_tokens, read_json,
+                                 render_system_anywhere, sampling_from, stream_error, stream_events, submit)
 from localllm.server import models_api, tool_calls
 from localllm.server.infill import infill_tokens
 from localllm.toolcalls import CallDelta, TextDelta, supports_tools
@@ -319,7 +319,7 @@ def _ollama_calls(calls) -> list[dict]:
 def _chat_tokens(state: ServerState, messages: list[dict], room: int, plan=None) -> list[int]:
     if plan is None:
         kept, _ = fit_messages(state.engine, messages, room)
-        return prompt_tokens(state, state.engine.render_chat(kept), chat=True)
+        return prompt_tokens(state, render_system_anywhere(state.engine.render_chat, kept), chat=True)
     kept, _ = fit_messages(state.engine, messages, room,
                            render=lambda msgs: plan.render(state.engine.template, msgs))
     return tool_calls.prompt(state, plan, kept)

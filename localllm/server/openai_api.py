@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from localllm.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, constrain,
                                  first_item, fix_seed, id_slot, json_response, off_loop, prompt_tokens, read_json,
-                                 sampling_from, sse, stream_error, stream_events, submit)
+                                 render_system_anywhere, sampling_from, sse, stream_error, stream_events, submit)
 from localllm.server import llamacpp_ext as ext
 from localllm.server import tool_calls
 from localllm.server.infill import infill_tokens
@@ -269,7 +269,9 @@ def _chat_logprob(state: ServerState, event, n_top: int) -> dict:
 def chat_prompt(state: ServerState, messages) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
-    prompt = state.engine.render_chat(messages)  # validates roles and contents (LocalLLMError -> 400)
+    # validates roles and contents (LocalLLMError -> 400); system messages after the first where they stand,
+    # or folded into the system prompt where the template takes one only
+    prompt = render_system_anywhere(state.engine.render_chat, messages)
     return prompt_tokens(state, prompt, chat=True)
 
 

@@ -31,9 +31,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from localllm.server import openai_api, tool_calls
-from localllm.server.anthropic_api import render_system_anywhere
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, dumps_compact, first_item,
-                                 json_response, off_loop, prompt_tokens, read_json, stream_events, submit)
+                                 json_response, off_loop, prompt_tokens, read_json, render_system_anywhere,
+                                 stream_events, submit)
 from localllm.toolcalls import CallDelta, TextDelta
 
 STORE_SIZE = 1000

@@ -7,7 +7,7 @@ import json
 import logging
 import re
 
-from localllm.server.app import ApiError, ServerState, constrain, prompt_tokens
+from localllm.server.app import ApiError, ServerState, constrain, prompt_tokens, render_system_anywhere
 from localllm.toolcalls import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger("localllm.server")
@@ -92,7 +92,7 @@ def prompt(state: ServerState, plan: ToolPlan, messages) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
     try:
-        text = plan.render(state.engine.template, messages)
+        text = render_system_anywhere(lambda msgs: plan.render(state.engine.template, msgs), messages)
     except ToolError as e:
         raise ApiError(400, str(e), param=e.param) from None
     return prompt_tokens(state, text, chat=True)
