@@ -1258,3 +1258,82 @@ def test_the_cpu_routing_kernel_chooses_the_experts_of_the_numpy_routing_with_it
         assert np.array_equal(ids, want_ids)
         np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=0)
         assert np.all(weights[4] == 0)  # every logit NaN: no weight
+
+
+# ---- a q8_0 KV cache on the device (kv_type q8_0): int8 values with a float32 scale per 32, the CPU's bytes ----
+
+def _q8_rows(rng, n, n_kv, d):
+    """Rows as K/V projections give them, with the cases the rounding must agree on: a block of zeros (scale
+    0), ties of x / d at .5 (x = k * amax / 254), outliers of ~150 beside values near 1 (Qwen2's first layers),
+    tiny and huge magnitudes."""
+    x = rng.standard_normal((n, n_kv, d)).astype(np.float32)
+    x[0, 0, :32] = 0.0
+    if d >= 64:
+        x[0, 0, 32:64] = np.arange(32, dtype=np.float32) * np.float32(0.5) - 8  # many exact halves of d
+    x[-1, -1, :32] *= np.float32(1e-30)
+    x[-1, 0, -32:] *= np.float32(3e4)
+    x[n // 2, :, 5] = 150.0
+    return x
+
+
+def _cpu_q8(rows, cols, cap):
+    from localllm.kernels.cpu import attention as cpu_attention
+
+    n, n_kv, d = rows.shape
+    store = np.zeros((n_kv, cap, d), np.int8)
+    scales = np.zeros((n_kv, cap, d // 32), np.float32)
+    cpu_attention.write_rows(store, scales, np.asarray(cols, np.int64), rows)
+    return store, scales
+
+
+def _device_q8(ops, rows, cols, cap):
+    n, n_kv, d = rows.shape
+    store = ops.to_device(np.zeros((n_kv, cap, d), np.int8), np.int8)
+    scales = ops.to_device(np.zeros((n_kv, cap, d // 32), np.float32))
+    ops.kv_write(store, ops.to_device(rows), cols=np.asarray(cols, np.int32), scales=scales)
+    return store, scales
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_opencl_q8_0_kv_rows_are_the_cpu_backends_bytes(ops, d):
+    rng = np.random.default_rng(d)
+    n_kv, cap = 2, 64
+    rows = _q8_rows(rng, 20, n_kv, d)
+    cols = rng.permutation(cap)[:20]  # a paged cache's scattered columns
+    want_q, want_s = _cpu_q8(rows, cols, cap)
+    got_q, got_s = (ops.to_host(a) for a in _device_q8(ops, rows, cols, cap))
+    assert np.array_equal(got_q, want_q)
+    assert np.array_equal(got_s.view(np.uint32), want_s.view(np.uint32))
+    with pytest.raises(ValueError, match="need their float32 scales"):
+        ops.kv_write(ops.to_device(want_q, np.int8), ops.to_device(rows[:1]), cols=np.array([0]))
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES[:5], ids=lambda c: "n{}-h{}-kv{}-d{}-dv{}-T{}-w{}-s{}".format(*c))
+def test_opencl_attention_over_a_q8_0_cache_matches_the_cpu_backends_q8_0_attention(ops, case):
+    """The same q8_0 bytes read by both backends' attention (dequantized in the kernel): as close as their float32
+    attentions are to the reference, paged through a block table, windows and trimmed starts included."""
+    from localllm.kernels import ops as cpu_ops
+
+    n, n_head, n_kv, d, dv, t, window, key_start = case
+    key_start = -(-key_start // 16) * 16  # the pool's caches start at a block (the CPU's table says which)
+    rng = np.random.default_rng(sum(case) + 1)
+    q = (rng.standard_normal((n, n_head, d)) * 2).astype(np.float32)
+    blocks = rng.permutation(-(-t // 16) + 3)[: -(-t // 16)]
+    cols = (blocks[:, None] * 16 + np.arange(16)).ravel()[:t]
+    cap = 16 * (len(blocks) + 3)
+    k_rows, v_rows = _q8_rows(rng, t, n_kv, d), _q8_rows(rng, t, n_kv, dv)
+    kq, ks = _cpu_q8(k_rows, cols, cap)
+    vq, vs = _cpu_q8(v_rows, cols, cap)
+    positions = np.arange(key_start + t - n, key_start + t)
+    scale = d**-0.5
+    want = cpu_ops.attention(q, (kq, ks, vq, vs, blocks.astype(np.int64), key_start // 16), positions, key_start, window, scale)
+    dk, dks = _device_q8(ops, k_rows, cols, cap)
+    dvq, dvs = _device_q8(ops, v_rows, cols, cap)
+    got = ops.to_host(ops.attention(ops.to_device(q), dk, dvq, positions, scale, window, key_start, cols=cols,
+                                    k_scales=dks, v_scales=dvs))
+    assert nmse(got, want) <= OPS_NMSE["attention"], f"NMSE {nmse(got, want):.3g}"
+    # and it is attention over the dequantized values (not the float32 rows: q8_0 moves it by far more)
+    deq_k = kq[:, cols].astype(np.float32) * np.repeat(ks[:, cols], 32, axis=2)
+    deq_v = vq[:, cols].astype(np.float32) * np.repeat(vs[:, cols], 32, axis=2)
+    ref = reference.attention(q, deq_k, deq_v, positions, scale, window, key_start)
+    assert nmse(got, ref) <= OPS_NMSE["attention"]

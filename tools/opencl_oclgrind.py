@@ -304,6 +304,33 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
         early = ops.to_host(ops.attention(ops.to_device(q[:1]), pk, pv, np.array([3]), 0.1, 0, key_start, cols=cols))
         assert np.array_equal(early, np.zeros_like(early)), "a query before every key"
 
+    @case("ops: q8_0 KV: kv_write_q8 (the CPU backend's bytes), attention_q8 (paged, two key tiles, window)")
+    def _():
+        from localllm.kernels.cpu import attention as cpu_attention
+
+        rng = np.random.default_rng(9)
+        n_kv, n_head, d, dv, t, cap = 2, 4, 96, 64, 70, 96
+        k_rows = rng.standard_normal((t, n_kv, d)).astype(np.float32)
+        v_rows = rng.standard_normal((t, n_kv, dv)).astype(np.float32)
+        k_rows[0, 0, :32] = 0.0  # a block whose scale is 0
+        cols = (rng.permutation(6)[:5][:, None] * 16 + np.arange(16)).ravel()[:t].astype(np.int32)
+        stores = []
+        for rows, dim in ((k_rows, d), (v_rows, dv)):
+            want_q, want_s = np.zeros((n_kv, cap, dim), np.int8), np.zeros((n_kv, cap, dim // 32), np.float32)
+            cpu_attention.write_rows(want_q, want_s, cols.astype(np.int64), rows)
+            dq, ds = ops.to_device(np.zeros_like(want_q), np.int8), ops.to_device(np.zeros_like(want_s))
+            for lo, hi in ((0, 65), (65, 70)):
+                ops.kv_write(dq, ops.to_device(rows[lo:hi]), cols=cols[lo:hi], scales=ds)
+            assert np.array_equal(ops.to_host(dq), want_q) and np.array_equal(bits(ops.to_host(ds)), bits(want_s)), \
+                "kv_write_q8"
+            stores.append((dq, ds, want_q[:, cols].astype(np.float32) * np.repeat(want_s[:, cols], 32, axis=2)))
+        (kq, ks, k_deq), (vq, vs, v_deq) = stores
+        q = rng.standard_normal((2, n_head, d)).astype(np.float32)
+        pos = np.array([16 + t - 2, 16 + t - 1])
+        got = ops.to_host(ops.attention(ops.to_device(q), kq, vq, pos, 0.1, 50, 16, cols=cols, k_scales=ks,
+                                        v_scales=vs))
+        assert nmse(got, reference.attention(q, k_deq, v_deq, pos, 0.1, 50, 16)) <= 1e-10, "attention_q8"
+
     failed = 0
     for name, fn in cases:
         if only and not any(s.lower() in name.lower() for s in only):

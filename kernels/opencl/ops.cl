@@ -198,6 +198,48 @@ kernel void kv_write(global const float *src, global float *cache, global const 
     cache[((ulong)h * cap + (uint)cols[t]) * d + j] = src[i];
 }
 
+// ---- a q8_0 KV cache (kv_type q8_0): int8 values (n_kv, cap, d) with a float32 scale per 32 of them (n_kv, cap,
+// d / 32), as the CPU backend stores it (kernels/cpu/attention.py write_rows): ggml's quantize_row_q8_0 with the
+// scale kept in float32, d = amax / 127, q = rint(x * (1 / d)), so the bytes are the CPU backend's for the same
+// rows. OpenCL C lets `/` be off by 2.5 ulp (GPUs use it), so the two divisions go through div_rn.
+
+// div_rn(a, b): a / b correctly rounded (b > 0): the quotient the device gives, moved to whichever neighbour leaves
+// the smallest remainder a - q * b (exact in fma() for a q within a few ulp of a / b).
+float div_rn(float a, float b) {
+    float q = a / b;
+    if (isinf(q) || isnan(q)) return q;
+    for (int it = 0; it < 4; it++) {
+        float r = fabs(fma(-q, b, a));
+        float up = nextafter(q, INFINITY), dn = nextafter(q, -INFINITY);
+        if (fabs(fma(-up, b, a)) < r) q = up;
+        else if (fabs(fma(-dn, b, a)) < r) q = dn;
+        else break;
+    }
+    return q;
+}
+
+// QUANTIZE_Q8(x, dst, dscale): the 32 floats x[0..31] (global or local) as int8 dst[0..31] and their scale *dscale
+#define QUANTIZE_Q8(x, dst, dscale)                                                                             \
+    {                                                                                                           \
+        float amax_ = 0.0f;                                                                                     \
+        for (int u_ = 0; u_ < 32; u_++) amax_ = fmax(amax_, fabs((x)[u_]));                                     \
+        float d_ = div_rn(amax_, 127.0f);                                                                       \
+        float inv_ = d_ != 0.0f ? div_rn(1.0f, d_) : 0.0f;                                                      \
+        *(dscale) = d_;                                                                                         \
+        for (int u_ = 0; u_ < 32; u_++) (dst)[u_] = (char)rint((x)[u_] * inv_);                                 \
+    }
+
+// kv_write_q8(src, cache, scales, cols, n_kv, cap, d, blocks): kv_write into a q8_0 cache, one work-item per block
+// of 32 values of src (n, n_kv, d): blocks = n * n_kv * d / 32.
+kernel void kv_write_q8(global const float *src, global char *cache, global float *scales, global const int *cols,
+                        uint n_kv, uint cap, uint d, uint blocks) {
+    uint i = get_global_id(0);
+    if (i >= blocks) return;
+    uint nb = d / 32, b = i % nb, h = (i / nb) % n_kv, t = i / (nb * n_kv);
+    ulong at = (ulong)h * cap + (uint)cols[t];
+    QUANTIZE_Q8(src + (ulong)i * 32, cache + at * d + b * 32, scales + at * nb + b)
+}
+
 // gather_rows(x, idx, out, cols, count): out[r, :] = x[idx[r], :] (count = rows * cols values).
 kernel void gather_rows(global const float *x, global const int *idx, global float *out, uint cols, uint count) {
     uint i = get_global_id(0);
@@ -220,7 +262,7 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
 // (j = lid, lid + ATT_WG, ...: at most ATT_NACC per item, in registers).
 // The body of both attention kernels: query i at position P over keys 0 .. T_ - 1 of the cache, key t at
 // position KEY_START + t and in storage column COL(t). A macro, so the two kernels' arithmetic is one text.
-#define ATTENTION_BODY(P, T_, KEY_START, COL)                                                                   \
+#define ATTENTION_BODY(P, T_, KEY_START, COL, KV)                                                                   \
     local float qs[ATT_MAX_D];                                                                                  \
     local float ps[ATT_WG];                                                                                     \
     uint kvh = h / (n_head / n_kv);                                                                             \
@@ -230,8 +272,7 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
     int p = (P), k_start = (KEY_START);                                                                       \
     int hi = min(p - k_start + 1, (int)(T_));                                                                 \
     int lo = window > 0 ? max(p - window + 1 - k_start, 0) : 0;                                               \
-    global const float *kh = k + (ulong)kvh * cap * d;                                                          \
-    global const float *vh = v + (ulong)kvh * cap * dv;                                                         \
+    KV##_HEADS                                                                                                  \
     float acc[ATT_NACC];                                                                                        \
     for (int m = 0; m < ATT_NACC; m++) acc[m] = 0.0f;                                                           \
     float run_max = -INFINITY, run_sum = 0.0f;                                                                  \
@@ -240,9 +281,8 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
         int t = t0 + (int)lid;                                                                                  \
         float sc = -INFINITY;                                                                                   \
         if (t < hi) {                                                                                           \
-            global const float *kt = kh + (ulong)(uint)(COL(t)) * d;                                            \
             float dot = 0.0f;                                                                                   \
-            for (uint j = 0; j < d; j++) dot = MAC(qs[j], kt[j], dot);                                          \
+            KV##_DOT((uint)(COL(t)), dot)                                                                       \
             sc = dot * scale;                                                                                   \
             if (softcap > 0.0f) sc = tanh(sc / softcap) * softcap;  /* gemma2's attention logit soft-cap */     \
         }                                                                                                       \
@@ -260,11 +300,11 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
         for (int u = 0; u < n_t; u++) {                                                                         \
             float pu = ps[u];                                                                                   \
             run_sum += pu;                                                                                      \
-            global const float *vt = vh + (ulong)(uint)(COL(t0 + u)) * dv;                                      \
+            KV##_VROW((uint)(COL(t0 + u)))                                                                      \
             for (int m = 0; m < ATT_NACC; m++) {  /* a constant bound: unrolled, acc stays in registers */      \
                 uint j = lid + (uint)m * ATT_WG;                                                                \
                 if (j >= dv) break;                                                                             \
-                acc[m] = MAC(pu, vt[j], acc[m]);                                                                \
+                KV##_VMAC(pu, j, acc[m]);                                                                       \
             }                                                                                                   \
         }                                                                                                       \
         run_max = new_max;                                                                                      \
@@ -278,12 +318,54 @@ kernel void gather_rows(global const float *x, global const int *idx, global flo
         if (j < dv) o[j] = acc[m] * inv;                                                                        \
     }
 
+// How ATTENTION_BODY reads the cache: float32 keys and values (F32), or q8_0 ones (Q8: each key's dot product
+// summed per block of 32 and times its scale, each value times its block's scale, as kernels/cpu/attention.py's
+// q8_0 attention does; the dequantized values are never stored).
+#define F32_HEADS                                                                                               \
+    global const float *kh = k + (ulong)kvh * cap * d;                                                          \
+    global const float *vh = v + (ulong)kvh * cap * dv;
+#define F32_DOT(c, dot)                                                                                         \
+    {                                                                                                           \
+        global const float *kt = kh + (ulong)(c) * d;                                                           \
+        for (uint j = 0; j < d; j++) dot = MAC(qs[j], kt[j], dot);                                              \
+    }
+#define F32_VROW(c) global const float *vt = vh + (ulong)(c) * dv;
+#define F32_VMAC(pu, j, a) a = MAC(pu, vt[j], a)
+#define Q8_HEADS                                                                                                \
+    global const char *kh = k + (ulong)kvh * cap * d;                                                           \
+    global const char *vh = v + (ulong)kvh * cap * dv;                                                          \
+    global const float *ksh = ks + (ulong)kvh * cap * (d / 32);                                                 \
+    global const float *vsh = vs + (ulong)kvh * cap * (dv / 32);
+#define Q8_DOT(c, dot)                                                                                          \
+    {                                                                                                           \
+        global const char *kt = kh + (ulong)(c) * d;                                                            \
+        global const float *kst = ksh + (ulong)(c) * (d / 32);                                                  \
+        for (uint b = 0; b < d / 32; b++) {                                                                     \
+            float sb = 0.0f;                                                                                    \
+            for (uint j = b * 32; j < b * 32 + 32; j++) sb = MAC(qs[j], (float)kt[j], sb);                      \
+            dot = MAC(sb, kst[b], dot);                                                                         \
+        }                                                                                                       \
+    }
+#define Q8_VROW(c)                                                                                              \
+    global const char *vt = vh + (ulong)(c) * dv;                                                               \
+    global const float *vst = vsh + (ulong)(c) * (dv / 32);
+#define Q8_VMAC(pu, j, a) a = MAC(pu * vst[(j) / 32], (float)vt[j], a)
+
 #define COL_LIST(t) cols[t]
 kernel void attention(global const float *q, global const float *k, global const float *v, global const int *pos,
                       global const int *cols, global float *out, uint n_head, uint n_kv, uint T, uint cap, uint d,
                       uint dv, int key_start, int window, float scale, float softcap) {
     uint h = get_group_id(0), i = get_global_id(1), lid = get_local_id(0);
-    ATTENTION_BODY(pos[i], T, key_start, COL_LIST)
+    ATTENTION_BODY(pos[i], T, key_start, COL_LIST, F32)
+}
+
+// attention_q8: `attention` over a q8_0 cache (values and scales of keys k, ks and values v, vs)
+kernel void attention_q8(global const float *q, global const char *k, global const float *ks, global const char *v,
+                         global const float *vs, global const int *pos, global const int *cols, global float *out,
+                         uint n_head, uint n_kv, uint T, uint cap, uint d, uint dv, int key_start, int window,
+                         float scale, float softcap) {
+    uint h = get_group_id(0), i = get_global_id(1), lid = get_local_id(0);
+    ATTENTION_BODY(pos[i], T, key_start, COL_LIST, Q8)
 }
 
 // ---- a decode step's kernels (kernels/opencl/plan.py): arguments bound once, the token's values read from
@@ -303,7 +385,17 @@ kernel void attention_step(global const float *q, global const float *k, global 
                            uint dv, uint g, uint step_tables, int window, float scale, float softcap) {
     uint h = get_group_id(0), i = 0, lid = get_local_id(0);
     uint tables = step_tables + g * (uint)step[3];
-    ATTENTION_BODY(step[2], (uint)step[5 + 2 * g], step[4 + 2 * g], COL_TABLE)
+    ATTENTION_BODY(step[2], (uint)step[5 + 2 * g], step[4 + 2 * g], COL_TABLE, F32)
+}
+
+// attention_step_q8: attention_step over a q8_0 cache
+kernel void attention_step_q8(global const float *q, global const char *k, global const float *ks,
+                              global const char *v, global const float *vs, global const int *step, global float *out,
+                              uint n_head, uint n_kv, uint cap, uint d, uint dv, uint g, uint step_tables, int window,
+                              float scale, float softcap) {
+    uint h = get_group_id(0), i = 0, lid = get_local_id(0);
+    uint tables = step_tables + g * (uint)step[3];
+    ATTENTION_BODY(step[2], (uint)step[5 + 2 * g], step[4 + 2 * g], COL_TABLE, Q8)
 }
 
 // rope_kv(q, kk, vv, qn, kn, step, kc, vc, ...): a step's Q, K and V after their product, one work-group of
@@ -347,6 +439,53 @@ kernel SG_ATTR void rope_kv(global float *q, global const float *kk, global cons
         dst[ib] = a * s + b * c;
     }
     for (uint j = rope_dim + lid; j < d; j += ROW_WG) dst[j] = hv[j];
+}
+
+// rope_kv_q8: rope_kv into a q8_0 cache (values kc, vc and their scales kcs, vcs): the key rotated in local memory,
+// then quantized a block of 32 per work-item (kv_write_q8's arithmetic), the value heads quantized as they are.
+kernel SG_ATTR void rope_kv_q8(global float *q, global const float *kk, global const float *vv,
+                               global const float *qn, global const float *kn, global const int *step, global char *kc,
+                               global float *kcs, global char *vc, global float *vcs, uint n_head, uint n_kv,
+                               uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags, float eps, uint g,
+                               uint step_cols, uint rope_at) {
+    local float hv[ATT_MAX_D];
+    local float part[ROW_WG];
+    uint hd = get_group_id(0), lid = get_local_id(0);
+    uint col = (uint)step[step_cols + g];
+    if (hd >= n_head + n_kv) {  // a value head: quantized as it is
+        uint kvh = hd - n_head - n_kv;
+        ulong at = (ulong)kvh * cap + col;
+        for (uint b = lid; b < dv / 32; b += ROW_WG)
+            QUANTIZE_Q8(vv + (ulong)kvh * dv + b * 32, vc + at * dv + b * 32, vcs + at * (dv / 32) + b)
+        return;
+    }
+    bool is_q = hd < n_head;
+    global const float *xr = is_q ? q + (ulong)hd * d : kk + (ulong)(hd - n_head) * d;
+    if (flags & 1u) {
+        global const float *w = is_q ? qn : kn;
+        float s = row_scale(xr, d, eps, part);
+        for (uint j = lid; j < d; j += ROW_WG) hv[j] = (xr[j] * s) * w[j];
+    } else {
+        for (uint j = lid; j < d; j += ROW_WG) hv[j] = xr[j];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint half_ = rope_dim / 2;
+    global const float *cs = (global const float *)(step + rope_at);
+    for (uint i = lid; i < half_; i += ROW_WG) {  // each pair is one work-item's: rotated in place
+        float c = cs[i], s = cs[half_ + i];
+        uint ia = neox ? i : 2 * i, ib = neox ? i + half_ : 2 * i + 1;
+        float a = hv[ia], b = hv[ib];
+        hv[ia] = a * c - b * s;
+        hv[ib] = a * s + b * c;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (is_q) {
+        global float *dst = q + (ulong)hd * d;
+        for (uint j = lid; j < d; j += ROW_WG) dst[j] = hv[j];
+        return;
+    }
+    ulong at = (ulong)(hd - n_head) * cap + col;
+    for (uint b = lid; b < d / 32; b += ROW_WG) QUANTIZE_Q8(hv + b * 32, kc + at * d + b * 32, kcs + at * (d / 32) + b)
 }
 
 // argmax(x, out, cols): out[r] = the index of the largest x[r, :], the first one on ties (numpy's argmax); NaNs

@@ -80,6 +80,19 @@ def _check(a, what: str, ndim: int | None = None):
         raise ValueError(f"{what} must be a {want}C-contiguous float32 device array, not {a.dtype} {a.shape}")
 
 
+def _check_kv(a, scales, what: str) -> bool:
+    """A KV cache array: float32 (True: no), or int8 with float32 scales (n_kv, capacity, d / 32) (a q8_0 one)."""
+    if isinstance(a, np.ndarray) or a.dtype != np.int8:
+        _check(a, what, 3)
+        return False
+    if a.ndim != 3 or not _c_contiguous(a) or a.offset or a.shape[2] % 32:
+        raise ValueError(f"{what} must be a 3-D C-contiguous device array, rows a multiple of 32, not {a.shape}")
+    if scales is None or isinstance(scales, np.ndarray) or scales.dtype != np.float32 or \
+            scales.shape != a.shape[:2] + (a.shape[2] // 32,) or not _c_contiguous(scales) or scales.offset:
+        raise ValueError(f"int8 {what} {a.shape} need their float32 scales {a.shape[:2] + (a.shape[2] // 32,)}")
+    return True
+
+
 def _fast_arrays() -> bool:
     import inspect
 
@@ -258,11 +271,12 @@ class Ops:
                                  np.float32(s))
         return out
 
-    def kv_write(self, cache, x, at: int | None = None, cols=None) -> None:
+    def kv_write(self, cache, x, at: int | None = None, cols=None, scales=None) -> None:
         """Store x (n, n_kv, d), a K or V projection's rows, into a cache (n_kv, capacity, d), the layout
         `attention` reads: at rows at .. at + n - 1, or at storage columns `cols` (n ints, host or device: the
-        KV pool's blocks)."""
-        _check(cache, "cache", 3)
+        KV pool's blocks). An int8 cache is a q8_0 one: its float32 `scales` (n_kv, capacity, d / 32) are written
+        beside it, the bytes those of the CPU backend's write_rows (kernels/cpu/attention.py) for the same rows."""
+        q8 = _check_kv(cache, scales, "cache")
         _check(x, "x", 3)
         n_kv, cap, d = cache.shape
         n = x.shape[0]
@@ -275,7 +289,11 @@ class Ops:
         cols_d = self._input(cols, np.int32)
         if x.shape[1:] != (n_kv, d) or cols_d.size != n:
             raise ValueError(f"cannot write {x.shape} to {cols_d.size} columns of a cache {cache.shape}")
-        if x.size:
+        if x.size and q8:
+            blocks = x.size // 32
+            self._kernel("kv_write_q8")(self.dev.queue, _groups(blocks, 64), (64,), x.data, cache.data, scales.data,
+                                        cols_d.data, np.uint32(n_kv), np.uint32(cap), np.uint32(d), np.uint32(blocks))
+        elif x.size:
             self._kernel("kv_write")(self.dev.queue, _groups(x.size), (256,), x.data, cache.data, cols_d.data,
                                      np.uint32(n_kv), np.uint32(cap), np.uint32(d), np.uint32(x.size))
 
@@ -290,16 +308,18 @@ class Ops:
         return out
 
     def attention(self, q, keys, values, q_positions, scale: float, window: int, key_start: int = 0,
-                  length: int | None = None, cols=None, softcap: float = 0.0):
+                  length: int | None = None, cols=None, softcap: float = 0.0, k_scales=None, v_scales=None):
         """Causal grouped-query attention (`kernels/reference.py` attention): q (n, n_head, d) at q_positions
         (n ints, host or device int32) over the first `length` (default: all) rows of keys (n_kv, capacity, d)
         and values (n_kv, capacity, dv), at positions key_start .. key_start + length - 1; window > 0: a query
         at p sees only keys after p - window. `cols` (host or device ints): key t's storage column, for a
         paged cache (`length` is then len(cols)); by default key t is row t. softcap > 0: each scaled score
-        becomes tanh(s / softcap) * softcap (gemma2). Returns (n, n_head * dv)."""
+        becomes tanh(s / softcap) * softcap (gemma2). int8 keys and values are a q8_0 cache, read with their
+        float32 `k_scales` (n_kv, capacity, d / 32) and `v_scales` (kv_write). Returns (n, n_head * dv)."""
         _check(q, "q", 3)
-        _check(keys, "keys", 3)
-        _check(values, "values", 3)
+        q8 = _check_kv(keys, k_scales, "keys")
+        if _check_kv(values, v_scales, "values") != q8:
+            raise ValueError(f"keys {keys.dtype} and values {values.dtype} are not of one KV cache type")
         dev = self.dev
         n, n_head, d = q.shape
         n_kv, cap, dv = values.shape
@@ -323,10 +343,11 @@ class Ops:
             raise ValueError(f"{pos.size} positions for {n} queries")
         out = self.empty((n, n_head * dv))
         if n:
-            self._kernel("attention")(dev.queue, (n_head * ATT_WG, n), (ATT_WG, 1), q.data, keys.data, values.data,
-                                     pos.data, cols_d.data if t else pos.data, out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t),
-                                     np.uint32(cap), np.uint32(d), np.uint32(dv), np.int32(key_start),
-                                     np.int32(window), np.float32(scale), np.float32(softcap))
+            kv = (keys.data, k_scales.data, values.data, v_scales.data) if q8 else (keys.data, values.data)
+            self._kernel("attention_q8" if q8 else "attention")(
+                dev.queue, (n_head * ATT_WG, n), (ATT_WG, 1), q.data, *kv, pos.data, cols_d.data if t else pos.data,
+                out.data, np.uint32(n_head), np.uint32(n_kv), np.uint32(t), np.uint32(cap), np.uint32(d),
+                np.uint32(dv), np.int32(key_start), np.int32(window), np.float32(scale), np.float32(softcap))
         return out
 
     def argmax(self, x):
