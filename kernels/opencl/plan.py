@@ -11,7 +11,9 @@ the logits. Only the kernels that read the KV cache's arrays are bound again, wh
 A layer is 8 launches: Q, K and V in one product (their biases added in its epilogue), RoPE with the qk-norm
 and the KV write (`rope_kv`), attention (`attention_step`), the output product, the residual add with the FFN's
 RMSNorm (`add_rms`; gemma's post-norm in it too), gate and up in one product with the activation, the down
-product, and the residual add with the next layer's RMSNorm (or the output norm). Every fused kernel keeps the
+product, and the residual add with the next layer's RMSNorm (or the output norm). A q8_0 KV cache takes the same
+8: `rope_kv_q8` quantizes the new key and value rows as it stores them and `attention_step_q8` dequantizes in its
+dot products, kernels chosen when the launches are assembled for a pool. Every fused kernel keeps the
 op-by-op kernels' arithmetic, so a step's logits are the op-by-op forward's bit for bit (tests check), and a
 decode step and a prompt or a speculative verify (which run op by op) agree as they did.
 
@@ -157,8 +159,8 @@ class DecodePlan:
 
     def _cache_ok(self, cache) -> bool:
         pool = cache.pool
-        return pool.storage is self.backend.kv_storage() and all(
-            g.k and g.k[0].dtype == np.float32 and g.v[0].dtype == np.float32 for g in pool.groups)
+        return pool.storage is self.backend.kv_storage() and pool.kv_type in ("f32", "q8_0") and all(
+            g.k for g in pool.groups)
 
     # ---- building ---------------------------------------------------------------------------------------------
 
@@ -196,6 +198,7 @@ class DecodePlan:
         self.xq, self.xd = self._buf(widest // 4 + 1), self._buf(widest // 32 + 1)
         # the step buffer's layout (ops.cl: "a decode step's kernels"), set for the first cache's pool
         self.G = None
+        self.kv_type = None  # the KV cache type the launches were assembled for
         self.launches = []  # [kernel, global, local]
         self.cache_bound = []  # (kernel, function(pool) -> args) bound again when the pool's arrays change
         self._layers_spec = layers_spec
@@ -272,6 +275,8 @@ class DecodePlan:
         m, c = self.model, self.c
         u32, f32 = np.uint32, np.float32
         self.G = len(pool.groups)
+        self.kv_type = pool.kv_type
+        q8 = "_q8" if pool.kv_type == "q8_0" else ""
         self.STEP_COLS = 4 + 2 * self.G
         self.ROPE_AT = self.STEP_COLS + self.G
         self.STEP_TABLES = self.ROPE_AT + len(m._ropes) * c.rope_dim
@@ -319,28 +324,30 @@ class DecodePlan:
                         launches += self._add_bias(y, bias, wp.rows)
             # qk-norm, RoPE, the KV write
             table = int(m._layer_rope_index[i])
-            k_rope = self._kernel(self.oprog, "rope_kv")
+            k_rope = self._kernel(self.oprog, "rope_kv" + q8)
             flags = 1 if c.traits.qk_norm else 0
 
             def rope_args(pool, i=i, L=L, table=table, flags=flags):
                 gi, slot = pool.where[i]
                 g = pool.groups[gi]
                 kc, vc = g.k[slot], g.v[slot]
+                kv = (kc.data, g.k_scale[slot].data, vc.data, g.v_scale[slot].data) if q8 else (kc.data, vc.data)
                 return (self.qb, self.kb, self.vb, L.q_norm.data if flags else self.dummy,
-                        L.k_norm.data if flags else self.dummy, self.step_buf, kc.data, vc.data, u32(c.n_head),
+                        L.k_norm.data if flags else self.dummy, self.step_buf, *kv, u32(c.n_head),
                         u32(c.n_head_kv), u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim), u32(c.rope_dim),
                         u32(neox), u32(flags), f32(c.rms_eps), u32(gi), u32(self.STEP_COLS),
                         u32(self.ROPE_AT + table * c.rope_dim))
 
             cache_bound.append((k_rope, rope_args))
             launches.append([k_rope, ((c.n_head + 2 * c.n_head_kv) * O.ROW_WG,), (O.ROW_WG,)])
-            k_att = self._kernel(self.oprog, "attention_step")
+            k_att = self._kernel(self.oprog, "attention_step" + q8)
 
             def att_args(pool, i=i):
                 gi, slot = pool.where[i]
                 g = pool.groups[gi]
                 kc, vc = g.k[slot], g.v[slot]
-                return (self.qb, kc.data, vc.data, self.step_buf, self.att, u32(c.n_head), u32(c.n_head_kv),
+                kv = (kc.data, g.k_scale[slot].data, vc.data, g.v_scale[slot].data) if q8 else (kc.data, vc.data)
+                return (self.qb, *kv, self.step_buf, self.att, u32(c.n_head), u32(c.n_head_kv),
                         u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim), u32(gi), u32(self.STEP_TABLES),
                         np.int32(m.layer_window[i]), f32(c.attention_scale), f32(c.attn_softcap))
 
@@ -380,7 +387,7 @@ class DecodePlan:
         if not self._built:
             self._build()
         need = (self.STEP_TABLES if self.G is not None else 0) + len(pool.groups) * width
-        if self.G is None or self.G != len(pool.groups) or need > self._step_words:
+        if self.G is None or self.G != len(pool.groups) or need > self._step_words or self.kv_type != pool.kv_type:
             words = max(need, 4 + 3 * len(pool.groups) + len(self.model._ropes) * self.c.rope_dim
                         + len(pool.groups) * max(width, 64)) * 2
             self.step_host = np.zeros(words, np.int32)

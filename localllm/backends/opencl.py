@@ -9,9 +9,10 @@ out; small ints, uploaded once per group, not per layer); what comes back: only 
 of one sequence runs instead from a prepared launch list (`whole_forward`, kernels/opencl/plan.py): one upload of
 a small step buffer (token, position, RoPE row, KV columns and block tables) and the logits' download a token.
 
-KV storage is the pool's blocks in device arrays (n_kv, columns, dim), float32; the pool's bookkeeping (block
-tables, prefix names, LRU) stays on the host as integers, so prefix reuse, speculative rollback and sliding
-windows work as on the CPU. Every op computes each row alone (batch invariance within this backend); results
+KV storage is the pool's blocks in device arrays (n_kv, columns, dim), float32, or for `kv_type` q8_0 int8 with
+float32 scales (n_kv, columns, dim / 32), quantized on the device into the CPU backend's bytes; the pool's
+bookkeeping (block tables, prefix names, LRU) stays on the host as integers, so prefix reuse, speculative rollback
+and sliding windows work as on the CPU. Every op computes each row alone (batch invariance within this backend); results
 differ from the CPU backend's in the last bits (float32 accumulation order), within the tolerances of
 tests/test_backend_ops.py.
 """
@@ -25,9 +26,11 @@ from localllm.errors import LocalLLMError
 
 
 class OpenCLKVStorage(KVStorage):
-    """KV blocks in device arrays (float32; q8_0 KV is the CPU backend's)."""
+    """KV blocks in device arrays: float32, or q8_0 (int8 values and float32 scales, each an array of its own,
+    written by ops.cl's kv_write_q8 / rope_kv_q8 as the CPU backend writes them). Growth and block copies are
+    byte copies of either, so prefix reuse, copy-on-write and forks need nothing of their own."""
 
-    kv_types = ("f32",)
+    kv_types = ("f32", "q8_0")
 
     def __init__(self, ops):
         self.ops = ops
@@ -58,12 +61,16 @@ class OpenCLKVStorage(KVStorage):
         if store.size == 0 or len(cols) == 0:
             return
         x = self.ops.to_device(x) if isinstance(x, np.ndarray) else x
-        self.ops.kv_write(store, x, cols=np.asarray(cols, np.int32))
+        self.ops.kv_write(store, x, cols=np.asarray(cols, np.int32), scales=_scales(store, scales))
 
     def read_rows(self, store, scales, cols):
         if store.size == 0:
             return np.empty((store.shape[0], len(cols), store.shape[2]), np.float32)
-        return np.take(store.get(), cols, axis=1)  # sessions and tests only: one download of the layer
+        rows = np.take(store.get(), cols, axis=1)  # sessions and tests only: one download of the layer
+        if store.dtype == np.float32:
+            return rows
+        # q8_0: the CPU backend's read_rows, value times its block's scale in float32
+        return rows.astype(np.float32) * np.repeat(np.take(scales.get(), cols, axis=1), 32, axis=2)
 
     def move_columns(self, arr, src, dst):
         if arr.size == 0:
@@ -71,6 +78,11 @@ class OpenCLKVStorage(KVStorage):
         host = arr.get()  # a context shift (rare): through the host
         host[:, dst] = host[:, src].copy()
         arr.set(np.ascontiguousarray(host))
+
+
+def _scales(store, scales):
+    """The scale array of an int8 (q8_0) store, None for a float32 one (whose scale array is empty)."""
+    return scales if store.dtype == np.int8 else None
 
 
 def _first_device_that_builds(cl_device):
@@ -245,14 +257,16 @@ class OpenCLBackend(Backend):
         gi, slot = cache.pool.where[layer]
         g = cache.pool.groups[gi]
         cols = self._columns(cache, layer, "write")
-        self.ops.kv_write(g.k[slot], k, cols=cols)
-        self.ops.kv_write(g.v[slot], v, cols=cols)
+        self.ops.kv_write(g.k[slot], k, cols=cols, scales=_scales(g.k[slot], g.k_scale[slot]))
+        self.ops.kv_write(g.v[slot], v, cols=cols, scales=_scales(g.v[slot], g.v_scale[slot]))
 
     def attention(self, q, cache, layer, positions, window, scale, softcap=0.0):
         gi, slot = cache.pool.where[layer]
         g = cache.pool.groups[gi]
         return self.ops.attention(q, g.k[slot], g.v[slot], self._upload(positions, np.int32), scale, window,
-                                  cache.start(layer), cols=self._columns(cache, layer, "read"), softcap=softcap)
+                                  cache.start(layer), cols=self._columns(cache, layer, "read"), softcap=softcap,
+                                  k_scales=_scales(g.k[slot], g.k_scale[slot]),
+                                  v_scales=_scales(g.v[slot], g.v_scale[slot]))
 
     def to_host(self, x):
         return self.ops.to_host(x)
