@@ -269,6 +269,29 @@ def test_opencl_q8_0_kv_storage_keeps_the_cpu_backends_bytes_through_writes_grow
     assert np.array_equal(bits(read_cl), bits(read_cpu))
 
 
+def test_a_context_shift_of_a_q8_0_cache_on_opencl_moves_values_as_stored_and_goes_on_as_the_cpus(tiny, tmp_path):
+    # kv_cache.shift: keys read (dequantized), rotated on the host, quantized again by the device; values moved
+    # as stored. The tiny model's float32 products differ between the backends only in the last bits.
+    from tiny_models import write_tiny_model
+
+    from localllm import backends
+    from localllm.architectures.transformer import Transformer
+    from localllm.gguf_file import GGUFFile
+
+    cpu = Transformer(GGUFFile(write_tiny_model(tmp_path / "a.gguf", "A")), tiny.config, backends.get("cpu"))
+    logits = []
+    for m in (tiny, cpu):
+        cache = m.new_pool(kv_type="q8_0").new_cache(128)
+        m.forward(list(range(1, 41)), cache)
+        k0, v0 = cache.keys(0), cache.values(0)
+        m.shift_cache(cache, 4, 16)
+        k1, v1 = cache.keys(0), cache.values(0)
+        assert cache.length == 24 and np.array_equal(k1[:, :4], k0[:, :4])
+        assert np.array_equal(v1, np.concatenate([v0[:, :4], v0[:, 20:]], axis=1))
+        logits.append(m.forward([5], cache))
+    assert np.abs(logits[0] - logits[1]).max() < 1e-4
+
+
 def test_a_q8_0_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit_for_bit(tiny):
     # kernels/opencl/plan.py with a q8_0 pool: rope_kv_q8 quantizes the step's K/V rows as kv_write_q8 does and
     # attention_step_q8 reads them as attention_q8: the same logits and the same stored bytes, 8 launches a layer

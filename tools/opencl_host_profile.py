@@ -10,6 +10,7 @@ op) or from the plan's list; bytes up are the uploads' host arrays, bytes down t
 
     python tools/opencl_host_profile.py --device opencl:Portable: smollm2-135m-instruct gemma3-270m
     python tools/opencl_host_profile.py --device opencl:Intel --tokens 32 --json out.json qwen2.5-coder-1.5b-instruct
+    python tools/opencl_host_profile.py --device opencl:Intel --kv-type q8_0 --paths plan qwen2.5-coder-1.5b-instruct
 """
 
 from __future__ import annotations
@@ -141,18 +142,20 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=24, help="decode steps measured per path")
     ap.add_argument("--paths", default="plan,op", help="plan, op or both (comma-separated)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--kv-type", default="f32", choices=("f32", "q8_0"), help="the KV cache's element type")
     args = ap.parse_args(argv)
 
     from localllm.engine import Engine
 
     results = []
     for name in args.models:
-        engine = Engine.load(name, ctx=512, quiet=True, device=args.device, warm="first-token")
+        engine = Engine.load(name, ctx=512, quiet=True, device=args.device, warm="first-token",
+                             kv_type=args.kv_type)
         model = engine.model
         n_layers = model.config.n_layers
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, model.config.vocab_size, size=8 + args.tokens).tolist()
-        r = {"model": name, "device": model.backend.name, "layers": n_layers}
+        r = {"model": name, "device": model.backend.name, "layers": n_layers, "kv_type": args.kv_type}
         for path in args.paths.split(","):
             if path == "plan" and model.fused is None:
                 continue
