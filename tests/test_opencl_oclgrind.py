@@ -60,7 +60,7 @@ def test_the_ops_and_one_format_of_each_family_run_clean_under_oclgrind_and_matc
     assert not reports, "\n\n".join(r["text"] for r in reports[:5])
     assert code == 0 and "FAIL" not in out, out + err[-3000:]
     ran = [line.split(" s  ", 1)[1] for line in out.splitlines() if line.startswith("ok ") and " s  " in line]
-    assert len(ran) == 7 and sum(name.startswith("ops:") for name in ran) == 4, out  # 4 ops cases, 3 formats
+    assert len(ran) == 8 and sum(name.startswith("ops:") for name in ran) == 5, out  # 5 ops cases, 3 formats
 
 
 def test_the_integer_dot_kernels_run_clean_under_oclgrind_and_match_the_product_with_8_bit_x():

@@ -331,6 +331,69 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
                                         v_scales=vs))
         assert nmse(got, reference.attention(q, k_deq, v_deq, pos, 0.1, 50, 16)) <= 1e-10, "attention_q8"
 
+    @case("ops: a decode step's rope_kv and attention_step, float32 and q8_0 (the op-by-op kernels' results)")
+    def _():
+        # the step buffer as kernels/opencl/plan.py lays it out for one layer group: token, position, table
+        # width, key start and count, the write column, the RoPE row, the block table
+        rng = np.random.default_rng(10)
+        n_head, n_kv, d, rope_dim, cap, pos = 4, 2, 64, 32, 48, 37
+        table = np.array([2, 0, 1], np.int32)  # positions 0..47 in blocks 2, 0, 1
+        cols = (table[:, None] * 16 + np.arange(16)).ravel()[: pos + 1].astype(np.int32)
+        step_cols, rope_at = 6, 7
+        step_tables = rope_at + rope_dim
+        step = np.zeros(step_tables + len(table), np.int32)
+        step[2], step[3], step[4], step[5], step[step_cols] = pos, len(table), 0, pos + 1, cols[pos]
+        angles = pos * 10000.0 ** (-np.arange(0, rope_dim, 2) / rope_dim)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        step.view(np.float32)[rope_at:step_tables] = np.concatenate([cos, sin])
+        step[step_tables:] = table
+        step_d = ops.to_device(step, np.int32)
+        qn, kn = (ops.to_device((1 + 0.1 * rng.standard_normal(d)).astype(np.float32)) for _ in range(2))
+        rows_k, rows_v = (rng.standard_normal((pos, n_kv, d)).astype(np.float32) for _ in range(2))
+        q0, k0, v0 = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, n_head, d), (1, n_kv, d),
+                                                                              (1, n_kv, d)))
+        u32 = np.uint32
+        for q8 in (False, True):
+            def cache():
+                if q8:
+                    return (ops.to_device(np.zeros((n_kv, cap, d), np.int8), np.int8),
+                            ops.to_device(np.zeros((n_kv, cap, d // 32), np.float32)))
+                return ops.to_device(np.zeros((n_kv, cap, d), np.float32)), None
+            (kc, ks), (vc, vs) = cache(), cache()
+            ops.kv_write(kc, ops.to_device(rows_k), cols=cols[:pos], scales=ks)
+            ops.kv_write(vc, ops.to_device(rows_v), cols=cols[:pos], scales=vs)
+            # the op-by-op path: qk-norm, RoPE, the KV write, attention, on copies of the caches
+            (kc2, ks2), (vc2, vs2) = cache(), cache()
+            for a_, b_ in ((kc, kc2), (ks, ks2), (vc, vc2), (vs, vs2)):
+                if a_ is not None:
+                    dev.cl.enqueue_copy(dev.queue, b_.data, a_.data, byte_count=a_.nbytes)
+            qh, kh = ops.rms_norm(ops.to_device(q0), qn, 1e-6), ops.rms_norm(ops.to_device(k0), kn, 1e-6)
+            ops.rope(qh, cos[None], sin[None], rope_dim, True)
+            ops.rope(kh, cos[None], sin[None], rope_dim, True)
+            ops.kv_write(kc2, kh, cols=cols[pos:], scales=ks2)
+            ops.kv_write(vc2, ops.to_device(v0), cols=cols[pos:], scales=vs2)
+            want = ops.to_host(ops.attention(qh, kc2, vc2, np.array([pos]), 0.125, 0, 0, cols=cols, k_scales=ks2,
+                                             v_scales=vs2))
+            # the plan's two kernels
+            qd, kd, vd = ops.to_device(q0), ops.to_device(k0), ops.to_device(v0)
+            kv = (kc.data, ks.data, vc.data, vs.data) if q8 else (kc.data, vc.data)
+            name = "_q8" if q8 else ""
+            ops._kernel("rope_kv" + name)(dev.queue, ((n_head + 2 * n_kv) * cl_ops.ROW_WG,), (cl_ops.ROW_WG,),
+                                          qd.data, kd.data, vd.data, qn.data, kn.data, step_d.data, *kv, u32(n_head),
+                                          u32(n_kv), u32(cap), u32(d), u32(d), u32(rope_dim), u32(1), u32(1),
+                                          np.float32(1e-6), u32(0), u32(step_cols), u32(rope_at))
+            out = ops.empty((1, n_head * d))
+            ops._kernel("attention_step" + name)(dev.queue, (n_head * cl_ops.ATT_WG, 1), (cl_ops.ATT_WG, 1), qd.data,
+                                                 *kv, step_d.data, out.data, u32(n_head), u32(n_kv), u32(cap), u32(d),
+                                                 u32(d), u32(0), u32(step_tables), np.int32(0), np.float32(0.125),
+                                                 np.float32(0.0))
+            assert np.array_equal(bits(ops.to_host(qd)), bits(ops.to_host(qh))), f"rope_kv{name}: q"
+            for got_, want_ in ((kc, kc2), (ks, ks2), (vc, vc2), (vs, vs2)):
+                if got_ is not None:
+                    assert np.array_equal(ops.to_host(got_).view(np.uint8), ops.to_host(want_).view(np.uint8)), \
+                        f"rope_kv{name}: the cache"
+            assert np.array_equal(bits(ops.to_host(out)), bits(want)), f"attention_step{name}"
+
     failed = 0
     for name, fn in cases:
         if only and not any(s.lower() in name.lower() for s in only):

@@ -427,7 +427,7 @@ kernel SG_ATTR void rope_kv(global float *q, global const float *kk, global cons
     } else {
         for (uint j = lid; j < d; j += ROW_WG) hv[j] = xr[j];
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);  // a Q head is read above and written below
     global float *dst = is_q ? q + (ulong)hd * d : kc + ((ulong)(hd - n_head) * cap + col) * d;
     uint half_ = rope_dim / 2;
     global const float *cs = (global const float *)(step + rope_at);
@@ -468,7 +468,7 @@ kernel SG_ATTR void rope_kv_q8(global float *q, global const float *kk, global c
     } else {
         for (uint j = lid; j < d; j += ROW_WG) hv[j] = xr[j];
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);  // a Q head is read above and written below
     uint half_ = rope_dim / 2;
     global const float *cs = (global const float *)(step + rope_at);
     for (uint i = lid; i < half_; i += ROW_WG) {  // each pair is one work-item's: rotated in place
