@@ -189,6 +189,47 @@ def limits():
     return _llg().LLParserLimits(verbose_errors=False)
 
 
+_BYTE_TOKENIZER = None
+
+
+def _byte_tokenizer():
+    """An llguidance tokenizer of the 256 bytes and an end token: what a grammar worker builds a validated
+    grammar for, so that what fails only when a grammar is built (llguidance asserts fewer than 65,525 grammar
+    symbols) fails there, in the worker, and not in the server."""
+    global _BYTE_TOKENIZER
+    if _BYTE_TOKENIZER is None:
+        llg = _llg()
+
+        class _Source:  # what llguidance.TokenizerWrapper reads
+            eos_token_id = 256
+            bos_token_id = None
+            tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+            special_token_ids = [256]
+
+            def __call__(self, text):
+                return list(text.encode("utf-8", "replace") if isinstance(text, str) else text)
+
+        _BYTE_TOKENIZER = llg.LLTokenizer(llg.TokenizerWrapper(_Source()), n_vocab=257, eos_token=[256])
+    return _BYTE_TOKENIZER
+
+
+def check_buildable(validated: Validated) -> None:
+    """Build `validated` for a vocabulary of bytes, or raise LocalLLMError: a grammar of 130,000 alternatives
+    passes validation and then, built for a model's vocabulary, took 16 s and 150-300 MB of the server's memory
+    before llguidance's assertion on its symbol count stopped it (the hostile-input soak, issue 39); built here
+    first, in the worker, it takes them from the worker's budget."""
+    llg = _llg()
+    try:
+        matcher = llg.LLMatcher(_byte_tokenizer(), validated.text, log_level=0, limits=limits())
+        error = matcher.get_error() if matcher.is_error() else None
+    except BaseException as e:
+        if not _binding_error(e):
+            raise
+        error = str(e)
+    if error is not None:
+        raise LocalLLMError(f"the {_NAMES[validated.kind]} does not compile: {_short(error)}")
+
+
 def matcher_for(validated: Validated, tokenizer, n_vocab: int) -> Grammar:
     """The Grammar of grammar text a worker validated, for `tokenizer`'s vocabulary."""
     return _compile(validated.text, validated.kind, tokenizer, n_vocab, validate=False)

@@ -7,7 +7,8 @@ interrupted; six such requests held every worker thread of the server. So a serv
 in two steps:
 
 1. In a worker process (`python -m localllm.grammar_worker`, a few started on demand and kept): the grammar or
-   schema is converted to llguidance's grammar text and validated without a vocabulary, which is where a
+   schema is converted to llguidance's grammar text, validated, and built for a vocabulary of bytes (what
+   fails only when built, such as llguidance's bound on grammar symbols, fails here), which is where a
    hostile grammar spends its time and memory. The process has COMPILE_MEMORY bytes of address space; one that
    takes longer than COMPILE_SECONDS, or whose client goes away, is killed (and another started when needed).
 2. In the server, the validated text is built for the model's vocabulary on a thread pool of its own
@@ -88,11 +89,14 @@ def _write(stream, obj: dict) -> None:
 
 
 def _validate(request: dict) -> dict:
-    from localllm.grammar import compile_grammar
+    from localllm.grammar import check_buildable, compile_grammar
 
     try:
         v = compile_grammar(None, 0, **request)
-        return {"text": v.text, "kind": v.kind} if v is not None else {"none": True}
+        if v is None:
+            return {"none": True}
+        check_buildable(v)  # what fails only when built fails here, within the worker's budget
+        return {"text": v.text, "kind": v.kind}
     except LocalLLMError as e:
         return {"error": str(e)}
     except MemoryError:

@@ -66,6 +66,25 @@ def test_a_self_doubling_grammar_is_refused_in_about_a_second_not_a_minute(token
     assert run(go()) < 8
 
 
+def test_a_grammar_that_fails_only_when_built_fails_in_the_worker_not_in_the_server(tokenizer, monkeypatch):
+    """70,000 alternatives pass llguidance's validation and then trip its bound on grammar symbols when built:
+    the worker builds every grammar for a vocabulary of bytes before the server builds it for the model's, so
+    the server never spends its time and memory on it (the soak's 130,000-alternative bombs took 16 s and up to
+    300 MB each of the server's own memory before)."""
+    from localllm import grammar
+
+    built_in_server = []
+    monkeypatch.setattr(grammar, "matcher_for", lambda *a: built_in_server.append(a))
+
+    async def go():
+        with pytest.raises(LocalLLMError, match="does not compile: panic: assertion failed: grammar.symbols"):
+            await W.compile_bounded(tokenizer, tokenizer.vocab_size, gbnf=wide(70_000))
+
+    run(go())
+    assert built_in_server == []
+    grammar.check_buildable(grammar.compile_grammar(None, 0, gbnf=wide(1_000)))  # a wide one that fits builds
+
+
 def test_a_grammar_past_its_time_budget_is_refused_and_its_worker_killed(tokenizer, monkeypatch):
     monkeypatch.setattr(W, "COMPILE_SECONDS", 1.0)
     pids = []
