@@ -189,38 +189,55 @@ def limits():
     return _llg().LLParserLimits(verbose_errors=False)
 
 
-_BYTE_TOKENIZER = None
+_BYTE_TOKENIZERS: dict = {}
 
 
-def _byte_tokenizer():
-    """An llguidance tokenizer of the 256 bytes and an end token: what a grammar worker builds a validated
-    grammar for, so that what fails only when a grammar is built (llguidance asserts fewer than 65,525 grammar
-    symbols) fails there, in the worker, and not in the server."""
-    global _BYTE_TOKENIZER
-    if _BYTE_TOKENIZER is None:
+def special_names(tokenizer) -> list[str]:
+    """The special tokens a grammar may name (`<tool_call>`, `<|im_end|>`): as ll_tokenizer marks them."""
+    vocab = tokenizer.vocab
+    names = []
+    for t in range(tokenizer.vocab_size):
+        a = int(vocab.attrs[t])
+        if a & ATTR_CONTROL or a & ATTR_USER_DEFINED:
+            b = tokenizer.piece_bytes(t, True)
+            if a & ATTR_CONTROL or (b.startswith(b"<") and b.endswith(b">")):
+                names.append(b.decode("utf-8", "replace"))
+    return names
+
+
+def _byte_tokenizer(specials: tuple[str, ...]):
+    """An llguidance tokenizer of the 256 bytes, the model's special tokens and an end token: what a grammar
+    worker builds a validated grammar for, so that what fails only when a grammar is built (llguidance asserts
+    fewer than 65,525 grammar symbols) fails there, in the worker, and not in the server."""
+    llt = _BYTE_TOKENIZERS.get(specials)
+    if llt is None:
         llg = _llg()
+        eos = 256 + len(specials)
 
         class _Source:  # what llguidance.TokenizerWrapper reads
-            eos_token_id = 256
+            eos_token_id = eos
             bos_token_id = None
-            tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
-            special_token_ids = [256]
+            tokens = [bytes([i]) for i in range(256)] + [b"\xff" + n.encode() for n in specials] + [b"\xff<eos>"]
+            special_token_ids = list(range(256, eos + 1))
 
             def __call__(self, text):
                 return list(text.encode("utf-8", "replace") if isinstance(text, str) else text)
 
-        _BYTE_TOKENIZER = llg.LLTokenizer(llg.TokenizerWrapper(_Source()), n_vocab=257, eos_token=[256])
-    return _BYTE_TOKENIZER
+        llt = llg.LLTokenizer(llg.TokenizerWrapper(_Source()), n_vocab=eos + 1, eos_token=[eos])
+        if len(_BYTE_TOKENIZERS) > 8:
+            _BYTE_TOKENIZERS.clear()
+        _BYTE_TOKENIZERS[specials] = llt
+    return llt
 
 
-def check_buildable(validated: Validated) -> None:
+def check_buildable(validated: Validated, specials: tuple[str, ...] = ()) -> None:
     """Build `validated` for a vocabulary of bytes, or raise LocalLLMError: a grammar of 130,000 alternatives
     passes validation and then, built for a model's vocabulary, took 16 s and 150-300 MB of the server's memory
     before llguidance's assertion on its symbol count stopped it (the hostile-input soak, issue 39); built here
     first, in the worker, it takes them from the worker's budget."""
     llg = _llg()
     try:
-        matcher = llg.LLMatcher(_byte_tokenizer(), validated.text, log_level=0, limits=limits())
+        matcher = llg.LLMatcher(_byte_tokenizer(tuple(specials)), validated.text, log_level=0, limits=limits())
         error = matcher.get_error() if matcher.is_error() else None
     except BaseException as e:
         if not _binding_error(e):

@@ -91,11 +91,12 @@ def _write(stream, obj: dict) -> None:
 def _validate(request: dict) -> dict:
     from localllm.grammar import check_buildable, compile_grammar
 
+    specials = tuple(request.pop("specials", ()))
     try:
         v = compile_grammar(None, 0, **request)
         if v is None:
             return {"none": True}
-        check_buildable(v)  # what fails only when built fails here, within the worker's budget
+        check_buildable(v, specials)  # what fails only when built fails here, within the worker's budget
         return {"text": v.text, "kind": v.kind}
     except LocalLLMError as e:
         return {"error": str(e)}
@@ -109,7 +110,7 @@ def _validate(request: dict) -> dict:
 def main() -> None:
     _die_with_parent()
     with contextlib.suppress(OSError):
-        os.nice(10)  # a client's grammar yields the cores to the server's forward passes
+        os.nice(19)  # a client's grammar yields the cores to the server's forward passes
     os.environ["RUST_BACKTRACE"] = "0"
     _limit_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
@@ -328,6 +329,20 @@ async def _disconnected(request) -> None:
             return
 
 
+_SPECIALS: dict = {}
+
+
+def _specials(tokenizer, special_names) -> list[str]:
+    """special_names(tokenizer), worked out once per tokenizer (a pass over its vocabulary)."""
+    key = id(tokenizer)
+    cached = _SPECIALS.get(key)
+    if cached is None or cached[0] is not tokenizer:
+        if len(_SPECIALS) > 16:
+            _SPECIALS.clear()
+        cached = _SPECIALS[key] = (tokenizer, special_names(tokenizer))
+    return cached[1]
+
+
 async def compile_bounded(tokenizer, n_vocab: int, **constraint):
     """compile_grammar(tokenizer, n_vocab, **constraint) for a client: the grammar or schema validated in a
     worker process (time and memory bounded, killed if the client of `client_request` goes away meanwhile),
@@ -335,13 +350,14 @@ async def compile_bounded(tokenizer, n_vocab: int, **constraint):
     constraint = {k: v for k, v in constraint.items() if v is not None}
     if not constraint:
         return None
-    from localllm.grammar import Validated, matcher_for
+    from localllm.grammar import Validated, matcher_for, special_names
 
     p = pool()
     request = client_request.get()
     gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
     try:
-        answer = await p.validate(constraint, gone)
+        # the model's special tokens go with it: a tool call's grammar names <tool_call>
+        answer = await p.validate({**constraint, "specials": _specials(tokenizer, special_names)}, gone)
     finally:
         if gone is not None:
             gone.cancel()
