@@ -234,7 +234,7 @@ class Engine:
         calls = self.model.warm_up_calls(kv_type)
         if warm == "all" or not self.model.fused_available:
             calls = self.model.backend.warm_up_calls(self.model.weights(), kv_type=kv_type) + calls
-        warm_up(calls, quiet=quiet, where="this CPU" if self.model.backend.name == "cpu" else self.model.backend.name)
+        warm_up(calls, quiet=quiet, where=self.model.backend.device_label)
 
     @classmethod
     def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",

@@ -289,8 +289,8 @@ class Transformer:
         a decode step and a 9-token step (the tiled products' path; labelled with the backend and the formats)."""
         formats = "-".join(sorted({w.qtype.name for w in self.weights()}))
         if not self.fused_available:
-            if self.backend.name == "cpu" and not self.config.n_expert:
-                return []  # the CPU's op-by-op kernels are its warm_up_calls' (Numba compiles each once)
+            if self.backend.ops_compile_alone and not self.config.n_expert:
+                return []  # the op-by-op kernels are the backend's own warm-up calls (Numba compiles each once)
 
             def steps():
                 cache = self.new_pool(kv_type=kv_type).new_cache(16)
@@ -303,8 +303,7 @@ class Transformer:
             self.forward([0], self.new_pool(kv_type=kv_type).new_cache(4))
 
         # one compile per set of formats; another backend's override (OpenCL's decode plan) compiles per device
-        where = "" if self.backend.name == "cpu" else f"{self.backend.name} "
-        return [(f"{where}whole forward {formats} {kv_type}", run)]
+        return [(f"{self.backend.warm_up_label}whole forward {formats} {kv_type}", run)]
 
     def new_cache(self, max_tokens: int) -> KVCache:
         """A cache with a pool of its own (the engine shares one pool between its sequences instead)."""

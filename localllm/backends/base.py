@@ -28,6 +28,16 @@ Matrix = Any  # a backend's weight matrix (any format of kernels/formats.py), up
 
 class Backend(ABC):
     name: str = "?"
+    # Whether the op-by-op kernels compile one by one on first use (Numba's, which warmup.py compiles ahead in
+    # its own calls), so a model without a whole-forward override has no forward of its own to warm up
+    ops_compile_alone: bool = False
+    # How the warm-up names this backend's compiles ("" for the host CPU, whose kernels serve every device), and
+    # where it says they run
+    warm_up_label: str = ""
+
+    @property
+    def device_label(self) -> str:
+        return self.name
     # From this many rows on, `precise=True` products take a path the whole-forward override does not have (the
     # CPU: tiled BLAS with float32 activations), so such a forward runs op by op.
     precise_min_rows: int = 1 << 30

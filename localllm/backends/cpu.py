@@ -20,6 +20,8 @@ _F32 = np.float32
 
 class CpuBackend(Backend):
     name = "cpu"
+    ops_compile_alone = True
+    device_label = "this CPU"
     precise_min_rows = ops.BLAS_MIN_N
 
     # The kernel module, for the few callers that need CPU-only features (threads, bandwidth figures).

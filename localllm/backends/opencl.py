@@ -111,6 +111,7 @@ class OpenCLBackend(Backend):
             if self.dev is None:
                 raise LocalLLMError(f"OpenCL: {e}") from None
         self.name = f"opencl:{self.dev.info.spec}"
+        self.warm_up_label = f"{self.name} "
         self.ops = Ops(self.dev)
         self._storage = OpenCLKVStorage(self.ops)
         # Host arrays the forward passes to every layer (positions, RoPE rows, column maps), uploaded once:

@@ -34,14 +34,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from localllm.engine import Engine, Generation, GenerationParams, TokenEvent
+from localllm.engine import PROMPT_CHUNK, Engine, Generation, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError, ModelFileError
 from localllm.server.metrics import Metrics
 from localllm.speculative import SpeculationParams, SpeculativeRun
 
 log = logging.getLogger("localllm.server")
 
-PREFILL_BUDGET = 256  # prompt tokens evaluated per step, across the requests being prefilled
 
 
 @dataclass
@@ -452,7 +451,7 @@ class Scheduler:
                 continue
             items.append((r.gen.seq, tokens, range(len(tokens))))
             verifying.append(r)
-        budget = PREFILL_BUDGET
+        budget = PROMPT_CHUNK  # prompt tokens evaluated per step, across the requests being prefilled
         for r in self._running:
             if r.prefill and budget > 0:
                 try:  # chunks a donor holds (cache reuse) are copied in, not computed
