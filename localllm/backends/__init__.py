@@ -1,7 +1,10 @@
 """Backends that run the model (localllm/backends/base.py): the registry.
 
 This package is where the engine meets the kernels: the model code asks `get(name)` for a backend and calls its
-operations; only the backends themselves import Numba, `kernels.ops` or `kernels.cpu`.
+operations, and the forward itself imports no kernel. Some tools outside the forward still import the CPU's
+kernels directly: `localllm/quantize.py` (`kernels.cpu.formats`, `kernels.ops`), `cli_imatrix.py` and
+`cli_generate.py` (`kernels.ops` for bench and importance matrices) and `warmup.py`; moving them behind a backend
+is issue 40's work.
 """
 
 from __future__ import annotations
