@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hub import COMMIT, FakeHub
+from test_hub import COMMIT, FakeHub, serve_overlong
 
 from localllm import cli_convert, disk, hub
 from localllm.errors import DownloadError, LocalLLMError
@@ -102,26 +102,7 @@ def test_a_repo_larger_than_the_free_disk_is_refused_by_default(fake_hub, monkey
 
 
 def overlong(fake_hub: FakeHub, name: str, extra: int) -> None:
-    """The hub declares the file's size but streams `extra` more bytes, chunked (no Content-Length)."""
-    real = fake_hub.handle
-
-    def handle(h, body: bool):
-        if not (body and h.command == "GET" and h.path.split("?")[0].endswith("/" + name)):
-            return real(h, body)
-        fake_hub.requests.append((h.command, h.path, h.headers.get("Range")))
-        path, sha = fake_hub.repos["test/ckpt"][name]
-        data = path.read_bytes() + b"\0" * extra
-        h.send_response(200)
-        h.send_header("Transfer-Encoding", "chunked")
-        h.send_header("ETag", f'"{sha}"')
-        h.send_header("X-Repo-Commit", COMMIT)
-        h.end_headers()
-        for i in range(0, len(data), 1 << 16):
-            chunk = data[i:i + (1 << 16)]
-            h.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-        h.wfile.write(b"0\r\n\r\n")
-
-    fake_hub.handle = handle
+    serve_overlong(fake_hub, "test/ckpt", name, extra, COMMIT)
 
 
 def test_a_file_longer_than_its_declared_size_is_stopped_there_and_nothing_is_left(fake_hub):

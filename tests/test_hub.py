@@ -531,3 +531,27 @@ async def test_the_tui_model_picker_pulls_a_typed_reference_and_loads_it(smol_hu
         await until(pilot, lambda: app.session is not None, 600, "the pulled model to load")
         assert app.session.engine.name == "hf.co/test/smol:Q4_K_M"
         assert [m.name for m in hub.hub_models()] == ["hf.co/test/smol:Q4_K_M"]
+
+
+def serve_overlong(fake_hub: "FakeHub", repo: str, name: str, extra: int, commit: str) -> None:
+    """From now on the hub declares `name`'s size but streams `extra` more bytes of it, chunked (no
+    Content-Length): what a download must stop at the declared size."""
+    real = fake_hub.handle
+
+    def handle(h, body: bool):
+        if not (body and h.command == "GET" and h.path.split("?")[0].endswith("/" + name)):
+            return real(h, body)
+        fake_hub.requests.append((h.command, h.path, h.headers.get("Range")))
+        path, sha = fake_hub.repos[repo][name]
+        data = path.read_bytes() + b"\0" * extra
+        h.send_response(200)
+        h.send_header("Transfer-Encoding", "chunked")
+        h.send_header("ETag", f'"{sha}"')
+        h.send_header("X-Repo-Commit", commit)
+        h.end_headers()
+        for i in range(0, len(data), 1 << 16):
+            chunk = data[i:i + (1 << 16)]
+            h.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        h.wfile.write(b"0\r\n\r\n")
+
+    fake_hub.handle = handle

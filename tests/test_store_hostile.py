@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_hub import FakeHub, files, leftovers, tiny_gguf  # noqa: F401  (fixtures)
+from test_hub import FakeHub, files, leftovers, serve_overlong, tiny_gguf  # noqa: F401  (fixtures)
 
 from localllm import hub, store
 from localllm.errors import DownloadError, LocalLLMError, OfflineError
@@ -89,26 +89,7 @@ def test_offline_hub_pull_is_an_offline_error_without_a_request(fake_hub, monkey
 # ---- item 4: a download stops at its declared size ----------------------------------------------------------
 
 def overlong(fake_hub: FakeHub, name: str, extra: int) -> None:
-    """The hub declares the file's size but streams `extra` more bytes, chunked (no Content-Length)."""
-    real = fake_hub.handle
-
-    def handle(h, body: bool):
-        if not (body and h.command == "GET" and h.path.split("?")[0].endswith("/" + name)):
-            return real(h, body)
-        fake_hub.requests.append((h.command, h.path, h.headers.get("Range")))
-        path, sha = fake_hub.repos["test/repo"][name]
-        data = path.read_bytes() + b"\0" * extra
-        h.send_response(200)
-        h.send_header("Transfer-Encoding", "chunked")
-        h.send_header("ETag", f'"{sha}"')
-        h.send_header("X-Repo-Commit", "0" * 40)
-        h.end_headers()
-        for i in range(0, len(data), 1 << 16):
-            chunk = data[i:i + (1 << 16)]
-            h.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-        h.wfile.write(b"0\r\n\r\n")
-
-    fake_hub.handle = handle
+    serve_overlong(fake_hub, "test/repo", name, extra, "0" * 40)
 
 
 def test_a_hub_body_longer_than_its_declared_size_is_stopped_there_and_removed(fake_hub, files):  # noqa: F811
