@@ -88,6 +88,53 @@ def test_q8_0_cache_is_close_to_float32_and_smaller():
     np.testing.assert_allclose(kernel_attention(b, q, positions), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_a_q8_0_cache_attends_bit_for_bit_as_a_float32_cache_holding_its_dequantized_values(window):
+    """The AVX2/AVX-512 kernel reads a q8_0 cache a tile at a time into float32 (int8 * scale, as keys() and
+    values() give it) and runs the float32 operations on that: a prompt chunk, one row at a time (decode) and
+    every thread count agree to the bit with the float32 kernel over a cache holding those values, on a paged
+    cache with one and with three query heads per KV head."""
+    from localllm.kernels.cpu import attention as kernel
+
+    if not kernel.HAVE_AVX2:
+        pytest.skip("the tiled q8_0 path is the AVX2 kernel's")
+    for group in (1, 3):
+        rng = np.random.default_rng(5)
+        small = cpu_pool(1, N_KV, D, D, kv_type="q8_0")
+        b = filled_cache(small, rng, 300, interleave_with=small.new_cache(4096))
+        exact = cpu_pool(1, N_KV, D, D)
+        a = exact.new_cache(4096)
+        keys, values = b.keys(0), b.values(0)  # (n_kv, n, d), dequantized
+        for start in range(0, 300, BLOCK):
+            a.reserve(BLOCK)
+            a.write(0, np.ascontiguousarray(keys[:, start:start + BLOCK].transpose(1, 0, 2)),
+                    np.ascontiguousarray(values[:, start:start + BLOCK].transpose(1, 0, 2)))
+            a.commit()
+        positions = np.arange(300 - 40, 300)
+        q = rng.standard_normal((40, N_KV * group, D)).astype(np.float32)
+        scale, cap = np.float32(1 / np.sqrt(D)), np.float32(0)
+        want = np.zeros((40, N_KV * group * D), np.float32)
+        got = {}
+        for name, cache in (("f32", a), ("q8_0", b)):
+            cache.reserve(0)
+            inputs = cache.attention_inputs(0)
+            scores, acc = np.empty(300, np.float32), np.empty(D, np.float32)
+            for chunks in (1, 2, 5):
+                out = np.zeros_like(want)
+                for c in range(chunks):
+                    kernel._attend_items(c, chunks, q, *inputs, positions, 0, window, scale, cap, out, scores, acc)
+                got[name, chunks] = out
+            alone = np.zeros_like(want)
+            for i in range(40):
+                for c in range(2):
+                    kernel._attend_items(c, 2, q[i:i + 1], *inputs, positions[i:i + 1], 0, window, scale, cap,
+                                         alone[i:i + 1], scores, acc)
+            got[name, "alone"] = alone
+        ref = got["f32", 1]
+        for key, out in got.items():
+            assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), (group, key)
+
+
 def test_unknown_kv_type_is_a_clear_error():
     with pytest.raises(ValueError, match="q8_0"):
         cpu_pool(1, N_KV, D, D, kv_type="q4")
@@ -152,9 +199,10 @@ def test_row_block_group_and_per_head_items_agree_bit_for_bit(window, softcap):
         assert not np.allclose(outs[0], uncapped, rtol=1e-2, atol=1e-3)
 
 
-def test_vector_softmax_exponential_is_the_scalar_one_bit_for_bit():
-    """The softmax's exponentials, eight at a time in vector registers, against the scalar function they
-    replace (which the kernels call with a float64 maximum, so it computes in float64)."""
+def test_vector_softmax_exponentials_are_the_scalar_one_bit_for_bit():
+    """The softmax's exponentials, 8 (AVX2) and 16 (AVX-512) at a time in vector registers, against the scalar
+    function of the loops' tails and the portable kernel: float32 scores minus a float32 maximum, the same
+    float32 operations in every lane, whatever the lane count."""
     from numba import njit
 
     from localllm.kernels.cpu import attention as kernel
@@ -163,21 +211,29 @@ def test_vector_softmax_exponential_is_the_scalar_one_bit_for_bit():
         pytest.skip("an AVX2 kernel")
 
     @njit
-    def both(scores, m, out_vector, out_scalar):
-        a, b = kernel.address_of(scores), kernel.address_of(out_vector)
+    def both(scores, m, out_8, out_16, out_scalar):
+        a, b, c = kernel.address_of(scores), kernel.address_of(out_8), kernel.address_of(out_16)
         for j in range(0, scores.shape[0], 8):
             kernel.storeu_ps(b + 4 * j, kernel.exp_nonpositive_8(kernel.loadu_ps(a + 4 * j), m))
+        if kernel.HAVE_AVX512:
+            for j in range(0, scores.shape[0], 16):
+                kernel.storeu_ps_512(c + 4 * j, kernel.exp_nonpositive_16(kernel.loadu_ps_512(a + 4 * j), m))
         for j in range(scores.shape[0]):
             out_scalar[j] = kernel._exp_nonpositive(scores[j] - m)
 
     rng = np.random.default_rng(4)
-    for m in (0.0, 3.5, float(np.float32(17.123)), -2.25):
+    for m in (0.0, 3.5, 17.123, -2.25):
+        m = np.float32(m)
         scores = (m - np.abs(rng.standard_normal(1 << 14)) * rng.choice([0.01, 1, 10, 100], 1 << 14))
         scores = np.concatenate([scores, [m, m - 86.9, m - 87.1, m - 200]]).astype(np.float32)
-        scores = np.resize(scores, (len(scores) + 7) // 8 * 8)
-        vector, scalar = np.empty_like(scores), np.empty_like(scores)
-        both(scores, m, vector, scalar)
-        assert np.array_equal(vector.view(np.uint32), scalar.view(np.uint32))
+        scores = np.resize(scores, (len(scores) + 15) // 16 * 16)
+        v8, v16, scalar = np.empty_like(scores), np.empty_like(scores), np.empty_like(scores)
+        both(scores, m, v8, v16, scalar)
+        assert np.array_equal(v8.view(np.uint32), scalar.view(np.uint32))
+        if kernel.HAVE_AVX512:
+            assert np.array_equal(v16.view(np.uint32), scalar.view(np.uint32))
+        x = (scores - m).astype(np.float64)  # the float32 difference the kernels take the exponential of
+        np.testing.assert_allclose(scalar[x >= -87], np.exp(x[x >= -87]), rtol=3e-7)
 
 
 def test_vectorized_score_maximum_is_the_array_maximum_including_nan_and_infinity():

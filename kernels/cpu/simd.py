@@ -673,6 +673,19 @@ def load_cvtepi8_epi16(typingctx, address):
 
 
 @intrinsic(prefer_literal=True)
+def load_cvtepi8_ps(typingctx, address):
+    """8 signed bytes at `address` as 8 float32 lanes, exact (`vpmovsxbd` + `vcvtdq2ps`)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        packed = builder.load(_ptr(builder, args[0], ir.VectorType(ir.IntType(8), 8)), align=1)
+        return builder.sitofp(packed, F32x8)
+
+    return m256(address), codegen
+
+
+@intrinsic(prefer_literal=True)
 def cvtepu8_epi16_words(typingctx, w0, w1, w2, w3):
     """The 16 bytes of four uint32 words (w0 lowest), zero-extended into 16 int16 lanes.
 
@@ -1056,6 +1069,19 @@ def cvtph_ps_512(typingctx, address):
     def codegen(context, builder, signature, args):
         h = builder.load(_ptr(builder, args[0], ir.VectorType(ir.HalfType(), 16)), align=1)
         return builder.fpext(h, F32x16)
+
+    return m512(address), codegen
+
+
+@intrinsic(prefer_literal=True)
+def load_cvtepi8_ps_512(typingctx, address):
+    """16 signed bytes at `address` as 16 float32 lanes, exact (`vpmovsxbd` + `vcvtdq2ps` on zmm)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        packed = builder.load(_ptr(builder, args[0], ir.VectorType(ir.IntType(8), 16)), align=1)
+        return builder.sitofp(packed, F32x16)
 
     return m512(address), codegen
 
