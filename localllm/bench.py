@@ -231,9 +231,12 @@ def format_rows(results: list[dict], threads: int) -> str:
     return "\n".join(lines)
 
 
-def llama_bench(binary: str, model_path, n_prompt: int, n_gen: int, reps: int, threads: int, depth: int = 0) -> dict:
+def llama_bench(binary: str, model_path, n_prompt: int, n_gen: int, reps: int, threads: int, depth: int = 0,
+                kv_type: str = "f32") -> dict:
     """llama.cpp's figures for the same tests on the same file, from its llama-bench (`-o json`): {key: {"ts",
-    "sd"}} with bench.run's keys. Two invocations: without depth, and at `depth` (pp and tg there too)."""
+    "sd"}} with bench.run's keys. Two invocations: without depth, and at `depth` (pp and tg there too). A q8_0
+    KV cache is asked of llama.cpp too (`-ctk q8_0 -ctv q8_0`, with flash attention, which a quantized V needs);
+    float32 KV leaves llama-bench's default (float16), what its users run."""
     import json
     import subprocess
 
@@ -241,6 +244,8 @@ def llama_bench(binary: str, model_path, n_prompt: int, n_gen: int, reps: int, t
 
     def invoke(args: list[str]) -> list[dict]:
         cmd = [binary, "-m", str(model_path), "-r", str(reps), "-t", str(threads), "-o", "json", *args]
+        if kv_type == "q8_0":
+            cmd += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as e:

@@ -490,7 +490,7 @@ def cmd_bench(args) -> int:
         if args.llama_bench:
             # Back to back with localllm's run, on the same file and thread count: quote the ratio, not the figures.
             result["llama_cpp"] = bench.llama_bench(args.llama_bench, engine.path, args.p, args.n, args.r,
-                                                    ops.threads(), args.depth)
+                                                    ops.threads(), args.depth, kv_type=args.kv_type)
         if machine_bandwidth is not None:
             result["machine_bandwidth_gbs"] = machine_bandwidth
         if args.k_ratio:

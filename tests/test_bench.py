@@ -65,6 +65,12 @@ def test_bench_puts_llama_benchs_figures_and_the_ratio_beside_its_own_at_depth_t
         assert c[c.index("-m") + 1].endswith("smollm2-135m-instruct.gguf")
         assert c[c.index("-r") + 1] == "2" and c[c.index("-t") + 1] == "2"
 
+    assert all("-ctk" not in c for c in calls)  # float32 KV: llama-bench's own default (float16)
+    q8 = subprocess.run(common + ["--json", "--kv-type", "q8_0"], capture_output=True, text=True, timeout=300)
+    assert q8.returncode == 0, q8.stderr
+    calls = [json.loads(line) for line in (tmp_path / "llama-bench.calls").read_text().splitlines()][2:]
+    assert len(calls) == 2 and all(c[c.index("-ctk") + 1] == c[c.index("-ctv") + 1] == "q8_0" for c in calls)
+
     table = subprocess.run(common, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr
     rows = {line.split("|")[4].strip(): line for line in table.stdout.splitlines() if "smollm2" in line and "|" in line}
