@@ -10,6 +10,7 @@ import json
 import math
 import sys
 
+from localllm import parameters
 from localllm.chat_history import fit_messages
 from localllm.files import read_text_file
 from localllm.errors import LocalLLMError
@@ -51,29 +52,19 @@ def add_sampling_options(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp's defaults)")
     g.add_argument("-n", "--max-tokens", type=whole_number(-1), default=256,
                    help="tokens to generate at most (default 256; -1: until the model stops or the context is full)")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the top probability "
-                   "(default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise repeats of the last 64 tokens "
-                   "(default 1.0 = off)")
-    g.add_argument("--dry-multiplier", type=float, default=None, metavar="X",
-                   help="DRY (don't repeat yourself) penalty multiplier, llama.cpp's sampler; 0 = off (default: "
-                        f"{CHAT_LOOP_PROTECTION['dry_multiplier']} in a chat (`chat`, `run --chat`), else 0)")
-    g.add_argument("--dry-base", type=float, default=1.75, metavar="X",
-                   help="DRY: the penalty grows as base^(repeat length - allowed length) (default 1.75)")
-    g.add_argument("--dry-allowed-length", type=int, default=2, metavar="N",
-                   help="DRY: repeats this long are not penalized (default 2)")
-    g.add_argument("--dry-penalty-last-n", type=whole_number(-1), default=-1, metavar="N",
-                   help="DRY: look this many tokens back; -1 = the whole context, 0 = off (default -1)")
-    g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="TEXT",
-                   help="DRY: a repeat never reaches back past this text (repeatable; replaces the defaults "
-                        "\\n : \" *; 'none' for none)")
-    g.add_argument("--xtc-probability", type=float, default=0.0, metavar="P",
-                   help="XTC: chance per token of removing every top choice but the least likely (default 0 = off)")
-    g.add_argument("--xtc-threshold", type=float, default=0.1, metavar="P",
-                   help="XTC: top choices are those at least this likely (default 0.1)")
+    for param in parameters.SAMPLING:  # --temp, --top-k, ... --xtc-threshold: the table's flags and ranges
+        if param.flag is None:
+            continue
+        default, shown = param.default, param.default
+        if param.name == "dry_multiplier":  # on in a chat (loop protection), llama.cpp's default elsewhere
+            default, shown = None, (f"{CHAT_LOOP_PROTECTION['dry_multiplier']} in a chat (`chat`, `run --chat`), "
+                                    f"else {param.default}")
+        g.add_argument(param.flag, dest=param.name, type=parameter_type(param), default=default,
+                       metavar="N" if param.kind is int else "X", help=f"{param.help} (default {shown})")
+        if param.name == "dry_penalty_last_n":
+            g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="TEXT",
+                           help="DRY: a repeat never reaches back past this text (repeatable; replaces the "
+                                "defaults \\n : \" *; 'none' for none)")
     g.add_argument("--no-loop-guard", action="store_true",
                    help="in a chat, do not stop an answer that repeats the same line or sentence over and over")
     g.add_argument("--seed", type=whole_number(0), default=None, help="random seed: same seed and settings, same text")
@@ -82,6 +73,23 @@ def add_sampling_options(p) -> None:
     g.add_argument("--ctx", type=whole_number(0), default=None,
                    help="context size in tokens (default: the model's, at most 4096)")
     add_kv_type_option(g)
+
+
+def parameter_type(param):
+    """An argparse type for a sampling parameter: its kind, within the table's range."""
+    def parse(text: str):
+        try:
+            value = param.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a number' if param.kind is float else 'an integer'}"
+                                             ) from None
+        why = param.problem(value)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"must be {why}, not {text}")
+        return value
+
+    parse.__name__ = param.kind.__name__
+    return parse
 
 
 def add_kv_type_option(p) -> None:
@@ -101,8 +109,8 @@ def generation_params(args):
     from localllm.engine import GenerationParams
     from localllm.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repeat_penalty=args.repeat_penalty, seed=args.seed, **loop_protection(args))
+    flags = {p.name: getattr(args, p.name) for p in parameters.SAMPLING if p.flag is not None}
+    sampling = SamplingParams(**{**flags, **loop_protection(args)}, seed=args.seed)
     max_tokens = None if args.max_tokens is not None and args.max_tokens < 0 else args.max_tokens
     return GenerationParams(max_tokens=max_tokens, stop=list(args.stop), sampling=sampling,
                             context_overflow=args.context_overflow, n_keep=args.keep,
@@ -114,11 +122,12 @@ def is_chat(args) -> bool:
 
 
 def loop_protection(args) -> dict:
-    """The DRY and XTC sampler settings: in a chat (`chat`, `run --chat`) DRY is on unless --dry-multiplier says
-    otherwise (CHAT_LOOP_PROTECTION, chosen by tools/measure_loops.py); a plain `run` keeps llama.cpp's defaults."""
+    """DRY's multiplier and sequence breakers: in a chat (`chat`, `run --chat`) DRY is on unless --dry-multiplier
+    says otherwise (CHAT_LOOP_PROTECTION, chosen by tools/measure_loops.py); a plain `run` keeps llama.cpp's
+    defaults."""
     mult = args.dry_multiplier
     if mult is None:
-        mult = CHAT_LOOP_PROTECTION["dry_multiplier"] if is_chat(args) else 0.0
+        mult = CHAT_LOOP_PROTECTION["dry_multiplier"] if is_chat(args) else parameters.BY_NAME["dry_multiplier"].default
     breakers = args.dry_sequence_breaker
     if breakers is None:
         breakers = DRY_SEQUENCE_BREAKERS
@@ -126,9 +135,7 @@ def loop_protection(args) -> dict:
         breakers = ()
     else:  # as llama.cpp's --dry-sequence-breaker, escapes like \n are read
         breakers = tuple(b.encode("latin-1", "backslashreplace").decode("unicode_escape") for b in breakers)
-    return dict(dry_multiplier=mult, dry_base=args.dry_base, dry_allowed_length=args.dry_allowed_length,
-                dry_penalty_last_n=args.dry_penalty_last_n, dry_sequence_breakers=breakers,
-                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold)
+    return dict(dry_multiplier=mult, dry_sequence_breakers=breakers)
 
 
 def add_speculation_options(p) -> None:
@@ -320,11 +327,9 @@ def chat_settings_overrides(args, saved):
     """The TUI's saved settings, with the options given on this command line on top (for this session; F2 saves)."""
     from dataclasses import replace
 
-    given = {name: getattr(args, name) for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty",
-                                                    "max_tokens", "context_overflow", "keep")
-             if getattr(args, name) != args.parser_default(name)}
-    fields = {"temp": "temperature", "context_overflow": "context_overflow"}
-    changes = {fields.get(name, name): value for name, value in given.items()}
+    names = [p.name for p in parameters.chat_settings() if p.name != "dry_multiplier"]  # the chat app's own
+    changes = {name: getattr(args, name) for name in names + ["max_tokens", "context_overflow", "keep"]
+               if getattr(args, name) != args.parser_default(name)}
     if "max_tokens" in changes and changes["max_tokens"] < 0:
         changes["max_tokens"] = -1
     if args.system is not None:

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localllm import parameters
 from localllm.errors import LocalLLMError, ModelFileError
 from localllm.loop_guard import DRY_SEQUENCE_BREAKERS
 
@@ -87,16 +88,19 @@ _DRY_MAX_SEQ_LEN = 20
 _FLOAT_MAX_LOG = 88.7228391
 
 
+_D = parameters.defaults()  # llama.cpp's defaults, from the one table of sampling parameters
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 0.8  # <= 0 means greedy
-    top_k: int = 40  # <= 0 disables
-    top_p: float = 0.95  # 1.0 disables
-    min_p: float = 0.05  # 0 disables
-    repeat_penalty: float = 1.0  # 1.0 disables
-    repeat_last_n: int = 64  # 0 disables penalties, < 0 = whole history
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = _D["temperature"]  # <= 0 means greedy
+    top_k: int = _D["top_k"]  # <= 0 disables
+    top_p: float = _D["top_p"]  # 1.0 disables
+    min_p: float = _D["min_p"]  # 0 disables
+    repeat_penalty: float = _D["repeat_penalty"]  # 1.0 disables
+    repeat_last_n: int = _D["repeat_last_n"]  # 0 disables penalties, < 0 = whole history
+    presence_penalty: float = _D["presence_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
     logit_bias: dict[int, float] = field(default_factory=dict)  # -inf bans a token
     seed: int | None = None  # None: fresh entropy (the seed used is in Sampler.seed)
     n_probs: int = 0  # how many top logprobs to report per token
@@ -106,14 +110,14 @@ class SamplingParams:
     logprob: bool = True
     infill: bool = False  # stage 5b (needs the vocabulary: Sampler(..., vocab=tokenizer))
     # stage 2b, DRY (llama.cpp's names and defaults: off at multiplier 0); the breakers need Sampler(vocab=)
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1: the whole history (which the context bounds), 0: off
+    dry_multiplier: float = _D["dry_multiplier"]
+    dry_base: float = _D["dry_base"]
+    dry_allowed_length: int = _D["dry_allowed_length"]
+    dry_penalty_last_n: int = _D["dry_penalty_last_n"]  # -1: the whole history (which the context bounds), 0: off
     dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
     # stage 5a, XTC (llama.cpp's names and defaults: off at probability 0)
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
+    xtc_probability: float = _D["xtc_probability"]
+    xtc_threshold: float = _D["xtc_threshold"]
 
     @property
     def dry_on(self) -> bool:
@@ -139,15 +143,17 @@ def _check_params(p: SamplingParams, vocab_size: int) -> None:
     def bad(msg: str) -> LocalLLMError:
         return LocalLLMError(f"invalid sampling parameter: {msg}")
 
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
-                 "dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold"):
-        v = getattr(p, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise bad(f"{name} must be a finite number, got {v!r}")
-    for name in ("top_k", "repeat_last_n", "n_probs", "dry_allowed_length", "dry_penalty_last_n"):
-        v = getattr(p, name)
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise bad(f"{name} must be an integer, got {v!r}")
+    # Types from the table of parameters; the ranges below are the sampler's own (what its stages can run with),
+    # wider than the table's for requests, flags and settings (a library caller may ask for a negative
+    # temperature: greedy, as llama.cpp).
+    for param in parameters.SAMPLING:
+        v = getattr(p, param.name)
+        if param.kind is float and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+            raise bad(f"{param.name} must be a finite number, got {v!r}")
+        if param.kind is int and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
+            raise bad(f"{param.name} must be an integer, got {v!r}")
+    if not isinstance(p.n_probs, (int, np.integer)) or isinstance(p.n_probs, bool):
+        raise bad(f"n_probs must be an integer, got {p.n_probs!r}")
     if not 0.0 < p.top_p <= 1.0:
         raise bad(f"top_p must be in (0, 1], got {p.top_p}")
     if not 0.0 <= p.min_p <= 1.0:

@@ -209,14 +209,14 @@ def test_api_fields_as_llama_server_names_them():
 
     s = sampling_from(Fields({"dry_multiplier": 0.8, "dry_base": 0.5, "dry_allowed_length": 3,
                               "dry_penalty_last_n": 128, "dry_sequence_breakers": ["\n", "###"],
-                              "xtc_probability": 0.5, "xtc_threshold": 0.2}), {}, 100)
+                              "xtc_probability": 0.5, "xtc_threshold": 0.2}), "llamacpp", 100)
     assert (s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n) == (0.8, 1.75, 3, 128)
     assert s.dry_sequence_breakers == ("\n", "###") and (s.xtc_probability, s.xtc_threshold) == (0.5, 0.2)
-    plain = sampling_from(Fields({}), {}, 100)
+    plain = sampling_from(Fields({}), "llamacpp", 100)
     assert not plain.dry_on and not plain.xtc_on  # off unless asked, as llama-server
     for bad in ([], "\n", [1]):
         with pytest.raises(ApiError, match="dry_sequence_breakers"):
-            sampling_from(Fields({"dry_sequence_breakers": bad}), {}, 100)
+            sampling_from(Fields({"dry_sequence_breakers": bad}), "llamacpp", 100)
 
 
 def test_cli_chat_turns_dry_on_and_plain_run_keeps_llamacpp_defaults():

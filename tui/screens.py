@@ -16,7 +16,7 @@ from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressBar, Select, Static, TextArea
 
-from localllm import catalog, hub, store
+from localllm import catalog, hub, parameters, store
 from localllm.errors import LocalLLMError
 from localllm.tui import conversations
 from localllm.tui.settings import ChatSettings
@@ -62,12 +62,7 @@ class HelpScreen(ModalScreen[None]):
 
 # field -> label shown, and the hint below the input
 SETTING_LABELS = {
-    "temperature": ("Temperature", "0 = greedy"),
-    "top_p": ("Top-p", "1 = off"),
-    "top_k": ("Top-k", "0 = off"),
-    "min_p": ("Min-p", "0 = off"),
-    "repeat_penalty": ("Repeat penalty", "1 = off"),
-    "dry_multiplier": ("DRY multiplier", "loop protection; 0 = off"),
+    **{p.name: (p.label, p.hint) for p in parameters.chat_settings()},  # the sampling table's (parameters.py)
     "max_tokens": ("Max tokens", "per answer; -1 = no limit"),
     "ctx": ("Context size", "tokens; 0 = the model's (at most 4096); reloads the model"),
     "seed": ("Seed", "empty = random"),

@@ -8,12 +8,11 @@ for that value, and the app says so: a settings file must never stop the chat fr
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from localllm import paths
+from localllm import parameters, paths
 from localllm.engine import GenerationParams
 from localllm.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.sampling import SamplingParams
@@ -27,11 +26,12 @@ MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
 @dataclass(frozen=True)
 class ChatSettings:
     system_prompt: str = ""
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    # the sampling parameters the settings screen shows (localllm/parameters.py: defaults, ranges, labels)
+    temperature: float = parameters.BY_NAME["temperature"].default
+    top_p: float = parameters.BY_NAME["top_p"].default
+    top_k: int = parameters.BY_NAME["top_k"].default
+    min_p: float = parameters.BY_NAME["min_p"].default
+    repeat_penalty: float = parameters.BY_NAME["repeat_penalty"].default
     # loop protection (README, "Answers that end"): llama.cpp's DRY sampler, and a guard that stops an answer
     # repeating the same line or sentence over and over
     dry_multiplier: float = CHAT_LOOP_PROTECTION["dry_multiplier"]
@@ -48,9 +48,8 @@ class ChatSettings:
     device: str = "cpu"  # where models run: "cpu", or "opencl[:PLATFORM:DEVICE]" (`localllm devices`); reloads
 
     def generation_params(self, can_shift: bool = True) -> GenerationParams:
-        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed,
-                                  dry_multiplier=self.dry_multiplier)
+        sampling = SamplingParams(**{p.name: getattr(self, p.name) for p in parameters.chat_settings()},
+                                  seed=self.seed)
         overflow = self.context_overflow if can_shift else "stop"
         speculation = None if self.speculation == "off" else SpeculationParams(
             mode=self.speculation, draft_model=self.draft_model or None)
@@ -60,15 +59,11 @@ class ChatSettings:
 
     def validated(self) -> "ChatSettings":
         """These settings, or a ValueError naming the first value out of range."""
-        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty, self.dry_multiplier)
+        for p in parameters.chat_settings():
+            why = p.problem(getattr(self, p.name))
+            if why is not None:
+                raise ValueError(f"{p.label} must be {why} ({p.hint})")
         checks = [
-            (all(math.isfinite(v) for v in floats), "sampling values must be finite numbers"),
-            (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
-            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
-            (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
-            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-            (self.repeat_penalty > 0, "repeat penalty must be > 0 (1 = off)"),
-            (0 <= self.dry_multiplier <= 100, "DRY multiplier must be in 0..100 (0 = off)"),
             (self.max_tokens == -1 or self.max_tokens > 0, "max tokens must be > 0, or -1 for no limit"),
             (self.ctx == 0 or 64 <= self.ctx <= MAX_CTX,
              f"context size must be in 64..{MAX_CTX} (0 = the model's default)"),
@@ -149,8 +144,7 @@ def _typed(s: ChatSettings) -> ChatSettings:
                 raise TypeError(f.name)
         elif not isinstance(value, type(default)) or isinstance(value, bool):
             raise TypeError(f.name)
-    return replace(s, temperature=float(s.temperature), top_p=float(s.top_p), min_p=float(s.min_p),
-                   repeat_penalty=float(s.repeat_penalty), dry_multiplier=float(s.dry_multiplier))
+    return replace(s, **{p.name: float(getattr(s, p.name)) for p in parameters.chat_settings() if p.kind is float})
 
 
 def save(settings: ChatSettings) -> None:

@@ -503,9 +503,7 @@ def _params(state: ServerState, f: Fields) -> tuple[GenerationParams, bool]:
         raise ApiError(400, "'max_tokens' is required", param="max_tokens")
     # Capped, not refused: see the module's docstring.
     max_tokens = min(asked, state.max_tokens)
-    sampling = sampling_from(f, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}, state.engine.config.vocab_size)
-    if sampling.temperature > 1.0:
-        raise ApiError(400, f"'temperature' must be in [0, 1], got {sampling.temperature}", param="temperature")
+    sampling = sampling_from(f, "anthropic", state.engine.config.vocab_size)
     fix_seed(sampling)
     params = GenerationParams(max_tokens=max_tokens, stop=f.stop("stop_sequences"), sampling=sampling)
     return params, f.get("stream", bool, False)

@@ -303,6 +303,17 @@ class Fields:
             raise self._bad(key, f"<= {hi}")
         return v
 
+    def param(self, p, api: str, vocab_size: int | None = None):
+        """The value of the table's parameter `p` (localllm/parameters.py) as `api` takes it: its default there
+        when absent, else checked against its type and `api`'s bounds."""
+        v = self.get(p.name, p.kind)
+        if v is None:
+            return p.default_for(api)
+        why = p.problem(v, api, vocab_size)
+        if why is not None:
+            raise self._bad(p.name, why)
+        return v
+
     def stop(self, key: str = "stop") -> list[str]:
         """A string or a list of strings (OpenAI allows up to 4; we allow 16)."""
         v = self.data.get(key)
@@ -406,39 +417,22 @@ def sse(obj) -> str:
     return f"data: {dumps_compact(obj)}\n\n"
 
 
-def sampling_from(f: Fields, defaults: dict, vocab_size: int, names: dict | None = None):
-    """SamplingParams from request fields. `names` maps our parameter names to the API's field names."""
-    from localllm.sampling import SamplingParams
+def sampling_from(f: Fields, api: str, vocab_size: int):
+    """SamplingParams from a request's fields, as `api` ("llamacpp", "openai", "anthropic", "ollama") defaults and
+    bounds them (localllm/parameters.py). A top_p of 0 is "off" (1), as llama-server takes it; a dry_base below 1
+    falls back to the default (1.75), as llama-server does; dry_sequence_breakers must be a non-empty array of
+    strings."""
+    from localllm import parameters
+    from localllm.sampling import DRY_SEQUENCE_BREAKERS, SamplingParams
 
-    n = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-         "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
-         "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed"}
-    n.update(names or {})
-    d = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
-         "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    d.update(defaults)
-    return SamplingParams(
-        temperature=f.get(n["temperature"], float, d["temperature"], lo=0.0, hi=100.0),
-        top_k=f.get(n["top_k"], int, d["top_k"], lo=0, hi=vocab_size),
-        top_p=f.get(n["top_p"], float, d["top_p"], lo=0.0, hi=1.0) or 1.0,
-        min_p=f.get(n["min_p"], float, d["min_p"], lo=0.0, hi=1.0),
-        repeat_penalty=f.get(n["repeat_penalty"], float, d["repeat_penalty"], lo=0.01, hi=100.0),
-        repeat_last_n=f.get(n["repeat_last_n"], int, d["repeat_last_n"], lo=-1, hi=1 << 20),
-        presence_penalty=f.get(n["presence_penalty"], float, d["presence_penalty"], lo=-100.0, hi=100.0),
-        frequency_penalty=f.get(n["frequency_penalty"], float, d["frequency_penalty"], lo=-100.0, hi=100.0),
-        seed=f.get(n["seed"], int, None, lo=-(1 << 63), hi=(1 << 64) - 1),
-        logprob=False,  # an API that reports logprobs turns it on for the requests that ask (sampling.py)
-        **dry_xtc_from(f, d),
-    )
-
-
-def dry_xtc_from(f: Fields, d: dict) -> dict:
-    """llama-server's DRY and XTC fields (the same names on its /completion and OpenAI routes, and here in Ollama's
-    options too): off unless asked for, as llama-server's defaults. A dry_base below 1 falls back to the default
-    (1.75), as llama-server does; dry_sequence_breakers must be a non-empty array of strings."""
-    from localllm.sampling import DRY_SEQUENCE_BREAKERS
-
-    base = f.get("dry_base", float, d.get("dry_base", 1.75), lo=-1e6, hi=1e6)
+    values = {}
+    for p in parameters.SAMPLING:
+        if p.name == "top_p" and type(f.data.get("top_p")) in (int, float) and f.data["top_p"] == 0:
+            values["top_p"] = 1.0
+            continue
+        values[p.name] = f.param(p, api, vocab_size)
+    if values["dry_base"] < 1.0:
+        values["dry_base"] = parameters.BY_NAME["dry_base"].default
     breakers = f.data.get("dry_sequence_breakers")
     if breakers is None:
         breakers = DRY_SEQUENCE_BREAKERS
@@ -446,15 +440,10 @@ def dry_xtc_from(f: Fields, d: dict) -> dict:
           or not all(isinstance(b, str) for b in breakers)):
         raise ApiError(400, "'dry_sequence_breakers' must be a non-empty array of strings (at most 64)",
                        param="dry_sequence_breakers")
-    return dict(
-        dry_multiplier=f.get("dry_multiplier", float, d.get("dry_multiplier", 0.0), lo=-1e6, hi=1e6),
-        dry_base=base if base >= 1.0 else 1.75,
-        dry_allowed_length=f.get("dry_allowed_length", int, d.get("dry_allowed_length", 2), lo=-(1 << 20),
-                                 hi=1 << 20),
-        dry_penalty_last_n=f.get("dry_penalty_last_n", int, d.get("dry_penalty_last_n", -1), lo=-1, hi=1 << 20),
-        dry_sequence_breakers=tuple(breakers),
-        xtc_probability=f.get("xtc_probability", float, d.get("xtc_probability", 0.0), lo=-1e6, hi=1e6),
-        xtc_threshold=f.get("xtc_threshold", float, d.get("xtc_threshold", 0.1), lo=-1e6, hi=1e6),
+    return SamplingParams(
+        **values, dry_sequence_breakers=tuple(breakers),
+        seed=f.get("seed", int, None, lo=-(1 << 63), hi=(1 << 64) - 1),
+        logprob=False,  # an API that reports logprobs turns it on for the requests that ask (sampling.py)
     )
 
 

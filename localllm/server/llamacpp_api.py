@@ -18,7 +18,6 @@ from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain
 from localllm.server import llamacpp_ext as ext
 from localllm.server.infill import IndentCut, infill_tokens
 
-LLAMACPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
 def _prompt_tokens(state: ServerState, prompt) -> list[int]:
@@ -78,7 +77,7 @@ def _logit_bias(f: Fields, vocab: int) -> dict[int, float]:
 
 def generation_params(state: ServerState, f: Fields) -> GenerationParams:
     vocab = state.engine.config.vocab_size
-    sampling = sampling_from(f, LLAMACPP_DEFAULTS, vocab)
+    sampling = sampling_from(f, "llamacpp", vocab)
     if sampling.seed is not None and sampling.seed < 0:
         sampling.seed = None  # -1: a random seed, as llama.cpp
     fix_seed(sampling)
@@ -288,9 +287,7 @@ async def health(state: ServerState, request: Request):
 
 
 async def props(state: ServerState, request: Request):
-    params = GenerationParams(max_tokens=state.max_tokens)
-    for k, v in LLAMACPP_DEFAULTS.items():
-        setattr(params.sampling, k, v)
+    params = GenerationParams(max_tokens=state.max_tokens)  # SamplingParams' defaults are llama.cpp's
     template = state.engine.template
     return json_response({
         "default_generation_settings": {"n_ctx": state.engine.ctx, "params": _settings(state, params)},

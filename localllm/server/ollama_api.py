@@ -27,7 +27,6 @@ from localllm.server import models_api, tool_calls
 from localllm.server.infill import infill_tokens
 from localllm.toolcalls import CallDelta, TextDelta, supports_tools
 
-OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
 
 
 def _now() -> str:
@@ -101,7 +100,7 @@ async def show(state: ServerState, request: Request):
 
 def _params(state: ServerState, f: Fields) -> GenerationParams:
     opts = Fields(f.get("options", dict, {}), "options.")
-    sampling = sampling_from(opts, OLLAMA_DEFAULTS, state.engine.config.vocab_size)
+    sampling = sampling_from(opts, "ollama", state.engine.config.vocab_size)
     fix_seed(sampling)
     n = opts.get("num_predict", int, -1)
     if n is None or n < 0:

@@ -74,12 +74,7 @@ def _common(state: ServerState, f: Fields, max_key_default: int | None) -> tuple
     if f.get("n", int, 1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     vocab = state.engine.config.vocab_size
-    sampling = sampling_from(f, {"temperature": 1.0, "top_p": 1.0}, vocab)
-    if sampling.temperature > 2.0:
-        raise ApiError(400, f"'temperature' must be <= 2, got {sampling.temperature}", param="temperature")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if abs(getattr(sampling, key)) > 2.0:
-            raise ApiError(400, f"'{key}' must be in [-2, 2]", param=key)
+    sampling = sampling_from(f, "openai", vocab)
     fix_seed(sampling)
     sampling.logit_bias = _logit_bias(f, vocab)
     key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
