@@ -13,6 +13,7 @@ import sys
 from localllm import parameters
 from localllm.chat_history import fit_messages
 from localllm.files import read_text_file
+from localllm.kv_cache import KV_TYPES
 from localllm.errors import LocalLLMError
 from localllm.loop_guard import CHAT_LOOP_PROTECTION, DRY_SEQUENCE_BREAKERS, NOTICE, RepeatGuard
 
@@ -93,14 +94,14 @@ def parameter_type(param):
 
 
 def add_kv_type_option(p) -> None:
-    p.add_argument("--kv-type", choices=["f32", "q8_0"], default="f32",
+    p.add_argument("--kv-type", choices=KV_TYPES, default=parameters.KV_TYPE,
                    help="KV cache element type: f32, or q8_0 (8-bit, 3.6x smaller; see README for its measured "
-                        "perplexity cost) (default f32)")
+                        f"perplexity cost) (default {parameters.KV_TYPE})")
     add_device_option(p)
 
 
 def add_device_option(p) -> None:
-    p.add_argument("--device", default="cpu", metavar="DEVICE",
+    p.add_argument("--device", default=parameters.DEVICE, metavar="DEVICE",
                    help="where the model runs: cpu (Numba kernels, the default) or opencl[:PLATFORM:DEVICE] "
                         "(an OpenCL GPU or CPU device, by name substrings; `localllm devices` lists them)")
 
@@ -367,7 +368,7 @@ def chat_plain(args) -> int:
 
     if args.model is None:
         args.model = catalog.default_entry().name
-    args.device, args.kv_type = args.device or "cpu", args.kv_type or "f32"
+    args.device, args.kv_type = args.device or parameters.DEVICE, args.kv_type or parameters.KV_TYPE
     engine = load_engine(args)
     if args.context_overflow == "shift" and not engine.model.can_shift:
         args.context_overflow = "stop"  # sliding-window layers (gemma3) cannot shift; see Transformer.can_shift

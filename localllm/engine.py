@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from localllm.architectures import for_context, load_model_config
-from localllm import backends
+from localllm import backends, parameters
 from localllm.architectures.transformer import Transformer
 from localllm.cache_reuse import Splice, find_splices
 from localllm.errors import ContextOverflowError, LocalLLMError
@@ -180,8 +180,8 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
-                 backend: str = "cpu", warm: str = "all"):
+    def __init__(self, path: str | Path, ctx: int | None = None, quiet: bool = False,
+                 kv_type: str = parameters.KV_TYPE, backend: str = parameters.DEVICE, warm: str = "all"):
         """`backend`: where the model runs, as `--device` names it ("cpu", "opencl[:PLATFORM:DEVICE]").
 
         `warm`: what to compile before returning. "all": every kernel the model can use (a server's batched steps,
@@ -237,8 +237,8 @@ class Engine:
         warm_up(calls, quiet=quiet, where=self.model.backend.device_label)
 
     @classmethod
-    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False, kv_type: str = "f32",
-             device: str = "cpu", warm: str = "all") -> "Engine":
+    def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False,
+             kv_type: str = parameters.KV_TYPE, device: str = parameters.DEVICE, warm: str = "all") -> "Engine":
         from localllm import store
 
         return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type, backend=device, warm=warm)

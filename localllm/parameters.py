@@ -104,6 +104,17 @@ SAMPLING: tuple[Param, ...] = (
 BY_NAME: dict[str, Param] = {p.name: p for p in SAMPLING}
 
 
+# Where a model runs and how its KV cache is stored: one default each, read by the CLI, the server, the chat app
+# and Engine; the KV types are kv_cache.KV_TYPES (which each backend's storage may narrow).
+DEVICE = "cpu"  # or "opencl[:PLATFORM:DEVICE]" (`localllm devices`)
+KV_TYPE = "f32"  # or "q8_0"
+
+
+def valid_device(spec: object) -> bool:
+    """The form of a `--device` value (whether such a device is here is only known when a model loads on it)."""
+    return isinstance(spec, str) and (spec in ("cpu", "opencl") or spec.startswith("opencl:")) and len(spec) < 512
+
+
 def defaults(api: str = "llamacpp") -> dict:
     """{name: default} of every sampling parameter for one API."""
     return {p.name: p.default_for(api) for p in SAMPLING}

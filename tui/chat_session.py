@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from localllm import session_file, warmup
+from localllm import parameters, session_file, warmup
 from localllm.cache_reuse import DEFAULT_CACHE_REUSE
 from localllm.chat_history import fit_messages
 from localllm.engine import Engine, GenerationParams, TokenEvent
@@ -21,7 +21,7 @@ from localllm.sampling import dry_breakers
 
 
 def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None,
-                kv_type: str = "f32", device: str = "cpu") -> Engine:
+                kv_type: str = parameters.KV_TYPE, device: str = parameters.DEVICE) -> Engine:
     """Load a model quietly (the console progress bars would corrupt the screen), reporting kernel compilation,
     which only happens on a first start, to `on_compile(done, total)`."""
     with warmup.reporting(on_compile):

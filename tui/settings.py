@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from localllm import parameters, paths
 from localllm.engine import GenerationParams
+from localllm.kv_cache import KV_TYPES
 from localllm.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.sampling import SamplingParams
 from localllm.speculative import SpeculationParams
@@ -44,8 +45,8 @@ class ChatSettings:
     stop: list[str] = field(default_factory=list)  # stop strings (never shown in the answer)
     speculation: str = "off"  # speculative decoding: "off", "ngram" (prompt lookup) or "draft" (with draft_model)
     draft_model: str = ""  # the draft model for "draft": same vocabulary, smaller (qwen2.5-coder-0.5b for -1.5b)
-    kv_type: str = "f32"  # KV cache elements: "f32", or "q8_0" (8-bit, 3.6x smaller); reloads the model
-    device: str = "cpu"  # where models run: "cpu", or "opencl[:PLATFORM:DEVICE]" (`localllm devices`); reloads
+    kv_type: str = parameters.KV_TYPE  # KV cache elements: "f32", or "q8_0" (8-bit, 3.6x smaller); reloads the model
+    device: str = parameters.DEVICE  # "cpu", or "opencl[:PLATFORM:DEVICE]" (`localllm devices`); reloads
 
     def generation_params(self, can_shift: bool = True) -> GenerationParams:
         sampling = SamplingParams(**{p.name: getattr(self, p.name) for p in parameters.chat_settings()},
@@ -73,18 +74,13 @@ class ChatSettings:
             (all(isinstance(t, str) and t for t in self.stop), "stop strings must be non-empty text"),
             (self.speculation in ("off", "ngram", "draft"), "speculation must be off, ngram or draft"),
             (self.speculation != "draft" or bool(self.draft_model), "speculation with a draft model needs one"),
-            (self.kv_type in ("f32", "q8_0"), "KV cache type must be f32 or q8_0"),
-            (valid_device(self.device), "device must be cpu or opencl[:PLATFORM:DEVICE]"),
+            (self.kv_type in KV_TYPES, f"KV cache type must be {' or '.join(KV_TYPES)}"),
+            (parameters.valid_device(self.device), "device must be cpu or opencl[:PLATFORM:DEVICE]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         return self
-
-
-def valid_device(spec: object) -> bool:
-    """The form of a `--device` value (whether such a device is here is only known when a model loads on it)."""
-    return isinstance(spec, str) and (spec in ("cpu", "opencl") or spec.startswith("opencl:")) and len(spec) < 512
 
 
 def load() -> ChatSettings:

@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 
+from localllm import parameters
 from localllm.errors import LocalLLMError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -61,7 +62,7 @@ def is_loopback(host: str) -> bool:
 def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           parallel: int = 4, ctx: int | None = None, max_tokens: int = 2048, cors_origins: list[str] | None = None,
           max_body: int | None = None, max_queue: int = 256, verbose: bool = False, speculation=None,
-          allowed_hosts: list[str] | None = None, device: str = "cpu", models: list[str] | None = None,
+          allowed_hosts: list[str] | None = None, device: str = parameters.DEVICE, models: list[str] | None = None,
           max_loaded: int | None = None, pins: list[str] | None = None, keep_alive: float | None = None,
           offline: bool = False, cache_reuse: int = 0, slot_save_path: str | None = None) -> None:
     """Serve until Ctrl-C: `model` alone (loaded now, pinned), or several (`models`; none: any model of the store)

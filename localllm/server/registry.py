@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localllm import parameters
 from localllm.errors import LocalLLMError
 from localllm.server.app import ApiError, ServerState
 
@@ -97,7 +98,7 @@ def available_memory() -> int | None:
     return None
 
 
-def estimate_bytes(path: Path, ctx: int | None, device: str = "cpu") -> int:
+def estimate_bytes(path: Path, ctx: int | None, device: str = parameters.DEVICE) -> int:
     """What a model takes when loaded: its file (mapped, every page read once a forward has run) plus a full
     context of KV cache. Read from the GGUF's header only."""
     from localllm import backends
@@ -196,8 +197,8 @@ class Lease:
 class ModelRegistry:
     def __init__(self, base: ServerState, *, loader, allowed: dict[str, Path] | None = None,
                  default: str | None = None, lenient: bool = False, max_loaded: int | None = None,
-                 pins: list[str] = (), keep_alive: float = 300.0, ctx: int | None = None, device: str = "cpu",
-                 memory_budget: int | None = None):
+                 pins: list[str] = (), keep_alive: float = 300.0, ctx: int | None = None,
+                 device: str = parameters.DEVICE, memory_budget: int | None = None):
         """`loader(path) -> (engine, scheduler)` loads a model (in a worker thread). `allowed`: the names this
         server serves and their files (None: any model of the store). `lenient` (one model): a name that is no
         model at all (clients send "gpt-4o", "claude-...") is answered by the default model; a name of another
