@@ -41,6 +41,10 @@ implement the stages that have parameters here, in this order:
   6. temperature    logits /= temperature
   7. dist           softmax over what is left, one draw from a numpy Generator (PCG64)
 
+Stages 3-5b are small objects (`TopK`, `TopP`, `MinP`, `Xtc`, `InfillStage`), each narrowing a `Candidates` in
+its `apply(candidates, sampler)`; a sampler holds the list of those its parameters turn on. A new stage is such a
+class, its row in localllm/parameters.py (type, range, defaults, flag, label) and its field in SamplingParams.
+
 Greedy (temperature <= 0): the argmax of the logits after stages 0-2b (mask, bias, penalties, DRY), ties broken by
 the lowest token id. llama.cpp gets the same token by keeping only the max in its temperature stage.
 
@@ -256,7 +260,7 @@ class Sampler:
         _check_params(params, vocab_size)
         self.params = params
         self.vocab_size = int(vocab_size)
-        self._infill = _InfillStage(vocab) if params.infill else None
+        self._infill = InfillStage(vocab) if params.infill else None
         self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
         self._bias_vals = np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias))
         last_n = params.repeat_last_n
@@ -266,6 +270,11 @@ class Sampler:
         self._counts: dict[int, int] = {}
         self._dry = _DryStage(params, vocab) if params.dry_on else None
         self._xtc_rng: np.random.Generator | None = None
+        # Stages 3-5b on the candidates, in the chain's order; each is on only where its setting asks for it.
+        # XTC never runs for a greedy pick (llama.cpp's temperature stage keeps the max of what is left).
+        self._stages: list = [stage for on, stage in (
+            (0 < params.top_k < self.vocab_size, TopK()), (params.top_p < 1.0, TopP()), (params.min_p > 0.0, MinP()),
+            (params.xtc_on and not params.greedy, Xtc()), (self._infill is not None, self._infill)) if on]
         self._disallowed: np.ndarray | None = None
         # Stage 0b: this sequence's own matcher (a mask never depends on other sequences: batch invariance).
         self._grammar = grammar.matcher() if grammar is not None else None
@@ -436,130 +445,27 @@ class Sampler:
         x[ids] = v.astype(np.float32)
         return x, dict(zip(ids.tolist(), before.tolist()))
 
-    def _truncate(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, bool]:
-        """Stages 3-5 (top-k, top-p, min-p) -> (candidate ids, their logits as float64, sorted?).
-        ids None means no truncation happened: the candidates are the whole vocabulary, logits x.
-        Sorted candidates are ordered by decreasing logit then increasing id; unsorted ones by id."""
-        p = self.params
-        n = self.vocab_size
-        ids: np.ndarray | None = None
-        vals: np.ndarray | None = None
-        is_sorted = False
-
-        if 0 < p.top_k < n:
-            ids = top_k_ids(x, p.top_k)
-            vals = x[ids].astype(np.float64)
-            is_sorted = True
-
-        if p.top_p < 1.0:
-            if ids is not None:
-                keep = _top_p_count(vals, p.top_p)
-                ids, vals = ids[:keep], vals[:keep]
-            else:
-                ids, vals, is_sorted = self._top_p_full(x, p.top_p)
-
-        if p.min_p > 0.0:
-            if ids is None:
-                thr = np.float32(float(x.max()) + math.log(p.min_p))
-                ids = np.flatnonzero(x >= thr)
-                vals = x[ids].astype(np.float64)
-            elif is_sorted:
-                thr = vals[0] + math.log(p.min_p)
-                keep = max(1, int(np.count_nonzero(vals >= thr)))
-                ids, vals = ids[:keep], vals[:keep]
-            else:
-                sel = vals >= vals.max() + math.log(p.min_p)
-                ids, vals = ids[sel], vals[sel]
-        return ids, vals, is_sorted
-
-    def _xtc(self, x: np.ndarray, ids, vals, is_sorted: bool):
-        """Stage 5a, XTC ("exclude top choices"), as llama.cpp's llama_sampler_xtc_apply: with probability
-        xtc_probability, of the candidates whose softmax probability is >= xtc_threshold, all but the least
-        likely are removed (nothing happens when fewer than two reach it)."""
-        p = self.params
-        if ids is None:
-            n = x.shape[0]
-        else:
-            n = ids.shape[0]
-        if n < 2:
-            return ids, vals, is_sorted
-        if float(self._xtc_rng.random()) > p.xtc_probability:
-            return ids, vals, is_sorted
-        orig = ids, vals, is_sorted
-        if ids is None:
-            ids = np.arange(n)
-            vals = x.astype(np.float64)
-        probs = np.exp(vals - vals.max())
-        probs /= probs.sum()
-        above = np.flatnonzero(probs >= p.xtc_threshold)
-        if above.shape[0] < 2:
-            return orig
-        # llama.cpp sorts by decreasing probability and keeps from the last one above the threshold on; ties
-        # by id keep it reproducible
-        order = np.lexsort((ids[above], -vals[above]))
-        drop = np.zeros(ids.shape[0], dtype=bool)
-        drop[above[order[:-1]]] = True
-        keep = ~drop
-        return ids[keep], vals[keep], is_sorted
-
-    def _top_p_full(self, x: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Top-p over the whole vocabulary. Like llama.cpp, first try the best few hundred tokens; if they do
-        not reach p, sort the values (not the ids: a value sort is several times faster than an argsort) to
-        find the cut, then collect the ids above it (returned unsorted, by id)."""
-        n = x.shape[0]
-        m = float(x.max())
-        e = self._ebuf
-        np.subtract(x, np.float32(m), out=e)
-        np.exp(e, out=e)
-        total = float(e.sum(dtype=np.float64))
-        for k in _TOP_P_FIRST_TRY:
-            if k >= n:
-                break
-            ids = top_k_ids(x, k)
-            vals = x[ids].astype(np.float64)
-            cum = np.cumsum(np.exp(vals - m)) / total
-            if cum[-1] >= top_p:
-                keep = int(np.searchsorted(cum, top_p, side="left")) + 1
-                return ids[:keep], vals[:keep], True
-        sv = np.sort(x)[::-1]
-        np.subtract(sv, np.float32(m), out=e)
-        np.exp(e, out=e)
-        cum = np.cumsum(e, dtype=np.float64)
-        cum /= cum[-1]
-        keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, n)
-        boundary = sv[keep - 1]
-        cand = np.flatnonzero(x >= boundary)
-        cand, vals = _keep_lowest_ties(cand, x[cand], keep)
-        return cand, vals.astype(np.float64), False
-
     def _final(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """Stages 3-6 on penalized logits -> (ids, unnormalized weights) the draw is made from;
         ids None means the whole vocabulary (weights indexed by token id)."""
         p = self.params
-        if self._infill is not None:
-            ids, vals, is_sorted = self._truncate(x)
-            if self._xtc_rng is not None and not p.greedy:
-                ids, vals, is_sorted = self._xtc(x, ids, vals, is_sorted)
-            ids, vals = self._infill.apply(x, ids, vals, is_sorted)
-            if p.greedy:  # llama.cpp's temperature stage keeps the max of what the infill stage left
-                i = int(np.argmax(vals))
-                return ids[i : i + 1], np.ones(1)
-            vals = vals / p.temperature
-            return ids, np.exp(vals - vals.max())
-        if p.greedy:
+        if p.greedy and self._infill is None:
             return np.array([int(np.argmax(x))], dtype=np.int64), np.ones(1)
-        ids, vals, is_sorted = self._truncate(x)
-        if self._xtc_rng is not None:
-            ids, vals, is_sorted = self._xtc(x, ids, vals, is_sorted)
-        if ids is None:  # no truncation: stay in float32 over the whole vocabulary
+        c = Candidates(x)
+        for stage in self._stages:
+            stage.apply(c, self)
+        if self._infill is not None and p.greedy:  # llama.cpp's temperature stage keeps the max the infill left
+            i = int(np.argmax(c.vals))
+            return c.ids[i : i + 1], np.ones(1)
+        if c.ids is None:  # no truncation: stay in float32 over the whole vocabulary
             w = self._ebuf
             np.subtract(x, np.float32(x.max()), out=w)
             if p.temperature != 1.0:
                 np.multiply(w, np.float32(1.0 / p.temperature), out=w)
             np.exp(w, out=w)
             return None, w
-        vals = vals / p.temperature
-        return ids, np.exp(vals - vals.max())
+        vals = c.vals / p.temperature
+        return c.ids, np.exp(vals - vals.max())
 
     # ---------------------------------------------------------------- API
 
@@ -644,8 +550,119 @@ class Sampler:
         return SampledToken(id=token, logprob=float(raw) - lse, top_logprobs=top)
 
 
-class _InfillStage:
-    """llama.cpp's `infill` sampler (src/llama-sampler.cpp, llama_sampler_infill_apply) for fill-in-the-middle:
+class Candidates:
+    """What stages 3-5b pass along: the penalized logits `x` over the whole vocabulary, and the candidates left
+    (`ids`, their logits `vals` as float64; ids None: every token, values x). Sorted candidates are ordered by
+    decreasing logit then increasing id; unsorted ones by id."""
+
+    __slots__ = ("x", "ids", "vals", "is_sorted")
+
+    def __init__(self, x: np.ndarray):
+        self.x, self.ids, self.vals, self.is_sorted = x, None, None, False
+
+    def all(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vals), the whole vocabulary spelled out where no stage has cut it yet."""
+        if self.ids is None:
+            return np.arange(self.x.shape[0]), self.x.astype(np.float64)
+        return self.ids, self.vals
+
+
+class TopK:
+    """Stage 3: keep the k largest logits (llama.cpp's `top_k`)."""
+
+    def apply(self, c: Candidates, sampler: "Sampler") -> None:
+        c.ids = top_k_ids(c.x, sampler.params.top_k)
+        c.vals = c.x[c.ids].astype(np.float64)
+        c.is_sorted = True
+
+
+class TopP:
+    """Stage 4: the smallest prefix, by decreasing probability, whose softmax mass reaches top_p (`top_p`)."""
+
+    def apply(self, c: Candidates, sampler: "Sampler") -> None:
+        top_p = sampler.params.top_p
+        if c.ids is not None:
+            keep = _top_p_count(c.vals, top_p)
+            c.ids, c.vals = c.ids[:keep], c.vals[:keep]
+        else:
+            c.ids, c.vals, c.is_sorted = self.full(c.x, top_p, sampler._ebuf)
+
+    @staticmethod
+    def full(x: np.ndarray, top_p: float, e: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Top-p over the whole vocabulary. Like llama.cpp, first try the best few hundred tokens; if they do
+        not reach p, sort the values (not the ids: a value sort is several times faster than an argsort) to
+        find the cut, then collect the ids above it (returned unsorted, by id). `e`: a vocabulary-sized buffer."""
+        n = x.shape[0]
+        m = float(x.max())
+        np.subtract(x, np.float32(m), out=e)
+        np.exp(e, out=e)
+        total = float(e.sum(dtype=np.float64))
+        for k in _TOP_P_FIRST_TRY:
+            if k >= n:
+                break
+            ids = top_k_ids(x, k)
+            vals = x[ids].astype(np.float64)
+            cum = np.cumsum(np.exp(vals - m)) / total
+            if cum[-1] >= top_p:
+                keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+                return ids[:keep], vals[:keep], True
+        sv = np.sort(x)[::-1]
+        np.subtract(sv, np.float32(m), out=e)
+        np.exp(e, out=e)
+        cum = np.cumsum(e, dtype=np.float64)
+        cum /= cum[-1]
+        keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, n)
+        boundary = sv[keep - 1]
+        cand = np.flatnonzero(x >= boundary)
+        cand, vals = _keep_lowest_ties(cand, x[cand], keep)
+        return cand, vals.astype(np.float64), False
+
+
+class MinP:
+    """Stage 5: keep tokens with p >= min_p * p_max, i.e. logit >= max logit + log(min_p) (`min_p`)."""
+
+    def apply(self, c: Candidates, sampler: "Sampler") -> None:
+        min_p = sampler.params.min_p
+        if c.ids is None:
+            thr = np.float32(float(c.x.max()) + math.log(min_p))
+            c.ids = np.flatnonzero(c.x >= thr)
+            c.vals = c.x[c.ids].astype(np.float64)
+        elif c.is_sorted:
+            thr = c.vals[0] + math.log(min_p)
+            keep = max(1, int(np.count_nonzero(c.vals >= thr)))
+            c.ids, c.vals = c.ids[:keep], c.vals[:keep]
+        else:
+            sel = c.vals >= c.vals.max() + math.log(min_p)
+            c.ids, c.vals = c.ids[sel], c.vals[sel]
+
+
+class Xtc:
+    """Stage 5a, XTC ("exclude top choices"), as llama.cpp's llama_sampler_xtc_apply: with probability
+    xtc_probability (a draw from the sampler's XTC generator), of the candidates whose softmax probability is
+    >= xtc_threshold, all but the least likely are removed (nothing happens when fewer than two reach it)."""
+
+    def apply(self, c: Candidates, sampler: "Sampler") -> None:
+        p = sampler.params
+        n = c.x.shape[0] if c.ids is None else c.ids.shape[0]
+        if n < 2 or float(sampler._xtc_rng.random()) > p.xtc_probability:
+            return
+        ids, vals = c.all()
+        probs = np.exp(vals - vals.max())
+        probs /= probs.sum()
+        above = np.flatnonzero(probs >= p.xtc_threshold)
+        if above.shape[0] < 2:
+            return
+        # llama.cpp sorts by decreasing probability and keeps from the last one above the threshold on; ties
+        # by id keep it reproducible
+        order = np.lexsort((ids[above], -vals[above]))
+        drop = np.zeros(ids.shape[0], dtype=bool)
+        drop[above[order[:-1]]] = True
+        keep = ~drop
+        c.ids, c.vals = ids[keep], vals[keep]
+
+
+class InfillStage:
+    """Stage 5b: llama.cpp's `infill` sampler (src/llama-sampler.cpp, llama_sampler_infill_apply) for fill-in-the-middle:
     end the middle when the model leans to ending it, and otherwise keep only the few tokens it is sure of.
     It works on the candidates earlier stages left (llama.vim and llama.vscode put it after top-k 40 and
     top-p); without such a cut, prefixes are folded among the 256 likeliest tokens only (llama.cpp compares
@@ -670,12 +687,13 @@ class _InfillStage:
             b = self._pieces[t] = self._piece(t, False)  # control tokens are empty, as llama.cpp renders them
         return b
 
-    def apply(self, x: np.ndarray, ids, vals, is_sorted: bool) -> tuple[np.ndarray, np.ndarray]:
+    def apply(self, c: Candidates, sampler: "Sampler") -> None:
+        """The candidates -> what is left of them."""
+        c.ids, c.vals = self.keep(*c.all(), c.is_sorted and c.ids is not None)
+        c.is_sorted = True
+
+    def keep(self, ids: np.ndarray, vals: np.ndarray, is_sorted: bool) -> tuple[np.ndarray, np.ndarray]:
         """(candidate ids, their logits as float64) -> what is left of them."""
-        if ids is None:
-            ids = np.arange(x.shape[0])
-            vals = x.astype(np.float64)
-            is_sorted = False
         if not is_sorted:  # llama.cpp sorts by decreasing logit; ties by id keep it reproducible
             order = np.lexsort((ids, -vals))
             ids, vals = ids[order], vals[order]
