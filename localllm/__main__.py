@@ -1,5 +1,5 @@
 import sys
 
-from localllm.cli import main
+from localllm.cli.main import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ where that API states one, its CLI flag and help, and its label in the chat app'
 
 Everything that reads a sampling parameter derives it from here: `SamplingParams`' defaults and its check
 (sampling.py), the request fields of every API route (server/app.py `sampling_from`), the `run`/`chat` flags
-(cli_generate.py), and the chat app's settings, their checks and their labels (tui/settings.py, tui/screens.py).
+(cli/generate.py), and the chat app's settings, their checks and their labels (tui/settings.py, tui/screens.py).
 A new setting is a row here, its field in `SamplingParams` and its stage in the sampler.
 
 APIs are named "llamacpp" (its `/completion`, `/infill` and the chat app), "openai" (chat completions,

@@ -1,9 +1,9 @@
 """The type names the command line offers (`localllm quantize TYPE`, `localllm convert --type T`), apart from the
-modules that implement them: building the argument parser, which every command does, imported localllm.quantize
-(gguf-py) and localllm.convert for these lists, 12 ms of a 0.5 s `localllm run`. localllm/quantize.py and
+modules that implement them: building the argument parser, which every command does, imported localllm.convert.quantize_gguf
+(gguf-py) and localllm.convert for these lists, 12 ms of a 0.5 s `localllm run`. localllm/convert/quantize_gguf.py and
 localllm/convert/converter.py take their names from here; tests/test_cli.py checks that their tables agree."""
 
-# llama-quantize's QUANT_OPTIONS restricted to the formats of our table (localllm.quantize.FILE_TYPES)
+# llama-quantize's QUANT_OPTIONS restricted to the formats of our table (localllm.convert.quantize_gguf.FILE_TYPES)
 FILE_TYPE_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q2_K_S", "Q3_K_S",
                    "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # as llama-quantize

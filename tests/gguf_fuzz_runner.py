@@ -23,7 +23,7 @@ import traceback
 
 def main(argv: list[str]) -> int:
     faulthandler.enable()  # a crash in a kernel prints where it happened on stderr
-    from localllm import cli
+    from localllm.cli import main as cli
 
     fd = os.open(argv[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 

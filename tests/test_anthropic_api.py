@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from conftest import model_file
 
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 from localllm.server import bind
 from localllm.server.anthropic_api import EventWriter, ToolCall, message_body, to_chat_request
 from localllm.server.app import ApiError, ServerState
@@ -362,7 +362,7 @@ def test_tool_use_history_renders_with_the_models_template(client, served):
     m = client.messages.create(model="x", max_tokens=8, **GREEDY, messages=history)
     # A history with tool calls goes through the tool-call engine, as on the OpenAI route: smollm2's template has
     # no tool form, so the generic one (a system message, calls and results written as JSON)
-    from localllm.toolcalls import plan_tools
+    from localllm.chat.tool_formats import plan_tools
 
     plan = plan_tools(engine.template, [], None, None)
     prompt = plan.render(engine.template, to_chat_request({"messages": history}).messages)

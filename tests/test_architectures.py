@@ -17,10 +17,10 @@ import pytest
 
 from localllm.architectures import features, load_model_config
 from localllm.architectures.base import llama3_factors
-from localllm.engine import Engine, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
 from localllm.gguf_file import GGUFFile
 from localllm.kernels.cpu import tiled
-from localllm.sampling import SamplingParams
+from localllm.chat.sampling import SamplingParams
 from test_model_load import F32_, N_EMBD, N_HEAD, STR, U32, refused, write_tiny_model
 
 HALF_ROPE = N_EMBD // N_HEAD // 2  # frequency factors per head: one per rotated pair
@@ -102,7 +102,7 @@ def test_the_frequency_factors_reach_the_config_and_the_features_show_lists(tmp_
 
 
 def test_show_prints_the_features_or_why_the_file_is_refused(tmp_path, capsys):
-    from localllm.cli import main
+    from localllm.cli.main import main
 
     path = write_tiny_model(tmp_path / "f.gguf", extra_tensors={"rope_freqs.weight": np.full(HALF_ROPE, 2.0)})
     assert main(["show", str(path)]) == 0
@@ -346,7 +346,7 @@ def test_a_batched_step_gives_each_sequence_its_logits_alone_bitwise(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_speculative_decoding_with_the_q8_0_file_as_draft_keeps_the_greedy_tokens(case):
-    from localllm.speculative import SpeculationParams
+    from localllm.runtime.speculative import SpeculationParams
 
     spec = SpeculationParams(mode="draft", draft_model=str(converted(case, "q8_0")), draft_max=4, adaptive=False,
                              lookup=False)
@@ -676,7 +676,7 @@ def test_a_float32_mixture_of_experts_has_no_fused_forward_and_runs_op_by_op():
 def test_decode_reads_only_the_chosen_experts_weights(monkeypatch):
     """A decode step multiplies by 2 of the 8 experts of each layer (their gate, up and down), and bench counts
     the weight bytes it reads so: the other 6/8 of the experts' bytes are not read."""
-    from localllm.bench import weight_bytes_per_token
+    from localllm.bench.speed import weight_bytes_per_token
     from localllm.kernels import ops
 
     engine = arch_engine("qwen3moe", "q8_0")
@@ -701,7 +701,7 @@ def test_decode_reads_only_the_chosen_experts_weights(monkeypatch):
 
 
 def test_show_lists_the_experts(capsys):
-    from localllm.cli import main
+    from localllm.cli.main import main
 
     assert main(["show", str(converted("qwen3moe", "q8_0"))]) == 0
     assert "mixture of 8 experts, top-2 per token (expert width 64), weights renormalised" in capsys.readouterr().out

@@ -7,7 +7,7 @@ import pytest
 
 from localllm.kernels import ops, reference
 from localllm import backends
-from localllm.kv_cache import BLOCK, KVPool
+from localllm.runtime.kv_cache import BLOCK, KVPool
 
 
 # The CPU backend's KV storage (a pool is always made for a backend's storage)

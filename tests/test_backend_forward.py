@@ -122,10 +122,10 @@ def test_an_observed_forward_sees_host_arrays_from_any_backend():
 
 # Modules of localllm/ that still import the CPU kernels directly, and why: this list only shrinks.
 KNOWN_DIRECT_IMPORTS = {
-    "localllm/warmup.py": "the compile cache is keyed by Numba's version",
-    "localllm/cli_generate.py": "--threads and the bandwidth figure of `bench`",
-    "localllm/cli_imatrix.py": "--threads",
-    "localllm/quantize.py": "the quantizers of the format table's CPU side",
+    "localllm/runtime/warmup.py": "the compile cache is keyed by Numba's version",
+    "localllm/cli/generate.py": "--threads and the bandwidth figure of `bench`",
+    "localllm/cli/imatrix_cmd.py": "--threads",
+    "localllm/convert/quantize_gguf.py": "the quantizers of the format table's CPU side",
 }
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA, POCL_INSTALLED, model_file, opencl_test_spec, reference_cases
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 
 pytest.importorskip("pyopencl", reason="pyopencl is not installed (it is a dependency: `make setup` installs it)")
 
@@ -108,7 +108,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
 def test_opencl_batches_reuses_prefixes_and_rolls_back_exactly(tiny, kv_type):
-    from localllm.engine import Sequence
+    from localllm.runtime.engine import Sequence
 
     rng = np.random.default_rng(5)
     a, b = list(rng.integers(0, 320, 32)), list(rng.integers(0, 320, 8))
@@ -136,7 +136,7 @@ def test_opencl_batches_reuses_prefixes_and_rolls_back_exactly(tiny, kv_type):
 
 
 def test_run_on_the_opencl_device_generates_and_a_device_that_is_not_there_is_one_clear_line(capsys):
-    from localllm.cli import main as cli_main
+    from localllm.cli.main import main as cli_main
 
     engines("smollm2-135m-instruct")  # skips where there is no OpenCL device
     assert cli_main(["run", "smollm2-135m-instruct", "The capital of France is", "-n", "3", "--temp", "0",
@@ -153,7 +153,8 @@ def test_run_on_the_opencl_device_generates_and_a_device_that_is_not_there_is_on
 
 
 def test_a_first_load_on_a_device_compiles_with_progress_and_the_next_one_compiles_nothing(monkeypatch, tmp_path):
-    from localllm import paths, warmup
+    from localllm import paths
+    from localllm.runtime import warmup
 
     engines("smollm2-135m-instruct")  # skips where there is no OpenCL device
     monkeypatch.setattr(paths, "kernel_cache_dir", lambda: tmp_path)  # no markers yet: a first start
@@ -239,7 +240,7 @@ def test_a_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit
 
 
 def test_opencl_q8_0_kv_storage_keeps_the_cpu_backends_bytes_through_writes_growth_and_block_copies(tiny):
-    # the pool's storage calls (localllm/kv_cache.py: restore and context shifts write host rows; growth,
+    # the pool's storage calls (localllm/runtime/kv_cache.py: restore and context shifts write host rows; growth,
     # copy-on-write, partial-block reuse and splices copy columns) on both backends' storage, the same rows
     from localllm.backends.cpu import CpuKVStorage
 
@@ -333,8 +334,8 @@ def test_a_greedy_generation_with_a_q8_0_kv_cache_on_opencl_agrees_with_the_cpu_
     # may part at a near-tie: "The capital of France is" gives " Paris.\n\nThe" on both, then " United" (CPU)
     # or " answer" (OpenCL), 0.2 nats apart on OpenCL, with q8_0 and float32 KV alike. Checked: the texts agree
     # up to such a step, and teacher-forced on a reference prompt the picks agree as the float32 test's do.
-    from localllm.engine import GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     name = "smollm2-135m-instruct"
     engines(name)  # skips where there is no OpenCL device

@@ -1012,7 +1012,7 @@ def test_wipe_caches_removes_only_directories_it_owns(monkeypatch, tmp_path):
 
 
 def test_devices_command_lists_the_cpu_and_the_opencl_devices(base_dev, capsys):
-    from localllm.cli import main
+    from localllm.cli.main import main
 
     assert main(["devices", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
@@ -1038,7 +1038,7 @@ def test_devices_command_lists_the_cpu_and_the_opencl_devices(base_dev, capsys):
 
 def test_devices_command_without_an_opencl_runtime_says_so_in_one_line():
     code = ("import sys; sys.modules['pyopencl'] = None\n"  # as if pyopencl were not installed
-            "from localllm.cli import main; sys.exit(main(['devices']))")
+            "from localllm.cli.main import main; sys.exit(main(['devices']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from localllm.bench_serve import StreamingClient, make_prompt, one_request
+from localllm.bench.serving import StreamingClient, make_prompt, one_request
 from localllm.errors import LocalLLMError
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from localllm import disk
+from localllm.store import disk
 from localllm.server import models_api
 from localllm.server.app import ApiError, ServerState
 from localllm.server.asgi import create_app

@@ -11,9 +11,9 @@ import pytest
 from conftest import model_file
 from test_architectures import CASES, converted
 
-from localllm.cache_reuse import Splice, find_splices
-from localllm.engine import Engine, Generation, GenerationParams
-from localllm.sampling import SamplingParams
+from localllm.runtime.cache_reuse import Splice, find_splices
+from localllm.runtime.engine import Engine, Generation, GenerationParams
+from localllm.chat.sampling import SamplingParams
 from localllm.server.scheduler import Final, Request, Scheduler
 
 MODEL = "smollm2-135m-instruct"
@@ -260,7 +260,7 @@ def test_the_chat_app_keeps_the_later_turns_when_the_oldest_leave_the_context():
                                                          f"they change slowly, and {topic} shape the climate."})
     messages.append({"role": "user", "content": "And which of them did you like best?"})
     params = GenerationParams(max_tokens=4, sampling=SamplingParams(temperature=0))
-    from localllm.chat_history import fits
+    from localllm.chat.history import fits
 
     # the first turn as long as fits whole; the next one a pair longer, so its oldest turns must go
     k = max(k for k in range(1, len(topics)) if fits(chat, messages[:2 * k] + messages[-1:], 4))

@@ -1,4 +1,4 @@
-"""Dropping the oldest turns of a conversation that outgrew the context (localllm/chat_history.py)."""
+"""Dropping the oldest turns of a conversation that outgrew the context (localllm/chat/history.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from functools import cache
 import pytest
 from conftest import model_file
 
-from localllm.chat_history import fit_messages, fits
-from localllm.engine import Engine
+from localllm.chat.history import fit_messages, fits
+from localllm.runtime.engine import Engine
 from localllm.errors import ContextOverflowError
 
 

@@ -9,8 +9,8 @@ import tracemalloc
 import pytest
 
 from conftest import CATALOG_MODELS, model_file, reference_cases
-from localllm.chat_template import MAX_SOURCE_CHARS, ChatTemplate, ChatTemplateError, validate_messages
-from localllm.engine import Engine
+from localllm.chat.template import MAX_SOURCE_CHARS, ChatTemplate, ChatTemplateError, validate_messages
+from localllm.runtime.engine import Engine
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import load_metadata
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import VOCAB_DIR
-from localllm.cli import build_parser
+from localllm.cli.main import build_parser
 
 COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
 
@@ -70,8 +70,8 @@ BAD_NUMBERS = [  # (arguments, the option named in the usage error)
 
 
 def test_out_of_range_counts_are_usage_errors_not_tracebacks(capsys):
-    from localllm.cli import main
-    from localllm.cli_generate import perplexity
+    from localllm.cli.main import main
+    from localllm.cli.generate import perplexity
     from localllm.errors import LocalLLMError
 
     for args, message in BAD_NUMBERS:
@@ -84,8 +84,9 @@ def test_out_of_range_counts_are_usage_errors_not_tracebacks(capsys):
 
 
 def test_the_command_lines_type_names_are_the_quantizer_and_converter_tables():
-    # localllm/type_names.py keeps the parser off localllm.quantize and localllm.convert
-    from localllm import convert, quantize, type_names
+    # localllm/type_names.py keeps the parser off localllm.convert.quantize_gguf and localllm.convert
+    from localllm import convert, type_names
+    from localllm.convert import quantize_gguf as quantize
 
     assert tuple(quantize.FILE_TYPES) == type_names.FILE_TYPE_NAMES
     assert all(quantize.ALIASES[a] in quantize.FILE_TYPES for a in quantize.ALIASES)
@@ -99,9 +100,9 @@ def test_the_argument_parser_imports_neither_the_quantizer_nor_the_converter():
 
     script = """
 import sys
-from localllm import cli
+from localllm.cli import main as cli
 cli.build_parser()
-print(sorted(m for m in ("localllm.quantize", "localllm.convert", "gguf", "yaml", "jinja2") if m in sys.modules))
+print(sorted(m for m in ("localllm.convert.quantize_gguf", "localllm.convert", "gguf", "yaml", "jinja2") if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

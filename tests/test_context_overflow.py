@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import english_tokens, model_file
-from localllm.engine import Engine, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
 from localllm.errors import LocalLLMError
-from localllm.kv_cache import BLOCK
-from localllm.sampling import SamplingParams
+from localllm.runtime.kv_cache import BLOCK
+from localllm.chat.sampling import SamplingParams
 
 CTX = 64
 

@@ -15,7 +15,7 @@ from convert_fixtures import DATA, SOURCES, gguf_digest, make_tiny_checkpoint
 from gguf import GGUFReader
 
 from conftest import model_file
-from localllm.cli import main as cli_main
+from localllm.cli.main import main as cli_main
 from localllm.convert import convert
 from localllm.errors import LocalLLMError
 
@@ -107,8 +107,8 @@ def test_q8_0_output_quantizes_matrices_and_keeps_norms_f32(tiny, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_converted_model_loads_and_generates(converted, arch):
-    from localllm.engine import Engine, GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import Engine, GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     engine = Engine(converted[arch], ctx=64, quiet=True)
     events = list(engine.generate("hello there", GenerationParams(max_tokens=4, ignore_eos=True,
@@ -257,7 +257,8 @@ def test_default_type_keeps_f16_source_as_f16(tmp_path):
 
 
 def test_hub_source_fetches_only_the_files_a_conversion_reads(monkeypatch, tmp_path):
-    from localllm import cli_convert, hub
+    from localllm.cli import convert_cmd as cli_convert
+    from localllm.store import hub
 
     seen = {}
 
@@ -290,7 +291,7 @@ def test_quantize_mix_convert_is_the_checkpoint_type_conversion_then_quantize(ti
     """`convert --type q4_k_m` (or q4_0: llama-quantize's Q4_0 mix, with its Q6_K output matrix) converts and
     quantizes each tensor in one pass: the same bytes as convert (the checkpoint's own type) and `quantize` run one
     after the other, and no intermediate file beside the output."""
-    from localllm.quantize import quantize_file
+    from localllm.convert.quantize_gguf import quantize_file
 
     assert cli_main(["convert", str(tiny["llama"]), "-o", str(tmp_path / "one.gguf"), "--type", mix, "-q"]) == 0
     convert(tiny["llama"], tmp_path / "src.gguf", "auto", progress=False)
@@ -300,9 +301,9 @@ def test_quantize_mix_convert_is_the_checkpoint_type_conversion_then_quantize(ti
 
 
 def test_k_quant_convert_passes_the_imatrix_to_its_quantize_step(tiny, tmp_path, monkeypatch):
-    from localllm import imatrix
+    from localllm.convert import imatrix
     from localllm.gguf_file import GGUFFile
-    from localllm.quantize import quantize_file
+    from localllm.convert.quantize_gguf import quantize_file
 
     monkeypatch.chdir(tmp_path)  # the imatrix path is written into the metadata as given
     convert(tiny["llama"], tmp_path / "src.gguf", "auto", progress=False)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from convert_fixtures import write_safetensors
 
-from localllm.cli import main as cli_main
+from localllm.cli.main import main as cli_main
 from localllm.convert import convert
 from localllm.convert.safetensors import SafetensorsFile
 from localllm.errors import LocalLLMError
@@ -95,7 +95,7 @@ def test_a_config_bomb_is_refused_in_bounded_memory_and_one_line(tmp_path):
     """vocab_size 1e9 and num_hidden_layers 1e7 (the issue's bombs took 18.5 and 7 GB): refused by a CLI whose
     address space is capped at 3 GB, with one line on stderr."""
     code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
-            "from localllm.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+            "from localllm.cli.main import main\nsys.exit(main(sys.argv[1:]))\n")
     for change in ({"vocab_size": 10**9}, {"num_hidden_layers": 10**7}):
         ckpt = copy(tmp_path / str(len(list(tmp_path.iterdir()))), **change)
         r = subprocess.run([sys.executable, "-c", code, "convert", str(ckpt), "-o", str(tmp_path / "o.gguf"), "-q"],
@@ -175,7 +175,7 @@ def test_a_gemma2_lm_head_that_differs_from_the_embedding_is_refused_with_the_re
 def test_an_hf_source_under_offline_reads_only_the_cache(monkeypatch, tmp_path):
     import huggingface_hub
 
-    from localllm import cli_convert
+    from localllm.cli import convert_cmd as cli_convert
 
     seen = {}
 

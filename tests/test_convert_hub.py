@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from test_hub import COMMIT, FakeHub, serve_overlong
 
-from localllm import cli_convert, disk, hub
+from localllm.cli import convert_cmd as cli_convert
+from localllm.store import disk
+from localllm.store import hub
 from localllm.errors import DownloadError, LocalLLMError
 
 CKPT = Path(__file__).parent / "data" / "arch" / "llama3"
@@ -52,7 +54,7 @@ def files_left() -> list[str]:
 
 def test_a_checkpoint_is_fetched_file_by_file_checked_and_converted_and_a_second_run_downloads_nothing(
         fake_hub, tmp_path, monkeypatch):
-    from localllm.cli import main
+    from localllm.cli.main import main
     from localllm.gguf_file import GGUFFile
 
     out = tmp_path / "o.gguf"
@@ -76,7 +78,7 @@ def test_a_checkpoint_is_fetched_file_by_file_checked_and_converted_and_a_second
 
 def test_a_repo_declaring_more_than_max_download_is_refused_before_anything_is_downloaded(fake_hub, tmp_path,
                                                                                           capsys):
-    from localllm.cli import main
+    from localllm.cli.main import main
 
     out = tmp_path / "o.gguf"
     assert main(["convert", "hf://test/ckpt", "-o", str(out), "--max-download", "100K"]) == 1

@@ -37,7 +37,7 @@ def test_q4_k_m_conversion_peak_rss_stays_within_three_largest_tensors_plus_300_
     # The child reports its own peak: VmHWM, the high-water mark of its address space (what /usr/bin/time -v
     # calls maximum RSS). Not getrusage: Linux carries ru_maxrss across exec, so a child forked from a large
     # pytest process would report the parent's size (1.4 GB measured in the suite).
-    code = ("import re, sys\nfrom localllm.cli import main\nrc = main(sys.argv[1:])\n"
+    code = ("import re, sys\nfrom localllm.cli.main import main\nrc = main(sys.argv[1:])\n"
             "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
             "print('PEAK', hwm, file=sys.stderr)\nsys.exit(rc)\n")
     r = subprocess.run([sys.executable, "-c", code, "convert", str(checkpoint), "-o", str(tmp_path / "o.gguf"),

@@ -46,7 +46,7 @@ def files_in(store: Path) -> list[str]:
 
 
 def test_api_create_quantizes_in_a_process_of_its_own(tiny, store, monkeypatch):
-    from localllm import quantize
+    from localllm.convert import quantize_gguf as quantize
 
     def not_here(*a, **k):
         raise AssertionError("the server process quantized")
@@ -88,7 +88,7 @@ def test_api_create_stops_a_quantization_past_its_memory_budget(tiny, store, mon
 
 
 def test_api_create_quantize_errors_name_no_server_path(tiny, store, tmp_path):
-    from localllm.quantize import quantize_file
+    from localllm.convert.quantize_gguf import quantize_file
 
     quantized = tmp_path / "q8.gguf"
     quantize_file(tiny, quantized, "q8_0")

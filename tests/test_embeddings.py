@@ -16,7 +16,7 @@ import pytest
 from conftest import model_file
 from test_server import start_server, stop_server
 
-from localllm.engine import PROMPT_CHUNK, Engine
+from localllm.runtime.engine import PROMPT_CHUNK, Engine
 from localllm.errors import LocalLLMError
 
 MODEL = "smollm2-135m-instruct"
@@ -192,7 +192,7 @@ def test_embeddings_are_answered_while_a_chat_streams_and_the_stream_is_unharmed
 
 
 def test_embed_command_prints_a_line_per_text_or_json(capsys, tmp_path):
-    from localllm.cli import main
+    from localllm.cli.main import main
 
     lines = tmp_path / "texts.txt"
     lines.write_text("first line\n\nsecond line\n")

@@ -14,7 +14,7 @@ from numba import njit, prange
 from conftest import CATALOG_MODELS, english_tokens, model_file
 from localllm.kernels import ops
 from localllm.kernels.cpu.team import next_task, task_bounds, task_done, wait_phase
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 
 STEPS = (1, 3, 1, 8, 16, 37, 2)  # decode steps, verify-sized ones, a chunk of several 16-row passes
 
@@ -319,7 +319,7 @@ def test_a_warm_start_loads_the_forward_without_importing_numbas_array_modules_a
     prompt = english_tokens(engine(name).tokenizer, 24, seed=5)
     script = f"""
 import sys, numpy as np
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 e = Engine({str(model_file(name))!r}, ctx=256, quiet=True)
 logits = e.evaluate(e.new_sequence(), {prompt!r})
 np.save(sys.argv[1], logits)

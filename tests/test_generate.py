@@ -11,9 +11,9 @@ from functools import cache
 import pytest
 
 from conftest import model_file
-from localllm.engine import Engine, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
 from localllm.errors import ContextOverflowError
-from localllm.sampling import SamplingParams
+from localllm.chat.sampling import SamplingParams
 
 SMALL = "smollm2-135m-instruct"
 PROMPT = "The capital of France is"

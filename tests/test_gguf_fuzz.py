@@ -22,7 +22,7 @@ import pytest
 from conftest import model_file
 from gguf_mutate import Mutator, parse
 from localllm.architectures import load_model_config
-from localllm.chat_template import ChatTemplate
+from localllm.chat.template import ChatTemplate
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.tokenizer import Tokenizer

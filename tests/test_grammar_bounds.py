@@ -13,9 +13,9 @@ import time
 import pytest
 from conftest import model_file
 
-from localllm import grammar_worker as W
+from localllm.chat import grammar_worker as W
 from localllm.errors import LocalLLMError
-from localllm.grammar import _short
+from localllm.chat.grammar import _short
 from localllm.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
@@ -71,7 +71,7 @@ def test_a_grammar_that_fails_only_when_built_fails_in_the_worker_not_in_the_ser
     the worker builds every grammar for a vocabulary of bytes before the server builds it for the model's, so
     the server never spends its time and memory on it (the soak's 130,000-alternative bombs took 16 s and up to
     300 MB each of the server's own memory before)."""
-    from localllm import grammar
+    from localllm.chat import grammar
 
     built_in_server = []
     monkeypatch.setattr(grammar, "matcher_for", lambda *a: built_in_server.append(a))
@@ -181,7 +181,7 @@ def test_a_rust_panic_reaches_the_client_without_its_backtrace():
 def client():
     from starlette.testclient import TestClient
 
-    from localllm.engine import Engine
+    from localllm.runtime.engine import Engine
     from localllm.server.app import ServerState
     from localllm.server.asgi import create_app
     from localllm.server.scheduler import Scheduler

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from localllm import catalog, hub, store
+from localllm.store import catalog
+from localllm.store import hub
+from localllm.store import local as store
 from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
 from localllm.gguf_file import GGUFFile
 
@@ -369,7 +371,7 @@ def test_a_split_gguf_is_downloaded_part_by_part_and_joined_into_one_valid_gguf(
 
 def test_parts_out_of_order_are_refused_and_write_nothing(files, tmp_path):
     from localllm.errors import ModelFileError
-    from localllm.gguf_split import join
+    from localllm.store.gguf_split import join
 
     with pytest.raises(ModelFileError, match="expected part 0 of 3"):
         join(list(reversed(files["parts"])), tmp_path / "joined.gguf")

@@ -18,12 +18,12 @@ from conftest import DATA, model_file
 from make_imatrix_golden import dat_skeleton
 from tiny_models import write_tiny_model
 
-from localllm import imatrix
+from localllm.convert import imatrix
 from localllm.architectures import load_config
 from localllm.architectures.transformer import Transformer
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.quantize import load_imatrix, quantize_file
+from localllm.convert.quantize_gguf import load_imatrix, quantize_file
 
 GOLDEN = json.loads((DATA / "imatrix_golden.json").read_text())
 TEXT = DATA / "edit_colorsys.txt"
@@ -32,7 +32,7 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def engine():
-    from localllm.engine import Engine
+    from localllm.runtime.engine import Engine
 
     return Engine.load(str(model_file(MODEL)), ctx=512, quiet=True)
 
@@ -171,7 +171,7 @@ def test_legacy_dat_values_are_mean_times_calls():
 
 
 def test_command_writes_the_file_and_a_json_summary(tmp_path, capsys):
-    from localllm.cli import main as cli_main
+    from localllm.cli.main import main as cli_main
 
     out = tmp_path / "m.gguf"
     assert cli_main(["imatrix", str(model_file(MODEL)), str(TEXT), "-c", "16", "--chunks", "2", "-o", str(out),

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import english_tokens, model_file, reference_cases
-from localllm.engine import Engine, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
 from localllm import backends
-from localllm.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
-from localllm.sampling import SamplingParams
+from localllm.runtime.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
+from localllm.chat.sampling import SamplingParams
 
 
 # The CPU backend's KV storage (a pool is always made for a backend's storage)

@@ -1,8 +1,8 @@
-"""The loop guard (localllm/loop_guard.py) and the loop count behind the chat defaults."""
+"""The loop guard (localllm/chat/loop_guard.py) and the loop count behind the chat defaults."""
 
 from __future__ import annotations
 
-from localllm.loop_guard import RepeatGuard, looped, max_repeats
+from localllm.chat.loop_guard import RepeatGuard, looped, max_repeats
 
 
 def feed_all(g, text, step=3):

@@ -20,7 +20,7 @@ from conftest import model_file
 from localllm.architectures import load_config
 from localllm.gguf_file import GGUFFile
 from localllm import backends
-from localllm.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
+from localllm.runtime.kv_cache import BLOCK, GROWTH_BLOCKS, KVPool
 
 OVERHEAD = 300 * 2**20
 MEASURE = """

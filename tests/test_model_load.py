@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from localllm.engine import Engine, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
 from localllm.errors import ModelFileError
-from localllm.sampling import SamplingParams
+from localllm.chat.sampling import SamplingParams
 
 N_EMBD, N_FF, N_HEAD, N_KV, N_LAYERS = 32, 64, 4, 2, 2
 
@@ -228,7 +228,7 @@ def test_a_block_count_beyond_the_files_layers_is_refused_at_once(tmp_path):
 
 def _warm_up_labels(monkeypatch, **load_kwargs) -> list[str]:
     """The labels of the compile steps an engine load asks for (recorded, not run)."""
-    import localllm.engine as engine_module
+    import localllm.runtime.engine as engine_module
 
     from conftest import model_file
 

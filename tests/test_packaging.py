@@ -57,7 +57,7 @@ def test_importing_the_library_sets_no_environment_and_does_not_sleep():
     out = json.loads(_run(
         "import os, json, time\n"
         "before = dict(os.environ)\n"
-        "import localllm.kernels.ops, localllm.engine, localllm.server.app, localllm.tui.app, localllm.catalog\n"
+        "import localllm.kernels.ops, localllm.runtime.engine, localllm.server.app, localllm.tui.app, localllm.store.catalog\n"
         "from localllm.kernels.cpu import runtime\n"
         "changed = sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k))\n"
         "print(json.dumps({'changed': changed, 'configured': runtime._done}))"))

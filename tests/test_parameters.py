@@ -12,7 +12,7 @@ from localllm.parameters import SAMPLING
 
 
 def test_sampling_params_defaults_are_the_tables_llama_cpp_defaults():
-    from localllm.sampling import SamplingParams
+    from localllm.chat.sampling import SamplingParams
 
     s = SamplingParams()
     assert {p.name: getattr(s, p.name) for p in SAMPLING} == parameters.defaults("llamacpp")
@@ -64,8 +64,8 @@ def test_a_request_is_refused_by_the_tables_range_with_each_apis_own_bound(api, 
 
 
 def test_each_flag_takes_the_tables_default_and_refuses_a_value_outside_its_range(capsys):
-    from localllm.cli import build_parser
-    from localllm.cli_generate import generation_params
+    from localllm.cli.main import build_parser
+    from localllm.cli.generate import generation_params
 
     p = build_parser()
     run = generation_params(p.parse_args(["run", "m", "hi"])).sampling

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA, model_file
-from localllm.cli_generate import perplexity
-from localllm.engine import Engine
+from localllm.cli.generate import perplexity
+from localllm.runtime.engine import Engine
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 REFERENCE = json.loads((DATA / "perplexity.json").read_text())["ppl"]

@@ -15,8 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
 
-from localllm import quantize as Q
-from localllm.cli import main as cli_main
+from localllm.convert import quantize_gguf as Q
+from localllm.cli.main import main as cli_main
 from localllm.gguf_file import GGUFFile
 from localllm.kernels import reference
 from localllm.kernels.cpu.formats import FORMATS

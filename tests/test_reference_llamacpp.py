@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import CATALOG_MODELS, DATA, model_file, reference_cases
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 
 MIN_TOP1 = 0.97
 MAX_MEAN_ERR = 0.15
@@ -102,8 +102,8 @@ def test_decode_path_agrees_with_llamacpp(name):
 @pytest.mark.parametrize("name", CATALOG_MODELS)
 def test_greedy_generation_starts_like_llamacpp(name):
     """Greedy decoding reproduces llama.cpp's first tokens on every case (later tokens may fork at near-ties)."""
-    from localllm.engine import GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     e = engine(name)
     params = GenerationParams(max_tokens=4, sampling=SamplingParams(temperature=0))

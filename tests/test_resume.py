@@ -15,11 +15,11 @@ import pytest
 from convert_fixtures import SOURCES, make_tiny_checkpoint
 
 from conftest import model_file
-from localllm.cli import main as cli_main
+from localllm.cli.main import main as cli_main
 from localllm.convert import converter
 from localllm.convert import convert
 from localllm.errors import LocalLLMError
-from localllm.quantize import quantize_file
+from localllm.convert.quantize_gguf import quantize_file
 
 
 def sha(path: Path) -> str:
@@ -74,7 +74,7 @@ def test_conversion_killed_halfway_resumes_to_the_same_sha256(ckpt, whole, tmp_p
             "    if n[0] == 11: os.kill(os.getpid(), signal.SIGKILL)\n"
             "    return real(plan, t)\n"
             "converter.tensor_values = dying\n"
-            "from localllm.cli import main\n"
+            "from localllm.cli.main import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     r = subprocess.run([sys.executable, "-c", code, "convert", str(ckpt), "-o", str(out), "--type", "f32", "-q"],
                        capture_output=True, text=True, timeout=300)
@@ -104,7 +104,7 @@ def test_k_quant_conversion_interrupted_resumes_to_the_same_sha256(ckpt, whole, 
 
 
 def test_quantize_interrupted_resumes_to_the_same_sha256(whole, tmp_path, monkeypatch, capsys):
-    from localllm import quantize
+    from localllm.convert import quantize_gguf as quantize
 
     out = tmp_path / "o.gguf"
     interrupt_after(monkeypatch, quantize, "convert_rows", 5, KeyboardInterrupt())

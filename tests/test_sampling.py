@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from localllm.errors import LocalLLMError
-from localllm.sampling import SampledToken, Sampler, SamplingParams, top_k_ids
+from localllm.chat.sampling import SampledToken, Sampler, SamplingParams, top_k_ids
 
 NO_TRUNC = dict(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0)
 

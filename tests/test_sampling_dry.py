@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localllm.errors import LocalLLMError
-from localllm.sampling import Sampler, SamplingParams, dry_breakers
+from localllm.chat.sampling import Sampler, SamplingParams, dry_breakers
 
 
 def llamacpp_dry(tokens, mult, base, allowed, last_n, breakers, logits):
@@ -220,10 +220,10 @@ def test_api_fields_as_llama_server_names_them():
 
 
 def test_cli_chat_turns_dry_on_and_plain_run_keeps_llamacpp_defaults():
-    from localllm.cli import build_parser
+    from localllm.cli.main import build_parser
 
     p = build_parser()
-    from localllm.cli_generate import generation_params
+    from localllm.cli.generate import generation_params
     run = generation_params(p.parse_args(["run", "m", "hi"]))
     chat = generation_params(p.parse_args(["run", "m", "hi", "--chat"]))
     off = generation_params(p.parse_args(["run", "m", "hi", "--chat", "--dry-multiplier", "0",
@@ -234,8 +234,8 @@ def test_cli_chat_turns_dry_on_and_plain_run_keeps_llamacpp_defaults():
 
 
 def test_chat_app_takes_the_loop_protection_flags():
-    from localllm.cli import build_parser
-    from localllm.cli_generate import chat_settings_overrides
+    from localllm.cli.main import build_parser
+    from localllm.cli.generate import chat_settings_overrides
     from localllm.tui.settings import ChatSettings
 
     p = build_parser()

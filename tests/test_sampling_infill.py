@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localllm.errors import LocalLLMError
-from localllm.sampling import Sampler, SamplingParams
+from localllm.chat.sampling import Sampler, SamplingParams
 
 EOS, EOT = 0, 1
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import model_file
 from test_server import start_server, stop_server
 
-from localllm.chat_template import ChatTemplate
+from localllm.chat.template import ChatTemplate
 from localllm.server.anthropic_api import to_chat_request
 from localllm.server.app import fold_system, render_system_anywhere
 from localllm.server.tool_calls import relaxed_keywords

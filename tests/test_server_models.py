@@ -42,8 +42,8 @@ def store(tmp_path_factory):
 def greedy():
     """Each model's greedy continuation of PROMPT from a direct engine run (this also compiles, into the kernel
     cache the servers read, the batched step they run)."""
-    from localllm.engine import Engine, GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import Engine, GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     out = {}
     for name in (A, B):

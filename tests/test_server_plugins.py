@@ -345,7 +345,7 @@ def test_slots_show_what_each_slot_runs(coder):
 
 
 def test_llama_vim_workload_replays_ring_warm_ups_then_keystrokes(tmp_path):
-    from localllm.bench_editor import exchange
+    from localllm.bench.editor import exchange
 
     (tmp_path / "geometry.py").write_text(GEOMETRY)
     (tmp_path / "units.py").write_text(UNITS)
@@ -362,7 +362,7 @@ def test_llama_vim_workload_replays_ring_warm_ups_then_keystrokes(tmp_path):
 
 
 def test_llama_vim_workload_moves_the_ring_when_the_cursor_goes_to_the_next_line(tmp_path):
-    from localllm.bench_editor import exchange
+    from localllm.bench.editor import exchange
 
     (tmp_path / "geometry.py").write_text(GEOMETRY)
     (tmp_path / "units.py").write_text(UNITS)
@@ -378,7 +378,7 @@ def test_llama_vim_workload_moves_the_ring_when_the_cursor_goes_to_the_next_line
 
 
 def test_bench_serve_llama_vim_workload_reports_time_to_suggestion(coder, tmp_path):
-    from localllm.bench_editor import run
+    from localllm.bench.editor import run
 
     (tmp_path / "geometry.py").write_text(GEOMETRY)
     (tmp_path / "units.py").write_text(UNITS)

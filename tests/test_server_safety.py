@@ -14,7 +14,7 @@ import pytest
 from conftest import model_file
 from starlette.testclient import TestClient
 
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 from localllm.server import anthropic_api, llamacpp_api, ollama_api, openai_api
 from localllm.server.app import ServerState
 from localllm.server.asgi import create_app

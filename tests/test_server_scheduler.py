@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from conftest import model_file
 
-from localllm.engine import Engine, GenerationParams
-from localllm.sampling import SamplingParams
+from localllm.runtime.engine import Engine, GenerationParams
+from localllm.chat.sampling import SamplingParams
 from localllm.server.scheduler import Final, Request, RequestFailed, Scheduler
 
 MODEL = "smollm2-135m-instruct"
@@ -198,7 +198,7 @@ def test_a_request_whose_batched_forward_fails_fails_alone_and_its_neighbours_ke
 
 
 def test_an_exception_while_sampling_for_one_request_fails_only_that_request(engine, monkeypatch):
-    from localllm.engine import Generation
+    from localllm.runtime.engine import Generation
 
     ps = prompts(engine)[:3]
     alone = [[e.token for e in engine.generate(p, greedy(6))] for p in ps]
@@ -239,7 +239,7 @@ def test_cors_is_off_unless_configured(engine):
 def test_speculative_requests_give_the_plain_answer_and_count_their_drafts(engine):
     """serve --spec ngram: the scheduler drives each request's speculative iterator; greedy answers are the
     plain ones, token for token, and /metrics' draft counters add up."""
-    from localllm.speculative import SpeculationParams
+    from localllm.runtime.speculative import SpeculationParams
 
     repetitive = engine.tokenize_prompt("one two three four five six seven eight one two three four five six")
     requests = [(repetitive, greedy(24)), (prompts(engine)[0], greedy(8))]
@@ -260,7 +260,7 @@ def test_a_speculative_request_verifies_in_the_shared_batched_step_and_both_answ
     token for token what they get alone (the engine is batch invariant)."""
     from dataclasses import replace
 
-    from localllm.speculative import SpeculationParams
+    from localllm.runtime.speculative import SpeculationParams
 
     # A draft model of the same vocabulary: the model itself (it drafts what the target picks).
     spec = SpeculationParams(mode=mode, draft_model=str(model_file(MODEL)) if mode == "draft" else None,

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localllm.chat_template import RENDER_SECONDS
+from localllm.chat.template import RENDER_SECONDS
 from test_model_load import write_tiny_model
 from test_server import start_server, stop_server
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import model_file
-from localllm import session_file
-from localllm.engine import Engine, GenerationParams
+from localllm.runtime import session_file
+from localllm.runtime.engine import Engine, GenerationParams
 from localllm.errors import LocalLLMError
-from localllm.sampling import SamplingParams
+from localllm.chat.sampling import SamplingParams
 
 CTX = 1024
 GREEDY = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=0))

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import DATA, english_tokens, model_file, reference_cases
-from localllm import engine as engine_module
-from localllm.bench import SPEC_PROMPT
-from localllm.engine import Engine, GenerationParams
-from localllm.sampling import Sampler, SamplingParams
-from localllm.speculative import (Controller, DraftModelDrafter, NGramDrafter, SpeculationParams, accept_token,
+from localllm.runtime import engine as engine_module
+from localllm.bench.speed import SPEC_PROMPT
+from localllm.runtime.engine import Engine, GenerationParams
+from localllm.chat.sampling import Sampler, SamplingParams
+from localllm.runtime.speculative import (Controller, DraftModelDrafter, NGramDrafter, SpeculationParams, accept_token,
                                   make_drafter)
 
 SMALL = "smollm2-135m-instruct"
@@ -218,7 +218,7 @@ def test_an_unmeasured_longer_match_starts_from_the_rate_of_the_nearest_shorter_
 def test_controllers_given_one_cost_line_share_what_either_measured():
     """The verify cost line is the model's on this machine: a run's controller starts from the line the runs
     before it measured (speculative.cost_line keeps one per engine), so only the first request explores."""
-    from localllm.speculative import cost_line
+    from localllm.runtime.speculative import cost_line
 
     class FakeEngine:
         pass
@@ -482,7 +482,7 @@ def _sampling_prompt(e: Engine) -> list[int]:
 def _exact_second_token(e: Engine, prompt: list[int]) -> dict[int, float]:
     """The target's distribution of the 2nd generated token: sum over t1 of p(t1) p(t2 | t1) (batch-invariant
     logits: what any verify computes for those positions)."""
-    from localllm.sampling import Sampler
+    from localllm.chat.sampling import Sampler
 
     sampler = Sampler(SamplingParams(**SAMPLED), e.config.vocab_size)
     seq = e.new_sequence()
@@ -556,7 +556,7 @@ def test_run_spec_ngram_json_reports_acceptance_and_matches_plain():
 def test_bench_speculation_until_a_stop_string_times_the_answer_up_to_it():
     """bench --spec --stop: plain and speculative decodes end where the stop string appears (a whole answer, not
     a fixed count), give the same tokens, and the result says how many that was."""
-    from localllm import bench
+    from localllm.bench import speed as bench
 
     e = engine()
     tokens = e.tokenize_prompt(SPEC_PROMPT)

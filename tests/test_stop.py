@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from localllm.stop import StopMatcher
+from localllm.chat.stop import StopMatcher
 
 
 def stream(stops, pieces):

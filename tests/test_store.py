@@ -16,7 +16,8 @@ import zipfile
 
 import pytest
 
-from localllm import catalog, store
+from localllm.store import catalog
+from localllm.store import local as store
 from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
 
 SMALL = "smollm2-135m-instruct"
@@ -200,8 +201,8 @@ def fake_model(tmp_path) -> dict:
 
 PULL = """
 import json, sys
-from localllm import store
-from localllm.catalog import CatalogEntry, PyPISource
+from localllm.store import local as store
+from localllm.store.catalog import CatalogEntry, PyPISource
 spec = json.loads(sys.argv[1])
 entry = CatalogEntry(name=spec["name"], description="", architecture="", parameters="", quantization="",
                      size=spec["size"], sha256=spec["sha256"], license="",

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from test_hub import FakeHub, files, leftovers, serve_overlong, tiny_gguf  # noqa: F401  (fixtures)
 
-from localllm import hub, store
+from localllm.store import hub
+from localllm.store import local as store
 from localllm.errors import DownloadError, LocalLLMError, OfflineError
 
 

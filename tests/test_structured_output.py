@@ -19,8 +19,8 @@ from conftest import model_file
 from test_server import LOCALLLM, start_server, stop_server
 
 from localllm.errors import LocalLLMError
-from localllm.grammar import ANY_JSON_OBJECT, compile_grammar
-from localllm.sampling import Sampler, SamplingParams
+from localllm.chat.grammar import ANY_JSON_OBJECT, compile_grammar
+from localllm.chat.sampling import Sampler, SamplingParams
 from localllm.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
@@ -251,7 +251,7 @@ def test_run_with_a_json_schema_prints_json_that_validates(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine():
-    from localllm.engine import Engine
+    from localllm.runtime.engine import Engine
 
     return Engine.load(MODEL, quiet=True)
 
@@ -260,9 +260,9 @@ def engine():
 def test_speculative_decoding_under_a_schema_gives_the_same_greedy_answer(engine, mode, monkeypatch):
     """Drafts are cut where the grammar rejects them, and the target's pick is the grammar's: greedy output with
     speculation is token for token the plain constrained output (the draft model here is the model itself)."""
-    from localllm.engine import GenerationParams
-    from localllm.grammar import GrammarMatcher
-    from localllm.speculative import SpeculationParams
+    from localllm.runtime.engine import GenerationParams
+    from localllm.chat.grammar import GrammarMatcher
+    from localllm.runtime.speculative import SpeculationParams
 
     cuts = []
     valid_prefix = GrammarMatcher.valid_prefix

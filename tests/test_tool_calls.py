@@ -17,8 +17,8 @@ import pytest
 from conftest import DATA, model_file
 from test_server import start_server, stop_server
 
-from localllm.chat_template import ChatTemplate
-from localllm.toolcalls import (CallDelta, TextDelta, ToolCallParser, ToolError, plan_tools, supports_tools,
+from localllm.chat.template import ChatTemplate
+from localllm.chat.tool_formats import (CallDelta, TextDelta, ToolCallParser, ToolError, plan_tools, supports_tools,
                                 tool_format)
 
 BIG, SMALL, NO_TOOLS = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
@@ -212,7 +212,7 @@ def qwen_tokenizer():
 
 def _walk(tokenizer, grammar, pieces):
     """Consume each text piece's tokens; returns how many pieces the grammar took before refusing one."""
-    from localllm.grammar import lark_grammar
+    from localllm.chat.grammar import lark_grammar
 
     m = lark_grammar(grammar, tokenizer, tokenizer.vocab_size).matcher()
     for i, piece in enumerate(pieces):
@@ -270,10 +270,10 @@ def test_the_lazy_grammar_lets_text_through_then_holds_a_call_to_its_schema(qwen
 
 
 def test_speculative_decoding_under_the_lazy_tool_grammar_gives_the_same_greedy_answer():
-    from localllm.engine import Engine, GenerationParams
-    from localllm.grammar import lark_grammar
-    from localllm.sampling import SamplingParams
-    from localllm.speculative import SpeculationParams
+    from localllm.runtime.engine import Engine, GenerationParams
+    from localllm.chat.grammar import lark_grammar
+    from localllm.chat.sampling import SamplingParams
+    from localllm.runtime.speculative import SpeculationParams
 
     engine = Engine.load(SMALL, quiet=True)
     plan = plan_tools(engine.template, [WEATHER], "auto")

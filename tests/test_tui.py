@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 from textual import events
 
-from localllm import catalog, paths
+from localllm import paths
+from localllm.store import catalog
 from conftest import CATALOG_MODELS, model_file
-from localllm.loop_guard import CHAT_LOOP_PROTECTION
+from localllm.chat.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.tui import conversations
 from localllm.tui.app import ChatApp, ChatInput, ChatMessage
 from localllm.tui.chat_session import load_engine
@@ -521,8 +522,8 @@ def test_a_saved_device_that_is_gone_stays_selectable_and_a_malformed_one_is_ref
 
 
 def test_chat_device_and_kv_type_options_override_the_saved_settings_only_when_given():
-    from localllm.cli import build_parser
-    from localllm.cli_generate import chat_settings_overrides
+    from localllm.cli.main import build_parser
+    from localllm.cli.generate import chat_settings_overrides
 
     saved = ChatSettings(device="opencl", kv_type="q8_0")
     given = chat_settings_overrides(build_parser().parse_args(["chat", "--device", "cpu", "--kv-type", "f32"]), saved)

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import english_tokens, model_file  # noqa: E402
 
-from localllm.engine import Engine  # noqa: E402
+from localllm.runtime.engine import Engine  # noqa: E402
 
 
 def main() -> None:

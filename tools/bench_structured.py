@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from localllm import grammar as grammar_mod  # noqa: E402
-from localllm.engine import Engine, GenerationParams  # noqa: E402
-from localllm.sampling import SamplingParams  # noqa: E402
+from localllm.chat import grammar as grammar_mod  # noqa: E402
+from localllm.runtime.engine import Engine, GenerationParams  # noqa: E402
+from localllm.chat.sampling import SamplingParams  # noqa: E402
 from test_structured_output import PERSON, VERDICT, YES_NO  # noqa: E402
 
 PEOPLE = {"type": "array", "items": PERSON, "minItems": 4, "maxItems": 4}
@@ -87,7 +87,7 @@ def main() -> int:
     grammar_mod.GrammarMatcher.allowed = counting
     # And the time spent choosing tokens (sample + accept), which is all the grammar adds: the forwards are the
     # same, and on a busy machine their noise swamps a sub-millisecond difference in end-to-end tokens/s.
-    from localllm.sampling import Sampler
+    from localllm.chat.sampling import Sampler
 
     spent = {"s": 0.0}
     sample, accept = Sampler.sample, Sampler.accept

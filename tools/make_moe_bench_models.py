@@ -148,8 +148,8 @@ def compare(out: Path, rounds: int) -> None:
     import statistics
     import time
 
-    from localllm.bench import weight_bytes_per_token
-    from localllm.engine import Engine
+    from localllm.bench.speed import weight_bytes_per_token
+    from localllm.runtime.engine import Engine
 
     engines = {k: Engine(out / f"{k}-500m-q8_0.gguf", ctx=512, quiet=True) for k in ("dense", "moe")}
     seqs = {k: e.new_sequence() for k, e in engines.items()}

@@ -27,7 +27,7 @@ F16_FIELDS = {
 
 
 def heads(out: Path, names: list[str]) -> None:
-    from localllm import store
+    from localllm.store import local as store
     from localllm.gguf_file import GGUFFile
 
     out.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from localllm.engine import Engine, Generation, GenerationParams
-from localllm.sampling import SamplingParams
+from localllm.runtime.engine import Engine, Generation, GenerationParams
+from localllm.chat.sampling import SamplingParams
 
 
 def default_files() -> list[Path]:

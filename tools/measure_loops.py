@@ -4,7 +4,7 @@ tests/data/everyday_prompts.txt, each with several seeds, on a catalog model, un
     .venv/bin/python tools/measure_loops.py MODEL --configs base,dry --seeds 3 -n 512 --out loops.jsonl
 
 An answer loops when a line or sentence occurs >= 3 times, or it hit the token limit repeating one twice
-(localllm.loop_guard.looped). For the answers that did not loop under either setting, their length and
+(localllm.chat.loop_guard.looped). For the answers that did not loop under either setting, their length and
 refusals are compared. Each answer is a JSON line in --out (appended, so a run can be resumed); --report reads
 such files and prints the table.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localllm.loop_guard import RepeatGuard, looped, max_repeats  # noqa: E402
-from localllm.sampling import SamplingParams  # noqa: E402
+from localllm.chat.loop_guard import RepeatGuard, looped, max_repeats  # noqa: E402
+from localllm.chat.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "everyday_prompts.txt"
 # llama.cpp's defaults (what the chat app used), then the candidates
@@ -36,7 +36,7 @@ REFUSAL = re.compile(r"\b(I can(?:no|')t (?:help|assist|provide|do|write|answer|
 
 
 def run(args) -> None:
-    from localllm.engine import Engine, GenerationParams
+    from localllm.runtime.engine import Engine, GenerationParams
 
     prompts = PROMPTS.read_text(encoding="utf-8").splitlines()[: args.prompts]
     out = Path(args.out)

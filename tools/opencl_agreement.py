@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import CATALOG_MODELS, model_file, reference_cases  # noqa: E402
 
-from localllm.engine import Engine  # noqa: E402
+from localllm.runtime.engine import Engine  # noqa: E402
 
 
 def teacher_forced(e: Engine, case: dict) -> np.ndarray:
@@ -61,7 +61,7 @@ def main() -> int:
                 f"opencl vs cpu {same / steps:.3f}; mean |dlogprob| opencl {np.mean(err_cl):.3f} cpu "
                 f"{np.mean(err_cpu):.3f}; time opencl {t_cl:.0f}s cpu {t_cpu:.0f}s")
         if args.ppl:
-            from localllm.cli_generate import perplexity
+            from localllm.cli.generate import perplexity
 
             text = args.ppl.read_text(encoding="utf-8")
             tokens = cpu.tokenizer.encode(text, add_special=False)

@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import opencl_host_profile as hp
-    from localllm import bench
-    from localllm.engine import Engine
+    from localllm.bench import speed as bench
+    from localllm.runtime.engine import Engine
 
     results = {"copy": None, "models": [], "cores": os.cpu_count()}
 

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-type", default="f32", choices=("f32", "q8_0"), help="the KV cache's element type")
     args = ap.parse_args(argv)
 
-    from localllm.engine import Engine
+    from localllm.runtime.engine import Engine
 
     results = []
     for name in args.models:

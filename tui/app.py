@@ -17,7 +17,9 @@ from textual.markup import escape
 from textual.message import Message
 from textual.widgets import Footer, Label, Markdown, ProgressBar, Static, TextArea
 
-from localllm import catalog, hub, store
+from localllm.store import catalog
+from localllm.store import hub
+from localllm.store import local as store
 from localllm.errors import LocalLLMError
 from localllm.tui import conversations, settings as settings_store
 from localllm.tui.chat_session import ChatSession, TurnStats, load_engine
@@ -516,7 +518,7 @@ class ChatApp(App):
                 self.load_model(self.session.engine.name)
 
         if self.opencl_devices is None:
-            from localllm.devices import opencl_devices
+            from localllm.runtime.devices import opencl_devices
 
             self.opencl_devices = opencl_devices()[0]  # none (and no error shown) where OpenCL is missing
         self.push_screen(SettingsScreen(self.settings, self.opencl_devices), saved)

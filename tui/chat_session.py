@@ -11,13 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from localllm import parameters, session_file, warmup
-from localllm.cache_reuse import DEFAULT_CACHE_REUSE
-from localllm.chat_history import fit_messages
-from localllm.engine import Engine, GenerationParams, TokenEvent
+from localllm import parameters
+from localllm.runtime import session_file
+from localllm.runtime import warmup
+from localllm.runtime.cache_reuse import DEFAULT_CACHE_REUSE
+from localllm.chat.history import fit_messages
+from localllm.runtime.engine import Engine, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError
-from localllm.loop_guard import DRY_SEQUENCE_BREAKERS, NOTICE, RepeatGuard
-from localllm.sampling import dry_breakers
+from localllm.chat.loop_guard import DRY_SEQUENCE_BREAKERS, NOTICE, RepeatGuard
+from localllm.chat.sampling import dry_breakers
 
 
 def load_engine(name: str, ctx: int | None, on_compile: Callable[[int, int], None] | None = None,
@@ -51,7 +53,7 @@ class TurnStats:
     draft_n: int = 0  # speculative decoding: drafted tokens checked, and how many the model accepted
     draft_accepted: int = 0
     dropped: int = 0  # oldest messages left out of this turn's prompt to fit the context
-    looped: bool = False  # the loop guard stopped the answer (localllm.loop_guard)
+    looped: bool = False  # the loop guard stopped the answer (localllm.chat.loop_guard)
 
     @property
     def context_full(self) -> bool:
@@ -110,7 +112,7 @@ class ChatSession:
 
     def prompt_tokens(self, messages: list[dict], system_prompt: str, room: int = 1) -> list[int]:
         """The conversation's prompt, from its first message still in context: when it outgrows the context
-        the oldest messages are left out (localllm.chat_history), and stay out for the following turns so the
+        the oldest messages are left out (localllm.chat.history), and stay out for the following turns so the
         cached prefix holds."""
         system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
         start = min(self.first_in_context, max(len(messages) - 1, 0))

@@ -16,7 +16,10 @@ from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Markdown, ProgressBar, Select, Static, TextArea
 
-from localllm import catalog, hub, parameters, store
+from localllm import parameters
+from localllm.store import catalog
+from localllm.store import hub
+from localllm.store import local as store
 from localllm.errors import LocalLLMError
 from localllm.tui import conversations
 from localllm.tui.settings import ChatSettings

@@ -13,11 +13,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from localllm import parameters, paths
-from localllm.engine import GenerationParams
-from localllm.kv_cache import KV_TYPES
-from localllm.loop_guard import CHAT_LOOP_PROTECTION
-from localllm.sampling import SamplingParams
-from localllm.speculative import SpeculationParams
+from localllm.runtime.engine import GenerationParams
+from localllm.runtime.kv_cache import KV_TYPES
+from localllm.chat.loop_guard import CHAT_LOOP_PROTECTION
+from localllm.chat.sampling import SamplingParams
+from localllm.runtime.speculative import SpeculationParams
 
 
 MAX_CTX = 1 << 20  # a bound on what a saved file may ask for (the catalog's models train on at most 32768)

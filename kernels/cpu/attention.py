@@ -8,7 +8,7 @@ Batch invariance: each (query, head) is computed alone, by the same sequence of 
 visible keys in position order, whatever else is in the call. A prompt split into chunks, a speculative verify
 of k tokens and a server batch therefore give bitwise what one token at a time gives.
 
-Storage (see localllm/kv_cache.py): per layer, keys (n_kv, S, head_dim) and values (n_kv, S, value_dim),
+Storage (see localllm/runtime/kv_cache.py): per layer, keys (n_kv, S, head_dim) and values (n_kv, S, value_dim),
 float32, or int8 with a float32 scale per 32 values (`q8_0`: ggml's block_q8_0 rounding, with the scale kept
 in float32, since these bytes never leave the process);
 `*_scale` arrays have a last axis of 0 for float32 storage. Column c of block b is b * BLOCK + c.
@@ -29,7 +29,7 @@ from localllm.kernels.cpu.simd import (HAVE_AVX2, HAVE_AVX512, add_ps, address_o
                                        mul_ps_512, set1_ps, set1_ps_512, setzero_ps, setzero_ps_512, storeu_ps,
                                        storeu_ps_512, sub_ps)
 
-BLOCK = 16  # tokens per KV block (localllm.kv_cache.BLOCK, which imports this)
+BLOCK = 16  # tokens per KV block (localllm.runtime.kv_cache.BLOCK, which imports this)
 QBLOCK = 32  # values per q8_0 scale
 PARALLEL_MIN_WORK = 1 << 18  # (query, head, key, dim) products below which waking a second thread costs more
 

@@ -19,7 +19,7 @@ from localllm.architectures.base import ModelConfig, yarn_inv_freq
 from localllm.backends.base import Backend
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KVCache, KVPool
+from localllm.runtime.kv_cache import KVCache, KVPool
 
 # ---- blocks ----------------------------------------------------------------------------------------------
 class RopeTable:
@@ -366,7 +366,7 @@ class Transformer:
 
         `observe(names, x)`, when given, sees the input x (rows, cols) of every product by a weight matrix
         before it is multiplied, with the GGUF names of the weights that take it (Q, K and V share one x): what
-        an importance matrix is made of (localllm/imatrix.py). It runs this op-by-op path, never the fused one,
+        an importance matrix is made of (localllm/convert/imatrix.py). It runs this op-by-op path, never the fused one,
         so a forward without it pays nothing for the hook.
 
         `hidden`: return the selected rows' final hidden states (after the output norm, what the output matrix

@@ -2,8 +2,8 @@
 
 This package is where the engine meets the kernels: the model code asks `get(name)` for a backend and calls its
 operations, and the forward itself imports no kernel. Some tools outside the forward still import the CPU's
-kernels directly: `localllm/quantize.py` (`kernels.cpu.formats`, `kernels.ops`), `cli_imatrix.py` and
-`cli_generate.py` (`kernels.ops` for bench and importance matrices) and `warmup.py`; moving them behind a backend
+kernels directly: `localllm/convert/quantize_gguf.py` (`kernels.cpu.formats`, `kernels.ops`), `cli/imatrix_cmd.py` and
+`cli/generate.py` (`kernels.ops` for bench and importance matrices) and `warmup.py`; moving them behind a backend
 is issue 40's work.
 """
 

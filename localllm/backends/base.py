@@ -166,7 +166,7 @@ class Backend(ABC):
 
     def warm_up_calls(self, weights, kv_type: str | None = None) -> list[tuple[str, Callable[[], None]]]:
         """(label, thunk) pairs compiling and warming the kernels these weights need (`prepare()` runs them
-        with progress: localllm/warmup.py); `kv_type`: only that KV cache type's kernels (None: every type)."""
+        with progress: localllm/runtime/warmup.py); `kv_type`: only that KV cache type's kernels (None: every type)."""
         return []
 
 
@@ -186,7 +186,7 @@ class Experts:
 
 
 class KVStorage(ABC):
-    """Where a KV pool's blocks live: the backend's memory. The pool's bookkeeping (localllm/kv_cache.py: block
+    """Where a KV pool's blocks live: the backend's memory. The pool's bookkeeping (localllm/runtime/kv_cache.py: block
     tables, names, refcounts, LRU) is integers only and calls these for every change to the stored values.
 
     Per layer one array (n_kv_heads, columns, dim) of keys and one of values, and for a quantized element type

@@ -23,7 +23,7 @@ import numpy as np
 
 from localllm.errors import LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.resume import PartialWriter, file_identity, keep_partial, partial_paths
+from localllm.store.resume import PartialWriter, file_identity, keep_partial, partial_paths
 from localllm.type_names import CONVERT_TYPE_CHOICES, QUANTIZE_MIXES
 
 from .architectures import (ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, phi3_rope,
@@ -402,7 +402,7 @@ def default_output(directory: Path, qtype: Q) -> Path:
 def checkpoint_identity(directory: Path) -> dict:
     """What a conversion reads from the checkpoint (weights, index, configs, tokenizer, template), file by file:
     size and modification time, for --resume."""
-    from localllm.resume import file_identity
+    from localllm.store.resume import file_identity
 
     return {p.name: file_identity(p) for p in sorted(Path(directory).iterdir())
             if p.suffix in (".safetensors", ".json", ".jinja", ".model") and p.is_file()}
@@ -471,9 +471,9 @@ def convert(src: Path, out: Path | None = None, out_type: str = "auto", *, model
 
     A K-quant `out_type` (q4_k_m, ...) converts and quantizes each tensor in one pass: the file `localllm
     quantize` writes from the conversion to the checkpoint's own type, without that file. An interruption or a
-    full disk keeps OUT.partial (and its record OUT.partial.json); `resume` continues it (localllm/resume.py).
+    full disk keeps OUT.partial (and its record OUT.partial.json); `resume` continues it (localllm/store/resume.py).
     `imatrix`: an importance matrix file for the K-quant step, as `localllm quantize --imatrix`."""
-    from localllm import quantize
+    from localllm.convert import quantize_gguf as quantize
     from localllm.progress import progress_bar
 
     t0 = time.monotonic()

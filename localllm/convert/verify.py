@@ -130,8 +130,8 @@ def check_tokenizer(directory: Path, out: Path) -> dict:
 
 
 def _perplexity(path: Path) -> float:
-    from localllm.cli_generate import perplexity
-    from localllm.engine import Engine
+    from localllm.cli.generate import perplexity
+    from localllm.runtime.engine import Engine
 
     engine = Engine(path, ctx=PERPLEXITY_CTX, quiet=True)
     try:

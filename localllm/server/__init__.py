@@ -134,7 +134,7 @@ def serve(model: str | None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
 
 
 def _served_name(given: str, path) -> str:
-    from localllm import store
+    from localllm.store import local as store
 
     return store.display_name(given, path)  # a store name, a hub model's reference, else the file's stem
 
@@ -143,8 +143,9 @@ def _registry(model, models, pins, max_loaded, keep_alive, ctx, device, parallel
               max_tokens, api_key, max_body, offline=False, cache_reuse=0, slot_save_path=None):
     """(registry, the app's state, the one model's name or None) for serve()'s options; the one model and the
     pinned ones are loaded now, so that a bad file fails before the port opens."""
-    from localllm import catalog, store
-    from localllm.engine import Engine
+    from localllm.store import catalog
+    from localllm.store import local as store
+    from localllm.runtime.engine import Engine
     from localllm.server.app import ServerState
     from localllm.server.registry import MEMORY_SHARE, ModelRegistry, available_memory, strip_latest
     from localllm.server.scheduler import Scheduler

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from localllm.engine import GenerationParams
+from localllm.runtime.engine import GenerationParams
 from localllm.errors import LocalLLMError
 from localllm.server import tool_calls
-from localllm.toolcalls import CallDelta, TextDelta, ToolError, ToolPlan, plan_tools
+from localllm.chat.tool_formats import CallDelta, TextDelta, ToolError, ToolPlan, plan_tools
 from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, dumps_compact, first_item,
                                  fix_seed, json_response, off_loop, prompt_tokens, read_json,
                                  render_system_anywhere, sampling_from, stream_events, submit, watching_disconnect)
@@ -327,7 +327,7 @@ def to_chat_request(data: dict) -> ChatRequest:
 
 # ==== tools =================================================================================================
 # Anthropic's tools arrive here in OpenAI's shape (to_chat_request) and go through the same engine as the OpenAI
-# and Ollama routes (localllm/toolcalls.py, server/tool_calls.py): the plan renders them into the prompt through
+# and Ollama routes (localllm/chat/tool_formats.py, server/tool_calls.py): the plan renders them into the prompt through
 # the model's template and constrains the call; its parser finds the calls in the answer, which leave as
 # tool_use blocks and input_json_delta events (message_body, EventWriter) with stop_reason "tool_use".
 

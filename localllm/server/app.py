@@ -19,7 +19,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from localllm.engine import Engine
+from localllm.runtime.engine import Engine
 from localllm.errors import LocalLLMError
 from localllm.server.scheduler import Final, Handle, RequestFailed, Scheduler
 from localllm.server.scheduler import Request as SchedRequest
@@ -423,7 +423,7 @@ def sampling_from(f: Fields, api: str, vocab_size: int):
     falls back to the default (1.75), as llama-server does; dry_sequence_breakers must be a non-empty array of
     strings."""
     from localllm import parameters
-    from localllm.sampling import DRY_SEQUENCE_BREAKERS, SamplingParams
+    from localllm.chat.sampling import DRY_SEQUENCE_BREAKERS, SamplingParams
 
     values = {}
     for p in parameters.SAMPLING:
@@ -469,7 +469,7 @@ async def constrain(state: ServerState, params, param: str, *, json_schema=None,
     if json_schema is None and gbnf is None and lark is None:
         return
     from localllm.errors import LocalLLMError
-    from localllm.grammar_worker import GrammarBusy, compile_bounded
+    from localllm.chat.grammar_worker import GrammarBusy, compile_bounded
 
     engine = state.engine
     try:  # in a worker process with a time and memory budget, stopped if the client goes (grammar_worker.py)

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from localllm import grammar_worker
+from localllm.chat import grammar_worker
 from localllm.errors import LocalLLMError
 from localllm.server import (anthropic_api, embeddings_api, llamacpp_api, models_api, ollama_api, ollama_pull,
                              openai_api, responses_api)

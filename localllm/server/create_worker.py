@@ -82,7 +82,7 @@ def _run(args: list[str], out: Path, memory: int, seconds: float, cancel: thread
             "ctypes.CDLL(None).prctl(1, 9)\n"  # PR_SET_PDEATHSIG, SIGKILL: it ends with the server
             f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
             "os.nice(5)\n"
-            "from localllm.cli import main\n"
+            "from localllm.cli.main import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     cmd = [sys.executable, "-c", boot, *args]
     with tempfile.TemporaryFile(mode="w+") as err:
@@ -106,7 +106,7 @@ def _run(args: list[str], out: Path, memory: int, seconds: float, cancel: thread
                     proc.kill()
                 proc.wait()
             if proc.returncode != 0:  # nothing kept for a --resume that no client can ask for
-                from localllm.resume import partial_paths
+                from localllm.store.resume import partial_paths
 
                 for leftover in (out, *partial_paths(out)):
                     with contextlib.suppress(OSError):

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from localllm import __version__
-from localllm.engine import GenerationParams
+from localllm.runtime.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, constrain, first_item, fix_seed, id_slot,
                                  json_response, off_loop, prompt_tokens, read_json, render_system_anywhere,
                                  sampling_from, sse, stream_error, stream_events, submit, watching_disconnect)
@@ -301,7 +301,7 @@ async def apply_template(state: ServerState, request: Request):
     running it: `tools` (and `tool_choice`, `parallel_tool_calls`) rendered as the chat route renders them, an
     assistant message's tool-call `arguments` given as JSON text turned into the object the template expects."""
     from localllm.server import tool_calls
-    from localllm.toolcalls import ToolError, plan_tools
+    from localllm.chat.tool_formats import ToolError, plan_tools
 
     f = Fields(await read_json(request, state.max_body))
     messages = f.get("messages", list)

@@ -18,7 +18,7 @@ the llama.cpp routes and the OpenAI routes (llama.cpp's server accepts them on b
 
 from __future__ import annotations
 
-from localllm.sampling import SamplingParams
+from localllm.chat.sampling import SamplingParams
 from localllm.server.app import ApiError, Fields, ServerState
 
 # llama.cpp's sampler names (common/sampling.cpp, common_sampler_types_from_names) and one-letter codes.

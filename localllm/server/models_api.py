@@ -45,7 +45,7 @@ _facts: dict[tuple, dict] = {}
 
 def model_facts(path: Path) -> dict:
     """model_info of a file, with Ollama's `digest` and `modified_at`; cached by the file's identity."""
-    from localllm.model_info import model_info
+    from localllm.store.model_info import model_info
 
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -140,7 +140,7 @@ def _store() -> Path:
 
 
 def _check_new_name(name: str, key: str) -> str:
-    from localllm import store
+    from localllm.store import local as store
     from localllm.server.registry import strip_latest
 
     name = strip_latest(name)
@@ -155,7 +155,7 @@ def _partial(dest: Path) -> Path:
 
 def _place(partial: Path, dest: Path) -> None:
     """Move a finished file into place (replacing a model of that name: a loaded one keeps its own bytes)."""
-    from localllm import store
+    from localllm.store import local as store
 
     os.replace(partial, dest)
     with contextlib.suppress(OSError):
@@ -217,7 +217,7 @@ def blob_path(digest: str) -> Path:
 async def delete(state: ServerState, request: Request):
     """Ollama's DELETE /api/delete {"model"}: remove a model from the store (a loaded one is unloaded first, as
     Ollama does; one with requests in flight goes once they end)."""
-    from localllm import store
+    from localllm.store import local as store
     from localllm.server.registry import file_key, strip_latest
 
     f = Fields(await read_json(request, state.max_body))
@@ -247,7 +247,7 @@ async def delete(state: ServerState, request: Request):
 
 async def copy(state: ServerState, request: Request):
     """Ollama's POST /api/copy {"source", "destination"}: a new name for a model, the same bytes (a hard link)."""
-    from localllm import store
+    from localllm.store import local as store
     from localllm.server.registry import strip_latest
 
     f = Fields(await read_json(request, state.max_body))
@@ -275,7 +275,7 @@ _blob_claims: dict[Path, int] = {}  # uploads in flight: the bytes each may writ
 
 
 def blobs_max() -> int:
-    from localllm import disk
+    from localllm.store import disk
 
     text = os.environ.get("LOCALLLM_BLOBS_MAX")
     if not text:
@@ -290,7 +290,7 @@ def _claim_blob_room(folder: Path, tmp: Path, n: int) -> None:
     """Let the upload into `tmp` write `n` bytes in all, or refuse it (413): the blobs folder's files and the
     other uploads' claims may not pass blobs_max(), and what all of them have still to write must leave
     disk.KEEP_FREE free on the disk."""
-    from localllm import disk
+    from localllm.store import disk
 
     def size(p: Path) -> int:
         try:
@@ -374,7 +374,7 @@ def _create_source(f: Fields) -> tuple[str, Path, Path | None]:
     """("gguf" | "checkpoint", the source path, a temporary folder to remove afterwards) of a create request:
     `from` (a model of the store, an absolute path to a GGUF file or to a safetensors checkpoint folder) or
     `files` (uploaded blobs: one GGUF, or a checkpoint's files)."""
-    from localllm import store
+    from localllm.store import local as store
     from localllm.server.registry import strip_latest
 
     source = f.get("from", str, None)
@@ -442,7 +442,7 @@ def _without_paths(message: str, source: Path) -> str:
 def _create(name: str, kind: str, source: Path, quantize: str | None, say, cancel=None) -> None:
     """Write model `name` from `source`; `say(status)` reports progress; `cancel` (a threading.Event) set when the
     client goes stops a conversion or a quantization (each runs in a process of its own: create_worker.py)."""
-    from localllm import store
+    from localllm.store import local as store
 
     dest = store.model_path(name)
     tmp = _partial(dest)
@@ -489,7 +489,7 @@ async def create(state: ServerState, request: Request):
                                 "(its own chat template and defaults)", param=key)
     quantize = f.get("quantize", str, None)
     if quantize:
-        from localllm.quantize import file_type
+        from localllm.convert.quantize_gguf import file_type
 
         try:
             file_type(quantize)

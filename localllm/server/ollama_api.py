@@ -18,14 +18,14 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from localllm import __version__
-from localllm.chat_history import fit_messages
-from localllm.engine import GenerationParams
+from localllm.chat.history import fit_messages
+from localllm.runtime.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, constrain, first_item, fix_seed,
                                  ndjson_line, off_loop, ollama_response, prompt_tokens, read_json,
                                  render_system_anywhere, sampling_from, stream_error, stream_events, submit)
 from localllm.server import models_api, tool_calls
 from localllm.server.infill import infill_tokens
-from localllm.toolcalls import CallDelta, TextDelta, supports_tools
+from localllm.chat.tool_formats import CallDelta, TextDelta, supports_tools
 
 
 
@@ -119,7 +119,7 @@ def _params(state: ServerState, f: Fields) -> GenerationParams:
 
 async def _format(state: ServerState, f: Fields, params: GenerationParams) -> None:
     """Ollama's structured output: `format` is "json" (any JSON object) or a JSON schema."""
-    from localllm.grammar import ANY_JSON_OBJECT
+    from localllm.chat.grammar import ANY_JSON_OBJECT
 
     fmt = f.data.get("format")
     if fmt in (None, ""):

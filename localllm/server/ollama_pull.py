@@ -28,7 +28,9 @@ class _ClientGone(Exception):
 
 def _run_pull(name: str, progress) -> None:
     """The pull itself, in a worker thread; `progress` receives Ollama-shaped events."""
-    from localllm import catalog, hub, store
+    from localllm.store import catalog
+    from localllm.store import hub
+    from localllm.store import local as store
 
     if name in catalog.entries():
         entry = catalog.entries()[name]
@@ -47,7 +49,7 @@ def _run_pull(name: str, progress) -> None:
 
 
 def _status_of(e: LocalLLMError) -> int:
-    from localllm.hub import ReferenceError_
+    from localllm.store.hub import ReferenceError_
 
     if isinstance(e, ReferenceError_):
         return 400
@@ -66,7 +68,8 @@ async def pull(state: ServerState, request: Request):
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "stream")
-    from localllm import catalog, hub
+    from localllm.store import catalog
+    from localllm.store import hub
 
     if name not in catalog.entries():
         hub.parse(name)  # an unsafe or malformed reference: a 400 before any network or file access

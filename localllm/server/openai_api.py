@@ -13,14 +13,14 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from localllm.engine import GenerationParams
+from localllm.runtime.engine import GenerationParams
 from localllm.server.app import (ApiError, Fields, Final, ServerState, check_max_tokens, collect, constrain,
                                  first_item, fix_seed, id_slot, json_response, off_loop, prompt_tokens, read_json,
                                  render_system_anywhere, sampling_from, sse, stream_error, stream_events, submit)
 from localllm.server import llamacpp_ext as ext
 from localllm.server import tool_calls
 from localllm.server.infill import infill_tokens
-from localllm.toolcalls import CallDelta, TextDelta
+from localllm.chat.tool_formats import CallDelta, TextDelta
 
 MAX_TOP_LOGPROBS = 20
 
@@ -99,7 +99,7 @@ def _common(state: ServerState, f: Fields, max_key_default: int | None) -> tuple
 async def _response_format(state: ServerState, f: Fields, params: GenerationParams) -> None:
     """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
     "schema", "strict"}}), and llama.cpp's extensions on these endpoints: `json_schema` and `grammar` (GBNF)."""
-    from localllm.grammar import ANY_JSON_OBJECT
+    from localllm.chat.grammar import ANY_JSON_OBJECT
 
     fmt = f.get("response_format", dict, None)
     schema = gbnf = None

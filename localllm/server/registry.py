@@ -103,9 +103,9 @@ def estimate_bytes(path: Path, ctx: int | None, device: str = parameters.DEVICE)
     context of KV cache. Read from the GGUF's header only."""
     from localllm import backends
     from localllm.architectures import load_model_config
-    from localllm.engine import DEFAULT_CTX
+    from localllm.runtime.engine import DEFAULT_CTX
     from localllm.gguf_file import GGUFFile
-    from localllm.kv_cache import KVPool
+    from localllm.runtime.kv_cache import KVPool
 
     size = path.stat().st_size
     try:
@@ -225,7 +225,7 @@ class ModelRegistry:
         """The models this server serves: name -> file."""
         if self.allowed is not None:
             return dict(self.allowed)
-        from localllm import store
+        from localllm.store import local as store
 
         return {m.name: m.path for m in store.local_models()}
 
@@ -240,7 +240,7 @@ class ModelRegistry:
 
     def lookup(self, name) -> tuple[str, Path]:
         """(name, file) of the model a request names; a 404 that lists what exists when there is none."""
-        from localllm import store
+        from localllm.store import local as store
 
         if name is not None and not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", param="model")
@@ -268,7 +268,8 @@ class ModelRegistry:
         return name, path
 
     def _names_another_model(self, name: str) -> bool:
-        from localllm import catalog, store
+        from localllm.store import catalog
+        from localllm.store import local as store
 
         served = self.allowed[self.default]
         if store.has_model(name):

@@ -34,7 +34,7 @@ from localllm.server import openai_api, tool_calls
 from localllm.server.app import (ApiError, Fields, Final, ServerState, collect, dumps_compact, first_item,
                                  json_response, off_loop, prompt_tokens, read_json, render_system_anywhere,
                                  stream_events, submit)
-from localllm.toolcalls import CallDelta, TextDelta
+from localllm.chat.tool_formats import CallDelta, TextDelta
 
 STORE_SIZE = 1000
 _STORE: OrderedDict[str, dict] = OrderedDict()  # id -> {"response": the object, "history": its conversation}

@@ -34,10 +34,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from localllm.engine import PROMPT_CHUNK, Engine, Generation, GenerationParams, TokenEvent
+from localllm.runtime.engine import PROMPT_CHUNK, Engine, Generation, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError, ModelFileError
 from localllm.server.metrics import Metrics
-from localllm.speculative import SpeculationParams, SpeculativeRun
+from localllm.runtime.speculative import SpeculationParams, SpeculativeRun
 
 log = logging.getLogger("localllm.server")
 
@@ -255,7 +255,7 @@ class Scheduler:
 
     def save_slot(self, slot: int, path) -> tuple[int, int]:
         """(tokens saved, bytes written): slot's cache written to `path` (session_file's format)."""
-        from localllm import session_file
+        from localllm.runtime import session_file
 
         self._idle_slot(slot)
         tokens = self.slot_tokens[slot]
@@ -266,7 +266,7 @@ class Scheduler:
         request that starts with those tokens computes only what follows them."""
         import os
 
-        from localllm import session_file
+        from localllm.runtime import session_file
 
         self._idle_slot(slot)
         seq = session_file.load(self.engine, path)  # checked against the model before any byte is used

@@ -1,4 +1,4 @@
-"""Tool calls on the server: a request's tools planned against the model's template (toolcalls.py), the call's
+"""Tool calls on the server: a request's tools planned against the model's template (chat/tool_formats.py), the call's
 grammar compiled into its GenerationParams, its prompt rendered. Shared by the chat endpoints of each API."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import re
 
 from localllm.server.app import ApiError, ServerState, constrain, prompt_tokens, render_system_anywhere
-from localllm.toolcalls import ToolError, ToolPlan, plan_tools
+from localllm.chat.tool_formats import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger("localllm.server")
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")

@@ -28,7 +28,7 @@ def resolve_source(src: str, quiet: bool, max_download: int | None = None) -> Pa
     try:
         from huggingface_hub.utils import HfHubHTTPError
 
-        from localllm import hub
+        from localllm.store import hub
 
         if not hub.offline():
             return hub.fetch_checkpoint(repo, revision or None, HUB_FILES, max_download, quiet)
@@ -57,7 +57,7 @@ def cmd_convert(args) -> int:
     out_type = (args.type or "auto").lower()
     max_download = None
     if args.max_download is not None:
-        from localllm.disk import parse_size
+        from localllm.store.disk import parse_size
 
         max_download = parse_size(args.max_download)
     src = resolve_source(args.src, args.quiet, max_download)
@@ -66,7 +66,7 @@ def cmd_convert(args) -> int:
         raise LocalLLMError(f"--imatrix applies to the mixes made through `localllm quantize` (q4_0 ... q6_k), "
                             f"not to --type {out_type}")
     if args.imatrix and not args.dry_run:
-        from localllm.quantize import load_imatrix
+        from localllm.convert.quantize_gguf import load_imatrix
 
         load_imatrix(args.imatrix)  # a bad file is refused before minutes of converting, not after
     if args.dry_run:
@@ -89,7 +89,7 @@ def cmd_convert(args) -> int:
                 print(f"  {t['name']:<36} {t['type']:<5} {t['shape']}  <- {t['source']}")
         return 0
     from localllm.progress import note
-    from localllm.resume import partial_paths
+    from localllm.store.resume import partial_paths
 
     out = Path(args.output) if args.output else None
     try:

@@ -148,7 +148,7 @@ def compute(engine, text: str, n_ctx: int = 512, n_chunks: int | None = None, fr
     else:
         positions = np.arange(0)
     collector = Collector(process_output)
-    from localllm.engine import PROMPT_CHUNK
+    from localllm.runtime.engine import PROMPT_CHUNK
 
     nll, scored = 0.0, 0
     t0 = time.monotonic()

@@ -12,10 +12,10 @@ import json
 import sys
 
 from localllm import __version__
-from localllm.cache_reuse import DEFAULT_CACHE_REUSE
+from localllm.runtime.cache_reuse import DEFAULT_CACHE_REUSE
 from localllm.errors import LocalLLMError
 from localllm.files import read_text_file
-from localllm.model_info import model_info
+from localllm.store.model_info import model_info
 from localllm.progress import human_size, terminal_safe
 
 DEFAULT_MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT, USER/REPO) or path to a .gguf file"
@@ -35,7 +35,8 @@ def _print_json(obj) -> None:
 
 
 def cmd_pull(args) -> int:
-    from localllm import catalog, store
+    from localllm.store import catalog
+    from localllm.store import local as store
 
     names = args.models or [catalog.default_entry().name]
     results = []
@@ -53,7 +54,8 @@ def cmd_pull(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from localllm import catalog, store
+    from localllm.store import catalog
+    from localllm.store import local as store
 
     local = {m.name: m for m in store.local_models()}
     rows = []
@@ -90,7 +92,7 @@ def cmd_list(args) -> int:
 
 def _hub_rows() -> list[dict]:
     """Pulled hub models, from their provenance records (no network)."""
-    from localllm import hub
+    from localllm.store import hub
 
     return [{"name": m.name, "downloaded": True, "size": m.size, "quantization": m.provenance.get("quant") or "",
              "architecture": "", "description": f"Hugging Face hub {m.provenance.get('repo')} "
@@ -100,7 +102,7 @@ def _hub_rows() -> list[dict]:
 
 
 def cmd_rm(args) -> int:
-    from localllm import store
+    from localllm.store import local as store
 
     for name in args.models:
         path = store.remove(name)
@@ -110,9 +112,9 @@ def cmd_rm(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from localllm import store
+    from localllm.store import local as store
 
-    from localllm import hub
+    from localllm.store import hub
 
     path = store.resolve(args.model)
     info = model_info(path)
@@ -154,7 +156,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from localllm import store
+    from localllm.store import local as store
     from localllm.gguf_file import load_metadata
     from localllm.tokenizer import Tokenizer
 
@@ -175,7 +177,7 @@ def cmd_tokenize(args) -> int:
 
 
 def cmd_embed(args) -> int:
-    from localllm.engine import Engine
+    from localllm.runtime.engine import Engine
 
     texts = list(args.texts)
     if args.file:
@@ -202,7 +204,7 @@ def cmd_embed(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from localllm.cli_generate import speculation_params
+    from localllm.cli.generate import speculation_params
     from localllm.server import serve
 
     serve(args.model, host=args.host, port=args.port, offline=args.offline,
@@ -217,10 +219,10 @@ def cmd_serve(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     if getattr(args, "workload", "openai") == "llama-vim":
-        from localllm import bench_editor
+        from localllm.bench import editor as bench_editor
 
         return bench_editor.main(args)
-    from localllm import bench_serve
+    from localllm.bench import serving as bench_serve
 
     return bench_serve.main(args)
 
@@ -229,7 +231,7 @@ def cmd_bench_serve(args) -> int:
 
 
 def cmd_devices(args) -> int:
-    from localllm.devices import all_devices
+    from localllm.runtime.devices import all_devices
 
     found = all_devices()
     if args.json:
@@ -323,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
                    help="how to pool the tokens' states (default: the model file's, else mean)")
     p.add_argument("--no-normalize", action="store_true", help="leave the vectors unnormalized")
-    from localllm.cli_generate import add_device_option, whole_number
+    from localllm.cli.generate import add_device_option, whole_number
 
     p.add_argument("--ctx", type=whole_number(0), default=None,
                    help="context size: the longest text it takes (default: the model's, at most 4096)")
@@ -339,20 +341,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"devices": [...], "opencl_error": null or a reason}')
     p.set_defaults(func=cmd_devices)
 
-    from localllm import cli_generate
-    from localllm.cli_generate import positive_seconds, whole_number
+    from localllm.cli import generate as cli_generate
+    from localllm.cli.generate import positive_seconds, whole_number
 
     cli_generate.add_commands(sub)
 
-    from localllm import cli_quantize
+    from localllm.cli import quantize_cmd as cli_quantize
 
     cli_quantize.add_commands(sub)
 
-    from localllm import cli_imatrix
+    from localllm.cli import imatrix_cmd as cli_imatrix
 
     cli_imatrix.add_commands(sub)
 
-    from localllm import cli_convert
+    from localllm.cli import convert_cmd as cli_convert
 
     cli_convert.add_commands(sub)
 
@@ -398,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_generate.add_device_option(p)
     cli_generate.add_speculation_options(p)
     cli_generate.add_offline_option(p)
-    from localllm import cli_server
+    from localllm.cli import serve as cli_server
 
     cli_server.add_serve_options(p)
     p.set_defaults(func=cmd_serve)

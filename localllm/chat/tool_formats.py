@@ -280,7 +280,7 @@ class ToolPlan:
     def render(self, template, messages: list[dict], **kwargs) -> str:
         """The prompt: native forms through the template's own `tools`, the generic form through a system
         message and messages rewritten as JSON."""
-        from localllm.chat_template import validate_messages
+        from localllm.chat.template import validate_messages
 
         messages = normalize_messages(validate_messages(messages))  # content parts flattened first
         if self.format in ("hermes", "llama3"):

@@ -6,7 +6,7 @@ llguidance's own limits (LLParserLimits) bound its lexer and parser, not the tim
 interrupted; six such requests held every worker thread of the server. So a server compiles a client's grammar
 in two steps:
 
-1. In a worker process (`python -m localllm.grammar_worker`, a few started on demand and kept): the grammar or
+1. In a worker process (`python -m localllm.chat.grammar_worker`, a few started on demand and kept): the grammar or
    schema is converted to llguidance's grammar text, validated, and built for a vocabulary of bytes (what
    fails only when built, such as llguidance's bound on grammar symbols, fails here), which is where a
    hostile grammar spends its time and memory. The process has COMPILE_MEMORY bytes of address space; one that
@@ -89,7 +89,7 @@ def _write(stream, obj: dict) -> None:
 
 
 def _validate(request: dict) -> dict:
-    from localllm.grammar import check_buildable, compile_grammar
+    from localllm.chat.grammar import check_buildable, compile_grammar
 
     specials = tuple(request.pop("specials", ()))
     try:
@@ -116,7 +116,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the message stream
-    import localllm.grammar  # noqa: F401  (imported before the first request, not during it)
+    import localllm.chat.grammar  # noqa: F401  (imported before the first request, not during it)
 
     _write(stdout, {"ready": True})
     while (request := _read(stdin)) is not None:
@@ -134,7 +134,7 @@ class _Worker:
     async def start(cls) -> "_Worker":
         env = {**os.environ, "RUST_BACKTRACE": "0", "RUST_LIB_BACKTRACE": "0", "PYTHONUNBUFFERED": "1"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "localllm.grammar_worker", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "localllm.chat.grammar_worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, start_new_session=True)
         worker = cls(proc)
         try:
@@ -350,7 +350,7 @@ async def compile_bounded(tokenizer, n_vocab: int, **constraint):
     constraint = {k: v for k, v in constraint.items() if v is not None}
     if not constraint:
         return None
-    from localllm.grammar import Validated, matcher_for, special_names
+    from localllm.chat.grammar import Validated, matcher_for, special_names
 
     p = pool()
     request = client_request.get()

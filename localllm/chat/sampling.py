@@ -77,7 +77,7 @@ import numpy as np
 
 from localllm import parameters
 from localllm.errors import LocalLLMError, ModelFileError
-from localllm.loop_guard import DRY_SEQUENCE_BREAKERS
+from localllm.chat.loop_guard import DRY_SEQUENCE_BREAKERS
 
 __all__ = ["SamplingParams", "SampledToken", "Sampler", "top_k_ids"]
 

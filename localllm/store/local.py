@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from localllm import catalog, paths
-from localllm.catalog import CatalogEntry, HubSource, PyPISource
+from localllm import paths
+from localllm.store import catalog
+from localllm.store.catalog import CatalogEntry, HubSource, PyPISource
 from localllm.errors import DownloadError, LocalLLMError, OfflineError, UnknownModelError
 from localllm.progress import note, progress_bar
 
@@ -92,7 +93,7 @@ def has_model(name: str) -> bool:
 def _hub_reference(text: str) -> bool:
     """Whether `text` names a hub model rather than a file: an hf.co/, huggingface.co/ or hf:// reference always;
     USER/REPO[:QUANT] unless a file of that name exists here (a relative path given on purpose)."""
-    from localllm import hub
+    from localllm.store import hub
 
     if not hub.looks_like_reference(text):
         return False
@@ -107,7 +108,7 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     next. A reference is parsed, and refused if unsafe, before anything else is looked at."""
     text = str(name_or_path)
     if _hub_reference(text):
-        from localllm import hub
+        from localllm.store import hub
 
         return hub.ensure(text, allow_pull=False)
     candidate = Path(text).expanduser()
@@ -128,7 +129,7 @@ def ensure(name_or_path: str | os.PathLike, quiet: bool = False, offline: bool =
     """As `resolve`, but a catalog model or hub reference that is not in the store yet is pulled first (with a
     progress bar unless `quiet`), as `ollama run` does; with `offline` (or LOCALLLM_OFFLINE / HF_HUB_OFFLINE
     set) nothing is downloaded and a missing model is an error."""
-    from localllm import hub
+    from localllm.store import hub
 
     offline = offline or hub.offline()
     text = str(name_or_path)
@@ -146,7 +147,7 @@ def ensure(name_or_path: str | os.PathLike, quiet: bool = False, offline: bool =
 def display_name(name_or_path: str | os.PathLike, path: Path) -> str:
     """The name a model goes by in the APIs and `list`: a store name, a hub model's reference, else the file's
     stem."""
-    from localllm import hub
+    from localllm.store import hub
 
     prov = hub.provenance(path)
     if prov and isinstance(prov.get("name"), str):
@@ -172,7 +173,7 @@ def local_models() -> list[LocalModel]:
 def remove(name: str) -> Path:
     """Delete a pulled model by name or hub reference. Only ever files in the store: a name that is a path is
     refused."""
-    from localllm import hub
+    from localllm.store import hub
 
     if isinstance(name, str) and "/" in name and hub.looks_like_reference(name):
         # found through the provenance records, never as a path; not while a pull of it runs
@@ -297,7 +298,7 @@ def _remove_stale_partials(dest: Path) -> None:
 
 
 def _pull_locked(entry: CatalogEntry, dest: Path, quiet: bool) -> PullResult:
-    from localllm import hub
+    from localllm.store import hub
 
     if dest.exists():
         if _known_intact(dest, entry.sha256):
@@ -353,7 +354,7 @@ def _pull_locked(entry: CatalogEntry, dest: Path, quiet: bool) -> PullResult:
 
 def _refuse_offline(what: str) -> None:
     """Every download starts here: none while the network is off, whatever path led to it."""
-    from localllm import hub
+    from localllm.store import hub
 
     if hub.offline():
         raise OfflineError(f"{what}: the network is off (--offline or LOCALLLM_OFFLINE/HF_HUB_OFFLINE); nothing was "
@@ -445,7 +446,7 @@ def remove_litter(folder: Path | None = None) -> list[str]:
     """What killed pulls left in the store: their scratch folders (.pypi-*, .hub-*) whose owner is gone, and hub
     staging folders (.hub-partial-*) that hold no bytes to resume from, unless a pull of that model runs now.
     Returns the names removed. Every pull starts with it."""
-    from localllm import hub
+    from localllm.store import hub
 
     folder = Path(folder) if folder is not None else paths.models_dir()
     removed = []
@@ -559,7 +560,7 @@ def in_flight_bytes() -> int:
 def pull_reference(text: str, quiet: bool = False, progress=None) -> tuple[str, Path, bool]:
     """Pull a hub reference (see hub.py) under the store's per-model lock: (the name `list` shows, its file,
     whether anything was downloaded). `progress` receives Ollama-shaped events (/api/pull streams them)."""
-    from localllm import hub
+    from localllm.store import hub
 
     remove_litter()
     try:
@@ -570,7 +571,7 @@ def pull_reference(text: str, quiet: bool = False, progress=None) -> tuple[str, 
 
 def pull_by_name(name: str, quiet: bool = False) -> PullResult:
     """Pull a catalog model by name, or a hub reference (hf.co/USER/REPO:QUANT, USER/REPO, hf://...)."""
-    from localllm import hub
+    from localllm.store import hub
 
     try:
         if name not in catalog.entries() and ("/" in name or "\\" in name or "\0" in name):

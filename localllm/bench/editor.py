@@ -26,7 +26,7 @@ import random
 import time
 from pathlib import Path
 
-from localllm.bench_serve import percentile
+from localllm.bench.serving import percentile
 from localllm.errors import LocalLLMError
 
 N_PREFIX, N_SUFFIX, N_PREDICT = 256, 64, 128

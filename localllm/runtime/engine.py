@@ -21,15 +21,15 @@ import numpy as np
 from localllm.architectures import for_context, load_model_config
 from localllm import backends, parameters
 from localllm.architectures.transformer import Transformer
-from localllm.cache_reuse import Splice, find_splices
+from localllm.runtime.cache_reuse import Splice, find_splices
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
-from localllm.kv_cache import KV_TYPES, KVCache, KVPool
-from localllm.sampling import Sampler, SamplingParams
-from localllm.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
-from localllm.stop import StopMatcher
+from localllm.runtime.kv_cache import KV_TYPES, KVCache, KVPool
+from localllm.chat.sampling import Sampler, SamplingParams
+from localllm.runtime.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
+from localllm.chat.stop import StopMatcher
 from localllm.tokenizer import Tokenizer
-from localllm.warmup import warm_up
+from localllm.runtime.warmup import warm_up
 
 DEFAULT_CTX = 4096
 # llama.cpp's LLAMA_POOLING_TYPE_* values a GGUF may carry in {arch}.pooling_type (0 none and 4 rank are not
@@ -208,7 +208,7 @@ class Engine:
         kv_per_token = KVPool.for_model(self.config, kv_type=kv_type, storage=device.kv_storage()).bytes_per_token
         device.check_fits(sum(device.weight_bytes(t) for t in self.gguf.tensors.values()), self.ctx * kv_per_token)
         self.model = Transformer(self.gguf, self.config, device)
-        from localllm import hub
+        from localllm.store import hub
 
         self.name = (hub.provenance(self.path) or {}).get("name") or self.path.stem  # a hub model: its reference
         # Idle cached blocks may keep up to one full context's worth of KV before they are recycled.
@@ -239,7 +239,7 @@ class Engine:
     @classmethod
     def load(cls, name_or_path: str, ctx: int | None = None, quiet: bool = False,
              kv_type: str = parameters.KV_TYPE, device: str = parameters.DEVICE, warm: str = "all") -> "Engine":
-        from localllm import store
+        from localllm.store import local as store
 
         return cls(store.resolve(name_or_path), ctx=ctx, quiet=quiet, kv_type=kv_type, backend=device, warm=warm)
 
@@ -257,10 +257,10 @@ class Engine:
 
     @property
     def template(self):
-        """The model's chat template (localllm.chat_template.ChatTemplate), made on first use: importing jinja2
+        """The model's chat template (localllm.chat.template.ChatTemplate), made on first use: importing jinja2
         took 13 ms of the 0.5 s a warm `localllm run` of smollm2 needs to its first token, which renders none."""
         if self._template is None:
-            from localllm.chat_template import ChatTemplate
+            from localllm.chat.template import ChatTemplate
 
             self._template = ChatTemplate.from_metadata(self.gguf.metadata, model_name=self.path.stem)
         return self._template

@@ -28,7 +28,7 @@ def print_plan(plan, out=sys.stdout) -> None:
 
 
 def cmd_quantize(args) -> int:
-    from localllm import quantize
+    from localllm.convert import quantize_gguf as quantize
 
     common = dict(pure=args.pure, output_tensor_type=args.output_tensor_type,
                   token_embedding_type=args.token_embedding_type, allow_requantize=args.allow_requantize,
@@ -48,7 +48,7 @@ def cmd_quantize(args) -> int:
                                           resume=args.resume, say=lambda s: note(s, quiet=args.quiet), **common)
     except (KeyboardInterrupt, OSError) as e:
         from localllm.errors import LocalLLMError
-        from localllm.resume import interrupted
+        from localllm.store.resume import interrupted
 
         raise LocalLLMError(interrupted(e, args.output)) from None
     if args.json:

@@ -45,7 +45,7 @@ from urllib.parse import quote, unquote, urlparse
 
 from localllm import paths
 from localllm.errors import DownloadError, OfflineError, UnknownModelError
-from localllm.gguf_split import join, split_index
+from localllm.store.gguf_split import join, split_index
 from localllm.progress import note, progress_bar
 
 DEFAULT_QUANT = "Q4_K_M"
@@ -770,7 +770,7 @@ def fetch_checkpoint(repo: str, revision: str | None, patterns: list[str], limit
     there. `limit`: the most bytes the files may declare (None: the free disk space less disk.KEEP_FREE, which
     also bounds any limit). Raises DownloadError (or UnknownModelError) before downloading anything when the
     repo, its sizes or the space do not allow it."""
-    from localllm import disk
+    from localllm.store import disk
 
     if offline():
         raise OfflineError(f"hf://{repo}: the network is off (--offline or HF_HUB_OFFLINE); nothing was downloaded")

@@ -646,9 +646,9 @@ def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None, *, resume: 
     """Write the planned file to `out_path` via a partial file in the same directory, renamed when complete.
     `progress(done_bytes)` is called as input bytes are consumed. `source(name)` gives a tensor's input rows
     (default: the input file's). An interruption or a system error (a full disk) keeps the partial file, which
-    `resume` continues when `plan_id` (what the file is made from) is unchanged (localllm/resume.py)."""
+    `resume` continues when `plan_id` (what the file is made from) is unchanged (localllm/store/resume.py)."""
     from localllm.kernels import ops
-    from localllm.resume import PartialWriter, keep_partial
+    from localllm.store.resume import PartialWriter, keep_partial
 
     ops.threads()  # the kernels' runtime settings, before the first parallel call
     source = source or gguf.raw
@@ -686,7 +686,7 @@ def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None, *, resume: 
 
 def input_identity(in_path: Path, ft: FileType, **options) -> dict:
     """What a quantized file is made from, for --resume: the input's and the imatrix's identity, the options."""
-    from localllm.resume import file_identity
+    from localllm.store.resume import file_identity
 
     ident = {"input": {"path": str(Path(in_path).resolve()), **file_identity(in_path)}, "type": ft.name,
              "options": {k: v for k, v in options.items() if k != "imatrix"}}

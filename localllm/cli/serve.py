@@ -27,7 +27,7 @@ def _names(text: str) -> list[str]:
 
 def add_serve_options(p) -> None:
     """--models, --max-loaded, --pin, --keep-alive on `serve`."""
-    from localllm.cli_generate import whole_number
+    from localllm.cli.generate import whole_number
 
     p.add_argument("--models", type=_names, default=None, metavar="A,B,...",
                    help="serve these models behind the one port: each request's 'model' field picks one, loaded "

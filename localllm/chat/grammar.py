@@ -177,7 +177,7 @@ def _failed(e: BaseException) -> BaseException:
 
 class Validated:
     """llguidance grammar text that compiled without a vocabulary (`_compile` with no tokenizer: what a grammar
-    worker process hands back, localllm/grammar_worker.py); `matcher_for` builds it for a model's vocabulary."""
+    worker process hands back, localllm/chat/grammar_worker.py); `matcher_for` builds it for a model's vocabulary."""
 
     def __init__(self, text: str, kind: str):
         self.text, self.kind = text, kind
@@ -321,7 +321,7 @@ def gbnf_grammar(text: str, tokenizer, n_vocab: int) -> Grammar:
 
 def lark_grammar(text: str, tokenizer, n_vocab: int) -> Grammar:
     """llguidance's Lark grammar (special tokens as <name>, `%json {schema}` inline, lazy lexemes): what
-    toolcalls.py writes for a tool call's lazy constraint."""
+    chat/tool_formats.py writes for a tool call's lazy constraint."""
     if not isinstance(text, str) or not text.strip():
         raise LocalLLMError("the grammar is empty")
     try:

@@ -11,11 +11,11 @@ import math
 import sys
 
 from localllm import parameters
-from localllm.chat_history import fit_messages
+from localllm.chat.history import fit_messages
 from localllm.files import read_text_file
-from localllm.kv_cache import KV_TYPES
+from localllm.runtime.kv_cache import KV_TYPES
 from localllm.errors import LocalLLMError
-from localllm.loop_guard import CHAT_LOOP_PROTECTION, DRY_SEQUENCE_BREAKERS, NOTICE, RepeatGuard
+from localllm.chat.loop_guard import CHAT_LOOP_PROTECTION, DRY_SEQUENCE_BREAKERS, NOTICE, RepeatGuard
 
 MODEL_HELP = "catalog name, hub reference (hf.co/USER/REPO:QUANT) or path to a .gguf file"
 MIN_PERPLEXITY_CHUNK = 3  # a chunk scores tokens first+1 .. c-1 with first = c // 2: none below 3
@@ -107,8 +107,8 @@ def add_device_option(p) -> None:
 
 
 def generation_params(args):
-    from localllm.engine import GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     flags = {p.name: getattr(args, p.name) for p in parameters.SAMPLING if p.flag is not None}
     sampling = SamplingParams(**{**flags, **loop_protection(args)}, seed=args.seed)
@@ -152,7 +152,7 @@ def add_speculation_options(p) -> None:
 
 
 def speculation_params(args):
-    from localllm.speculative import SpeculationParams
+    from localllm.runtime.speculative import SpeculationParams
 
     spec = getattr(args, "spec", None)
     if spec is None:
@@ -179,13 +179,13 @@ def add_offline_option(p) -> None:
 
 def ensure_model(args) -> str:
     """The model's file, pulled first when it is a missing catalog model or hub reference (unless --offline)."""
-    from localllm import store
+    from localllm.store import local as store
 
     return str(store.ensure(args.model, offline=getattr(args, "offline", False)))
 
 
 def load_engine(args):
-    from localllm.engine import Engine
+    from localllm.runtime.engine import Engine
 
     # run and chat generate for one sequence at a time: the whole-forward path only (perplexity scores op by op).
     warm = "all" if args.command == "perplexity" else "first-token"
@@ -211,7 +211,7 @@ def cmd_run(args) -> int:
     gbnf = read_text_file(args.grammar) if args.grammar else None
     engine = load_engine(args)
     if schema is not None or gbnf is not None:
-        from localllm.grammar import compile_grammar
+        from localllm.chat.grammar import compile_grammar
 
         where = args.json_schema or args.grammar
         try:
@@ -225,7 +225,7 @@ def cmd_run(args) -> int:
     seq = open_prompt_cache(engine, args.prompt_cache) if args.prompt_cache else engine.new_sequence()
     generated, pieces, final = [], [], None
     if params.max_tokens == 0:
-        from localllm.engine import Generation, TokenEvent
+        from localllm.runtime.engine import Generation, TokenEvent
 
         # As llama.cpp's -n 0: evaluate (and, with --prompt-cache, save) the prompt; generate nothing.
         gen = Generation(engine, tokens, params, seq)
@@ -273,7 +273,7 @@ def check_prompt_cache_file(path) -> None:
     replace it (llama.cpp refuses such a file too). Missing and empty files are fine: a new session goes there."""
     import os
 
-    from localllm import session_file
+    from localllm.runtime import session_file
 
     if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         return
@@ -287,7 +287,7 @@ def open_prompt_cache(engine, path):
     file is a session from another model, or damaged, which this run then replaces: it is only a cache)."""
     import os
 
-    from localllm import session_file
+    from localllm.runtime import session_file
 
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return engine.new_sequence()
@@ -301,7 +301,7 @@ def open_prompt_cache(engine, path):
 
 
 def save_prompt_cache(engine, seq, path, n_tokens=None) -> None:
-    from localllm import session_file
+    from localllm.runtime import session_file
 
     try:
         session_file.save(engine, seq, path, n_tokens)
@@ -364,7 +364,7 @@ def chat_plain(args) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    from localllm import catalog
+    from localllm.store import catalog
 
     if args.model is None:
         args.model = catalog.default_entry().name
@@ -473,8 +473,9 @@ def cmd_perplexity(args) -> int:
 def cmd_bench(args) -> int:
     from localllm.kernels import ops
     from localllm.kernels.membw import read_bandwidth
-    from localllm import bench, store
-    from localllm.engine import Engine
+    from localllm.bench import speed as bench
+    from localllm.store import local as store
+    from localllm.runtime.engine import Engine
 
     if args.threads:
         ops.set_threads(args.threads)
@@ -521,8 +522,8 @@ def cmd_bench(args) -> int:
 
 def bench_speculative(args, names, spec) -> int:
     """bench --spec: greedy decode of a prompt with and without speculation (the same tokens), tokens/s of each."""
-    from localllm import bench
-    from localllm.engine import Engine
+    from localllm.bench import speed as bench
+    from localllm.runtime.engine import Engine
 
     prompt = read_text_file(args.prompt_file) if args.prompt_file else bench.SPEC_PROMPT
     results = []

@@ -43,7 +43,7 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 
 from localllm.errors import LocalLLMError
-from localllm.template_sandbox import BoundedSandbox, Budget, BudgetExceeded, current, rendering
+from localllm.chat.template_sandbox import BoundedSandbox, Budget, BudgetExceeded, current, rendering
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE"]
 

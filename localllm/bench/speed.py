@@ -87,8 +87,8 @@ def time_prompt_at_depth(engine, n: int, depth: int, reps: int) -> list[float]:
 def chat_turn(engine, history: int = 1500, new: int = 20, n_gen: int = 32) -> dict:
     """A chat's next turn: time to first token with the conversation's cache reused, against the same
     history processed cold (a fresh KV pool, so nothing is found cached), and time per output token."""
-    from localllm.engine import GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     tokens = _tokens(engine, history + new, seed=2)
     greedy = SamplingParams(temperature=0)
@@ -304,8 +304,8 @@ def speculative(engine, tokens: list[int], spec, n_gen: int = 128, reps: int = 3
     where the first n_gen tokens alone may be mostly the part that differs from the text it copies."""
     from dataclasses import replace
 
-    from localllm.engine import GenerationParams
-    from localllm.sampling import SamplingParams
+    from localllm.runtime.engine import GenerationParams
+    from localllm.chat.sampling import SamplingParams
 
     plain = GenerationParams(max_tokens=n_gen, ignore_eos=not stop, stop=list(stop or []),
                              sampling=SamplingParams(temperature=0))

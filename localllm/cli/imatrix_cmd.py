@@ -19,8 +19,8 @@ def _duration(seconds: float) -> str:
 
 
 def cmd_imatrix(args) -> int:
-    from localllm import imatrix
-    from localllm.engine import Engine
+    from localllm.convert import imatrix
+    from localllm.runtime.engine import Engine
     from localllm.kernels import ops
 
     out = Path(args.output)
@@ -74,7 +74,7 @@ def cmd_imatrix(args) -> int:
 
 
 def add_commands(sub) -> None:
-    from localllm.cli_generate import MODEL_HELP, whole_number
+    from localllm.cli.generate import MODEL_HELP, whole_number
 
     p = sub.add_parser(
         "imatrix", help="compute an importance matrix for quantize --imatrix (as llama-imatrix does)",

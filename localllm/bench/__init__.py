@@ -1,0 +1,1 @@
+"""Benchmarks: llama-bench's tests, the editor's and the server's workloads."""

@@ -1,0 +1,1 @@
+"""Turning a conversation into tokens and tokens back into answers: templates, sampling, grammars, tool calls, stop strings."""

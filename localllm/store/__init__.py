@@ -1,0 +1,1 @@
+"""Where models come from and live: the catalog, the hub, downloads and the local store."""
