@@ -51,7 +51,7 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5, threads: int | None =
     cache), split over the threads."""
     import numba
 
-    from localllm.kernels.cpu import runtime
+    from localllm.kernels.cpu import process_settings as runtime
 
     # Before the first parallel region: OpenMP reads its wait policy when it starts, and GNU's default spin made
     # every later per-kernel forward of the process (a mixture of experts' decode: 1.7 tok/s against 30) crawl.

@@ -1,6 +1,6 @@
 """Mixture-of-experts routing, backend-neutral (host numpy on the router's logits): which experts each token
 takes, with which weights, and the tokens grouped by expert so that each expert's weights stream once per step.
-The CPU backend routes with the same rules compiled (kernels/cpu/moe.py route_row), which its fused forward shares.
+The CPU backend routes with the same rules compiled (kernels/cpu/moe_kernels.py route_row), which its fused forward shares.
 
 The math is llama.cpp's build_moe_ffn with softmax gating (transformers' Qwen3MoeTopKRouter computes the same):
 probabilities p = softmax(logits) over every expert; the k largest, in descending order; their weights p_j, or,

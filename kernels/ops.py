@@ -28,10 +28,10 @@ import numpy as np
 
 from localllm.gguf_constants import GGMLQuantizationType
 from localllm.kernels.cpu import attention as _attention
-from localllm.kernels.cpu import runtime as _runtime
+from localllm.kernels.cpu import process_settings as _runtime
 from localllm.kernels.cpu import blocks as _blocks
 from localllm.kernels.cpu.format_set import FormatSet
-from localllm.kernels.cpu.formats import FORMATS, CpuFormat, format_of
+from localllm.kernels.cpu.cpu_formats import FORMATS, CpuFormat, format_of
 from localllm.kernels.cpu.typed_lists import length, typed_list
 from localllm.kernels.formats import row_range
 
@@ -43,7 +43,7 @@ try:  # the integer SIMD fast path, written separately; the portable path stands
 except ImportError:
     _quant_dot = _tiled = None
     _QUANT_DOT_SUPPORTED = frozenset()
-from localllm.kernels.cpu import moe as _moe
+from localllm.kernels.cpu import moe_kernels as _moe
 
 try:
     from localllm.kernels.cpu import fused_forward as _fused
@@ -52,7 +52,7 @@ except ImportError:
 
 # From this many rows of x on, tiled dequantize + BLAS for weights without an integer kernel (or with
 # precise=True): dequantizing a tile costs about as much as 2-4 rows through the portable fused kernel
-# (`python -m localllm.kernels.bench`, crossover table, Zen 3), but n <= 8 (speculative verify, small server batches)
+# (`python -m localllm.kernels.kernel_bench`, crossover table, Zen 3), but n <= 8 (speculative verify, small server batches)
 # stays on the row-invariant fused kernel.
 BLAS_MIN_N = 9
 # Rows per dequantized tile on the BLAS path: about this many float32 bytes, so a tile stays in L2/L3.
@@ -159,7 +159,7 @@ class Weight:
 
 
 # Threads for the parallel kernels, read once on first use: numba.get_num_threads() costs microseconds per call,
-# and starts OpenMP, whose settings must be in place first (kernels/cpu/runtime.py). 0: not yet read.
+# and starts OpenMP, whose settings must be in place first (kernels/cpu/process_settings.py). 0: not yet read.
 _threads = [0]
 
 
@@ -554,7 +554,7 @@ def router_f32(experts) -> np.ndarray:
 
 def moe_ffn(experts, x: np.ndarray, k: int, normalize: bool, kind: str, precise: bool = False) -> np.ndarray:
     """A mixture-of-experts FFN over x (n, d) (backends.base.Backend.moe_ffn; `experts` a backends.base.Experts
-    of this module's weights): the router's logits and each row's k experts and weights (kernels/cpu/moe.py: the
+    of this module's weights): the router's logits and each row's k experts and weights (kernels/cpu/moe_kernels.py: the
     routing of kernels/moe.py route, compiled, as the fused forward computes it), then per chosen expert its
     rows gathered and put through gate/up (one WeightGroup call), the activation and down once, each result times
     its weight into the row's slot; the slots summed in rank order. Every step computes each row alone (the

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from localllm.architectures import features, load_model_config
-from localllm.architectures.base import llama3_factors
+from localllm.architectures.traits import llama3_factors
 from localllm.runtime.engine import Engine, GenerationParams
 from localllm.gguf_file import GGUFFile
 from localllm.kernels.cpu import tiled
@@ -84,7 +84,7 @@ def test_a_llama3_scaling_given_by_keys_runs_as_its_rope_freqs_tensor(tmp_path):
 
 
 def test_llama3_factors_match_the_converters_float32_rope_freqs():
-    from localllm.convert.architectures import llama3_rope_factors
+    from localllm.convert.hf_architectures import llama3_rope_factors
 
     hp = {"head_dim": 64, "hidden_size": 256, "num_attention_heads": 4, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,

@@ -1,4 +1,4 @@
-"""The model's forward is written once against the backend interface (localllm/backends/base.py): it touches
+"""The model's forward is written once against the backend interface (localllm/backends/interface.py): it touches
 activations only through a backend's operations, so a backend with tensors of its own runs every architecture,
 and on the CPU it computes bitwise what it computed before the interface existed (the fused forward's tests,
 tests/test_fused_forward.py, tie the CPU's override to it)."""
@@ -17,7 +17,7 @@ from conftest import english_tokens, model_file
 from localllm import backends
 from localllm.architectures import load_model_config
 from localllm.architectures.transformer import Transformer
-from localllm.backends.base import Backend
+from localllm.backends.interface import Backend
 from localllm.gguf_file import GGUFFile
 from localllm.tokenizer.core import Tokenizer
 

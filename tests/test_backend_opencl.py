@@ -242,7 +242,7 @@ def test_a_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit
 def test_opencl_q8_0_kv_storage_keeps_the_cpu_backends_bytes_through_writes_growth_and_block_copies(tiny):
     # the pool's storage calls (localllm/runtime/kv_cache.py: restore and context shifts write host rows; growth,
     # copy-on-write, partial-block reuse and splices copy columns) on both backends' storage, the same rows
-    from localllm.backends.cpu import CpuKVStorage
+    from localllm.backends.cpu_backend import CpuKVStorage
 
     cl_store, cpu_store = tiny.backend.kv_storage(), CpuKVStorage()
     assert "q8_0" in cl_store.kv_types

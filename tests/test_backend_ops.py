@@ -25,13 +25,13 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from localllm.kernels import reference
-from localllm.kernels.cpu import formats as cpu_formats
+from localllm.kernels.cpu import cpu_formats
 from localllm.kernels.formats import FORMATS
 
 pytest.importorskip("pyopencl", reason="pyopencl is not installed (it is a dependency: `make setup` installs it)")
 
 from localllm.kernels.opencl import device as cl_device  # noqa: E402
-from localllm.kernels.opencl import formats as cl_formats  # noqa: E402
+from localllm.kernels.opencl import cl_formats  # noqa: E402
 from conftest import (INTEL_CPU_PLATFORM, POCL_INSTALLED, POCL_SPEC, POCL_UNKNOWN_CPU, intel_cpu_spec,  # noqa: E402
                       opencl_test_spec, pocl_problem)
 
@@ -234,7 +234,7 @@ def test_opencl_matvec_refuses_a_wrong_width(dev):
         cl_formats.DeviceWeight(dev, np.zeros((2, 35), np.uint8), T.Q8_0)
 
 
-# ---- the decoder's other operations (kernels/opencl/ops.py), on device arrays ---------------------------------
+# ---- the decoder's other operations (kernels/opencl/cl_ops.py), on device arrays ---------------------------------
 
 # NMSE bounds of the ops with a reduction or a transcendental function, against kernels/reference.py; the
 # others (RoPE, add, bias, scale, embed) are asserted bit-equal, since they do the reference's float32
@@ -253,7 +253,7 @@ OPS_NMSE = {"rms_norm": 1e-12, "gated": 1e-12, "attention": 1e-10}
 
 @pytest.fixture(scope="module")
 def ops(dev):
-    from localllm.kernels.opencl import ops as cl_ops
+    from localllm.kernels.opencl import cl_ops
 
     return cl_ops.Ops(dev)
 
@@ -332,7 +332,7 @@ def test_opencl_weight_kernels_are_built_with_the_optional_paths_the_device_offe
     assert _capability_macros(options) == want, options
     names = {k.function_name for k in dev.program(cl_formats.source(), options).all_kernels()}
     assert ("matvec_rows_q8_0_q8" in names) == ("LOCALLLM_INTEGER_DOT" in want)
-    from localllm.kernels.opencl import ops as cl_ops
+    from localllm.kernels.opencl import cl_ops
 
     assert _capability_macros(cl_ops.build_options(dev)) == want  # ops.cl (RMSNorm's sub-group sum) alike
     if dev.is_pocl:  # the project's baseline device: the floor is what it runs
@@ -436,7 +436,7 @@ def test_opencl_subgroup_reductions_agree_with_the_floor_and_keep_batch_invarian
 
 
 def test_opencl_rms_norm_with_subgroup_sums_agrees_with_the_floor(dev, ops):
-    from localllm.kernels.opencl import ops as cl_ops
+    from localllm.kernels.opencl import cl_ops
 
     if "LOCALLLM_SUBGROUPS_INTEL" not in _capability_macros(cl_ops.build_options(dev)):
         pytest.skip(f"{dev.info.spec} offers no sub-groups of 16: it runs the floor (the build test checks it)")
@@ -775,7 +775,7 @@ b"""
 
 # Kernels as launched (kernels/opencl/*.py): the work-group sizes used, all within Apple's 256
 def _launch_work_groups():
-    from localllm.kernels.opencl import ops as cl_ops
+    from localllm.kernels.opencl import cl_ops
 
     return {"matvec/matmul": cl_formats.MATVEC_WG, "rms_norm/argmax": cl_ops.ROW_WG, "attention": cl_ops.ATT_WG,
             "elementwise": 256}
@@ -787,7 +787,7 @@ def test_opencl_kernels_stay_within_the_portable_floor(dev):
     on each device, with its optional features on and with them off, every kernel's local memory within 32 KiB
     and a work-group of 256 accepted (Apple's limits; the launches use at most 256: tools/opencl_oclgrind.py
     checks every launch)."""
-    from localllm.kernels.opencl import ops as cl_ops
+    from localllm.kernels.opencl import cl_ops
 
     for source in (cl_formats.source(), cl_ops.source()):
         floor = floor_source(source)
@@ -1106,11 +1106,11 @@ MOE_E, MOE_K, MOE_D, MOE_FF = 8, 2, 64, 96
 def _moe_backend(name: str, dev):
     """The CPU backend, or the OpenCL backend on `dev` (the op tests' device)."""
     if name == "cpu":
-        from localllm.backends.cpu import CpuBackend
+        from localllm.backends.cpu_backend import CpuBackend
 
         return CpuBackend()
-    from localllm.backends.opencl import OpenCLBackend
-    from localllm.kernels.opencl.ops import Ops
+    from localllm.backends.opencl_backend import OpenCLBackend
+    from localllm.kernels.opencl.cl_ops import Ops
 
     b = OpenCLBackend.__new__(OpenCLBackend)  # on the module's device, not a new one
     b.dev, b.ops, b.name, b._uploads = dev, Ops(dev), f"opencl:{dev.info.spec}", {}
@@ -1217,7 +1217,7 @@ def test_a_device_that_cannot_build_is_refused_with_its_reason_and_plain_opencl_
     """As PoCL on a CPU newer than its LLVM: the device is listed, every build fails. Named, it is refused before
     a model is uploaded, with the compiler's words and what to do; plain `--device opencl` takes the next
     preferred device that builds."""
-    from localllm.backends.opencl import OpenCLBackend
+    from localllm.backends.opencl_backend import OpenCLBackend
     from localllm.errors import LocalLLMError
 
     listed = [i for i in cl_device.list_devices() if i.platform != "Oclgrind"]
@@ -1239,11 +1239,11 @@ def test_a_device_that_cannot_build_is_refused_with_its_reason_and_plain_opencl_
 
 @pytest.mark.parametrize("normalize", [True, False])
 def test_the_cpu_routing_kernel_chooses_the_experts_of_the_numpy_routing_with_its_weights(normalize):
-    """kernels/cpu/moe.py route_rows (both CPU paths: op by op and the fused forward) is kernels/moe.py route
+    """kernels/cpu/moe_kernels.py route_rows (both CPU paths: op by op and the fused forward) is kernels/moe.py route
     compiled: the same experts in the same order (ties to the lower index, NaN never preferred, -inf last but
     one), the same weights to rounding (numpy's exp and pairwise sum are not LLVM's)."""
     from localllm.kernels import moe
-    from localllm.kernels.cpu import moe as cpu_moe
+    from localllm.kernels.cpu import moe_kernels as cpu_moe
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(64, 8)).astype(np.float32)

@@ -504,7 +504,7 @@ def anyio_backend():
 
 @pytest.mark.anyio
 async def test_the_tui_model_picker_pulls_a_typed_reference_and_loads_it(smol_hub):
-    from localllm.tui.app import ChatApp
+    from localllm.tui.chat_app import ChatApp
     from localllm.tui.chat_session import load_engine
     from localllm.tui.screens import ModelPicker
 

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from localllm.kernels import ops, reference
 from localllm.kernels.formats import FORMATS, format_of
-from localllm.kernels.cpu import formats as cpu_formats
+from localllm.kernels.cpu import cpu_formats
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
 from conftest import model_file
@@ -317,9 +317,9 @@ def quant_dot_has_avx2() -> bool:
 
 
 def test_the_load_probe_counts_other_processes_cpu_time_not_this_ones(monkeypatch):
-    # kernels/cpu/runtime.py: the window opens at import and the engine reads the model file meanwhile; that
+    # kernels/cpu/process_settings.py: the window opens at import and the engine reads the model file meanwhile; that
     # reading is this process's CPU time and must not read as a busy machine.
-    from localllm.kernels.cpu import runtime
+    from localllm.kernels.cpu import process_settings as runtime
 
     monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(runtime.time, "sleep", lambda s: None)

@@ -53,12 +53,12 @@ def test_no_module_imports_the_bare_folder_names():
 
 def test_importing_the_library_sets_no_environment_and_does_not_sleep():
     """A library import must not set OpenMP variables, Numba's cache directory or BLAS limits, nor wait 50 ms
-    measuring the machine: those happen when the CPU kernels are first used (kernels/cpu/runtime.py)."""
+    measuring the machine: those happen when the CPU kernels are first used (kernels/cpu/process_settings.py)."""
     out = json.loads(_run(
         "import os, json, time\n"
         "before = dict(os.environ)\n"
-        "import localllm.kernels.ops, localllm.runtime.engine, localllm.server.app, localllm.tui.app, localllm.store.catalog\n"
-        "from localllm.kernels.cpu import runtime\n"
+        "import localllm.kernels.ops, localllm.runtime.engine, localllm.server.app, localllm.tui.chat_app, localllm.store.catalog\n"
+        "from localllm.kernels.cpu import process_settings as runtime\n"
         "changed = sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k))\n"
         "print(json.dumps({'changed': changed, 'configured': runtime._done}))"))
     assert out == {"changed": [], "configured": False}

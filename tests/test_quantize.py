@@ -19,7 +19,7 @@ from localllm.convert import quantize_gguf as Q
 from localllm.cli.main import main as cli_main
 from localllm.gguf_file import GGUFFile
 from localllm.kernels import reference
-from localllm.kernels.cpu.formats import FORMATS
+from localllm.kernels.cpu.cpu_formats import FORMATS
 from conftest import DATA
 from tiny_models import write_imatrix_dat, write_imatrix_gguf, write_tiny_model
 

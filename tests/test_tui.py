@@ -21,7 +21,7 @@ from localllm.store import catalog
 from conftest import CATALOG_MODELS, model_file
 from localllm.chat.loop_guard import CHAT_LOOP_PROTECTION
 from localllm.tui import conversations
-from localllm.tui.app import ChatApp, ChatInput, ChatMessage
+from localllm.tui.chat_app import ChatApp, ChatInput, ChatMessage
 from localllm.tui.chat_session import load_engine
 from localllm.tui.screens import ConfirmPull, ConversationsScreen, HelpScreen, ModelPicker, SettingsScreen
 from localllm.tui import settings as settings_store

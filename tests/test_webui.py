@@ -1,4 +1,4 @@
-"""The chat page at `/` (localllm/server/webui.py, webui/): served from the package, under the server's Host, Origin
+"""The chat page at `/` (localllm/server/chat_page.py, webui/): served from the package, under the server's Host, Origin
 and API-key rules, and driven in a real headless Chromium (Debian's, which .ci/run installs; Playwright's Python
 package drives it, its own browser downloads never used): a question typed, the answer streamed onto the page,
 stop, regenerate, the conversation kept across a reload.

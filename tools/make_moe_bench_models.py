@@ -31,7 +31,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from localllm.convert.vocab import write_vocab
+from localllm.convert.hf_vocab import write_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "tests" / "data" / "arch" / "qwen3moe"

@@ -26,8 +26,8 @@ import numpy as np
 
 def _counting(counts):
     """Wrap formats.kernel and ops.kernel so that every kernel call of the op-by-op forward is counted."""
-    from localllm.kernels.opencl import formats as F
-    from localllm.kernels.opencl import ops as O
+    from localllm.kernels.opencl import cl_formats as F
+    from localllm.kernels.opencl import cl_ops as O
 
     class Counted:
         def __init__(self, k):

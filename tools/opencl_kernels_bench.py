@@ -20,9 +20,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from localllm.kernels.formats import FORMATS
-from localllm.kernels.opencl import formats as cl_formats
+from localllm.kernels.opencl import cl_formats
 from localllm.kernels.opencl.device import Device
-from localllm.kernels.opencl.ops import Ops
+from localllm.kernels.opencl.cl_ops import Ops
 
 
 def random_weight(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:

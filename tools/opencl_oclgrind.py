@@ -108,11 +108,11 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
     from gguf import GGMLQuantizationType as T
 
     from localllm.kernels import reference
-    from localllm.kernels.cpu import formats as cpu_formats
+    from localllm.kernels.cpu import cpu_formats
     from localllm.kernels.formats import FORMATS
     from localllm.kernels.opencl import device as cl_device
-    from localllm.kernels.opencl import formats as cl_formats
-    from localllm.kernels.opencl import ops as cl_ops
+    from localllm.kernels.opencl import cl_formats
+    from localllm.kernels.opencl import cl_ops
 
     dev = cl_device.Device("Oclgrind:")
     if self_check:

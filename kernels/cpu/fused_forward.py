@@ -9,7 +9,7 @@ ranges of each product, (query, head) items of attention, and column ranges of t
 
 Every value is computed by the same kernels, on the same inputs, in the same order as the Python path (the
 row functions of quant_dot, rms_norm_rows, rope_rows, write_rows, attention's items, gated_activation; for a
-mixture of experts the router and routing of kernels/cpu/moe.py), so the two agree bit for bit
+mixture of experts the router and routing of kernels/cpu/moe_kernels.py), so the two agree bit for bit
 (tests/test_fused_forward.py, tests/test_architectures.py), and each token's row still depends on nothing else
 in the step (batch invariance).
 
@@ -49,11 +49,11 @@ from numba.core.compiler_lock import global_compiler_lock
 from localllm.kernels.cpu import (
     attention, blocks, by_address, forget_stale_cache, format_set, quant_dot, simd, team, tiled,
 )
-from localllm.kernels.cpu import moe as moe_kernels
+from localllm.kernels.cpu import moe_kernels
 from localllm.kernels.cpu.by_address import AddressType, Compiled, call
 from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
 from localllm.kernels.cpu.blocks import gated_activation_part, rms_norm_rows, rope_rows
-from localllm.kernels.cpu.moe import route_row, router_row
+from localllm.kernels.cpu.moe_kernels import route_row, router_row
 from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2, rows_per_pass
 from localllm.kernels.cpu.tiled import TILE
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase

@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from localllm.kernels.opencl import formats as F
-from localllm.kernels.opencl import ops as O
+from localllm.kernels.opencl import cl_formats as F
+from localllm.kernels.opencl import cl_ops as O
 
 ADD_SCALE, ADD_DELTA, ADD_POST_NORM = 1, 2, 4  # ops.cl add_rms's flags
 KV_BLOCK = 16  # ops.cl KV_BLOCK, kv_cache.BLOCK

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from localllm.architectures import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe, smollm3, validate
-from localllm.architectures.base import ArchTraits, ModelConfig
+from localllm.architectures.traits import ArchTraits, ModelConfig
 from localllm.errors import ModelFileError
 
 ARCHITECTURES = {

@@ -12,7 +12,7 @@ gemma's "+1". Attention scale as llama.cpp computes it (gemma_pytorch's config):
 import dataclasses
 import math
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 from localllm.errors import ModelFileError
 
 TRAITS = ArchTraits(

@@ -9,7 +9,7 @@ The attention scale is 1/sqrt(head_dim), as llama.cpp uses for every size but 27
 
 import math
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 
 TRAITS = ArchTraits(
     rope_style="neox",

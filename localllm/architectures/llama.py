@@ -6,7 +6,7 @@ frequency factors (rope_freqs.weight) and Mistral's sliding window on every laye
 attention.sliding_window (llama.cpp ignores that key; transformers' Mistral applies it).
 """
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 
 TRAITS = ArchTraits(swa_all_layers=True)
 

@@ -11,7 +11,7 @@ original context from its first token). A sliding window in the file (Phi-3-mini
 llama.cpp does not apply it.
 """
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 
 TRAITS = ArchTraits(rope_style="neox", rope_freq_factors=False, fused_qkv=True, fused_gate_up=True, longrope=True,
                     sliding_window_ignored=True)

@@ -4,7 +4,7 @@ A llama block with biases on the Q, K and V projections (loaded when the file ha
 architecture) and NeoX-style RoPE (rotating the two halves of each head).
 """
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 
 TRAITS = ArchTraits(rope_style="neox", rope_freq_factors=False)
 

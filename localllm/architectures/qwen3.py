@@ -5,7 +5,7 @@ NeoX-style RoPE; a head size given by attention.key_length (128 in every size, n
 to the embeddings or not.
 """
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 
 TRAITS = ArchTraits(rope_style="neox", qk_norm=True, rope_freq_factors=False)
 

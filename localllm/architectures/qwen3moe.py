@@ -9,7 +9,7 @@ ffn_{gate,up,down}_exps (expert, rows, cols); there is no shared expert and no d
 
 import dataclasses
 
-from localllm.architectures.base import ArchTraits, config_from_metadata, expert_config
+from localllm.architectures.traits import ArchTraits, config_from_metadata, expert_config
 
 TRAITS = ArchTraits(rope_style="neox", qk_norm=True, rope_freq_factors=False, moe=True)
 

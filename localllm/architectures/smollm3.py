@@ -7,7 +7,7 @@ converter refuses a checkpoint whose no_rope_layers differ). A NoPE layer rotate
 forward and the context shift run it with no kernel of their own.
 """
 
-from localllm.architectures.base import ArchTraits, config_from_metadata
+from localllm.architectures.traits import ArchTraits, config_from_metadata
 
 TRAITS = ArchTraits(nope_interval=4, rope_freq_factors=False)
 

@@ -2,7 +2,7 @@
 
 Shared blocks live here once (RMSNorm, RoPE in both pairings, grouped-query attention with causal and
 sliding-window masks, gated FFN); an architecture's `ArchTraits` switch between their variants. The forward is
-written once against a backend's operations (localllm/backends/base.py); a backend may override it for one
+written once against a backend's operations (localllm/backends/interface.py); a backend may override it for one
 sequence with a whole-forward call (the CPU's fused forward), bitwise the same logits.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from localllm import backends
-from localllm.architectures.base import ModelConfig, yarn_inv_freq
-from localllm.backends.base import Backend
+from localllm.architectures.traits import ModelConfig, yarn_inv_freq
+from localllm.backends.interface import Backend
 from localllm.errors import ModelFileError
 from localllm.gguf_file import GGUFFile
 from localllm.runtime.kv_cache import KVCache, KVPool

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from localllm.architectures.base import ModelConfig
+from localllm.architectures.traits import ModelConfig
 from localllm.errors import ModelFileError
 from localllm.gguf_constants import GGMLQuantizationType
 

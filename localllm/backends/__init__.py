@@ -1,4 +1,4 @@
-"""Backends that run the model (localllm/backends/base.py): the registry.
+"""Backends that run the model (localllm/backends/interface.py): the registry.
 
 This package is where the engine meets the kernels: the model code asks `get(name)` for a backend and calls its
 operations, and the forward itself imports no kernel. Some tools outside the forward still import the CPU's
@@ -9,7 +9,7 @@ is issue 40's work.
 
 from __future__ import annotations
 
-from localllm.backends.base import Backend
+from localllm.backends.interface import Backend
 from localllm.errors import LocalLLMError
 
 NAMES = ("cpu", "opencl")
@@ -25,11 +25,11 @@ def get(name: str = "cpu") -> Backend:
         raise LocalLLMError(f"unknown device {name!r}; use cpu or opencl[:PLATFORM:DEVICE] (see `localllm devices`)")
     if name not in _instances:
         if kind == "cpu":
-            from localllm.backends.cpu import CpuBackend
+            from localllm.backends.cpu_backend import CpuBackend
 
             _instances[name] = CpuBackend()
         else:
-            from localllm.backends.opencl import OpenCLBackend
+            from localllm.backends.opencl_backend import OpenCLBackend
 
             _instances[name] = OpenCLBackend(spec)
     return _instances[name]

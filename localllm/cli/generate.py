@@ -315,7 +315,7 @@ def save_prompt_cache(engine, seq, path, n_tokens=None) -> None:
 def cmd_chat(args) -> int:
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return chat_plain(args)
-    from localllm.tui.app import run
+    from localllm.tui.chat_app import run
     from localllm.tui.settings import load_reporting
 
     saved, notices = load_reporting()

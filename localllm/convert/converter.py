@@ -26,12 +26,12 @@ from localllm.gguf_file import GGUFFile
 from localllm.store.resume import PartialWriter, file_identity, keep_partial, partial_paths
 from localllm.type_names import CONVERT_TYPE_CHOICES, QUANTIZE_MIXES
 
-from .architectures import (ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, phi3_rope,
+from .hf_architectures import (ArchSpec, find_arch, generated_tensors, normalise_config, permute_qk, phi3_rope,
                             write_hparams)
 from .checkpoint import Checkpoint, open_checkpoint, read_optional_json
 from .config_check import check_against_tensors, check_values
 from .safetensors import CheckpointError, TensorEntry
-from .vocab import sentencepiece_vocab, write_vocab
+from .hf_vocab import sentencepiece_vocab, write_vocab
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _plan_conversion(directory: Path, out_type: str) -> Plan:
             if (ckpt.dir / "tokenizer.model").is_file():
                 n_vocab_real = len(sentencepiece_vocab(ckpt.dir, hp)[0])
             else:
-                from .vocab import load_tokenizer_json
+                from .hf_vocab import load_tokenizer_json
 
                 tj = load_tokenizer_json(ckpt.dir)
                 n_vocab_real = len(tj["model"]["vocab"]) + len(tj.get("added_tokens") or [])

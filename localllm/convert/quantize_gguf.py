@@ -623,7 +623,7 @@ SLAB_BYTES = 64 << 20  # float32 rows decoded at a time: memory stays ~3 slabs w
 
 def convert_rows(src: np.ndarray, src_type: T, dst_type: T, importance: np.ndarray | None = None) -> np.ndarray:
     """Raw rows of one type -> raw rows of another: decode to float32 (exact), quantize with the table's kernel."""
-    from localllm.kernels.cpu.formats import format_of
+    from localllm.kernels.cpu.cpu_formats import format_of
 
     rows = src.shape[0]
     ncols = src.shape[1] // format_of(src_type).type_size * format_of(src_type).block_size

@@ -63,7 +63,7 @@ def source_tokenizer(directory: Path, written_meta: dict):
     on what it was built from."""
     from localllm.tokenizer.core import Tokenizer
 
-    from .vocab import _structural_match, read_sentencepiece_model
+    from .hf_vocab import _structural_match, read_sentencepiece_model
 
     cfg_path = directory / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}

@@ -18,7 +18,7 @@ Design (vLLM-style paged attention with prefix caching, kept small):
   block table either way (kernels/cpu/attention.py), so neither layout copies keys; only `keys()` (sessions,
   tests) gathers. Nothing outside this module sees which of the two it got.
 * Storage apart from bookkeeping: the arrays live where the model's backend keeps them (`KVStorage`,
-  localllm/backends/base.py: host arrays on the CPU, device buffers on a GPU); everything here is integers
+  localllm/backends/interface.py: host arrays on the CPU, device buffers on a GPU); everything here is integers
   (tables, names, refcounts, the LRU) and asks the storage for each change to the stored values.
 * Prefix caching: each full block is named by a hash of its tokens chained with its parent block's hash, so a
   name stands for the whole prefix up to it. Blocks are refcounted; a sequence whose prompt starts with named

@@ -278,7 +278,7 @@ def create_app(state: ServerState, cors_origins: list[str] | None = None, allowe
                host: str = "127.0.0.1") -> Starlette:
     """The application. `host`: the address the server listens on; `allowed_hosts`: more names clients may
     call it by (serve --allowed-host); `cors_origins`: web pages that may use it (serve --cors-origin)."""
-    from localllm.server import webui
+    from localllm.server import chat_page as webui
 
     # The chat page first: `/` is the page for a browser and Ollama's "is running" for its clients (webui.py)
     routes = [Route("/", webui.root(endpoint(state, ollama_api.root, "/")), methods=["GET", "HEAD"]),

@@ -1,4 +1,4 @@
-"""`python -m localllm.kernels.bench`: throughput of `kernels.ops` per format and path, on random weights.
+"""`python -m localllm.kernels.kernel_bench`: throughput of `kernels.ops` per format and path, on random weights.
 
 Prints G weights/s (weights of W processed per second; at n > 1, per x row) as the best of several repeats,
 since the machine may be shared. Shapes are (rows, cols) of W: 4864x896 and 896x4864 are Qwen2.5-0.5B's FFN;

@@ -16,7 +16,7 @@ from importlib import resources
 
 import numpy as np
 
-from localllm.kernels.opencl import formats as _formats
+from localllm.kernels.opencl import cl_formats as _formats
 from localllm.kernels.opencl.device import Device
 
 # Work-group sizes (powers of two within every device's limit we target; Apple: 256). 64 fits the narrowest

@@ -5,7 +5,7 @@ What crosses to the device per forward: the token ids, the positions, the RoPE r
 layer group the KV storage columns of the new tokens and of the keys attention reads (the block table spelled
 out; small ints, uploaded once per group, not per layer); what comes back: only the logits rows asked for
 (`to_host`). Weights are uploaded once, the quantized ones re-laid for the device's kernels
-(kernels/opencl/formats.py `relayout`: aligned quants, float32 scales), the float ones as stored. A decode step
+(kernels/opencl/cl_formats.py `relayout`: aligned quants, float32 scales), the float ones as stored. A decode step
 of one sequence runs instead from a prepared launch list (`whole_forward`, kernels/opencl/plan.py): one upload of
 a small step buffer (token, position, RoPE row, KV columns and block tables) and the logits' download a token.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from localllm.backends.base import Backend, KVStorage
+from localllm.backends.interface import Backend, KVStorage
 from localllm.errors import LocalLLMError
 
 
@@ -99,7 +99,7 @@ def _first_device_that_builds(cl_device):
 class OpenCLBackend(Backend):
     def __init__(self, spec: str | None = None):
         from localllm.kernels.opencl import device as cl_device
-        from localllm.kernels.opencl.ops import Ops
+        from localllm.kernels.opencl.cl_ops import Ops
 
         try:
             self.dev = cl_device.Device(spec or None)
@@ -154,7 +154,7 @@ class OpenCLBackend(Backend):
         return d
 
     def weight_bytes(self, info):
-        from localllm.kernels.opencl.formats import device_nbytes
+        from localllm.kernels.opencl.cl_formats import device_nbytes
 
         if len(info.shape) == 1:
             return info.n_elements * 4  # vectors are uploaded as float32
@@ -171,7 +171,7 @@ class OpenCLBackend(Backend):
     # -- weights --
     def matrix(self, gguf_file, name, rows=None):
         from localllm.kernels.formats import row_range
-        from localllm.kernels.opencl.formats import DeviceWeight
+        from localllm.kernels.opencl.cl_formats import DeviceWeight
 
         info = gguf_file.tensor_info(name)
         return DeviceWeight(self.dev, row_range(gguf_file.raw(name), rows, name), info.qtype)

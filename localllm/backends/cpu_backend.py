@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from localllm.runtime import kv_cache
-from localllm.backends.base import Backend, KVStorage
+from localllm.backends.interface import Backend, KVStorage
 from localllm.kernels import ops
 from localllm.kernels.cpu import attention as _attention
 
