@@ -21,6 +21,8 @@ in `Weight.__init__`, and `out=` lets callers reuse their buffers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import numba
@@ -414,6 +416,30 @@ class FusedForward:
     A mixture of experts: `experts` (per layer a backends.base.Experts of this module's weights) with `n_used`
     experts per token, weights renormalised with `normalize`, in place of the dense FFN, whose three matrices
     are then None in `layer_mats`."""
+
+    # Each layer's weights by role, in the order the compiled forward reads them (kernels/cpu/fused_forward.py)
+    MATRIX_ROLES = getattr(_fused, "MATRIX_ROLES", ())
+    VECTOR_ROLES = getattr(_fused, "VECTOR_ROLES", ())
+    # The architecture traits (architectures/traits.py ArchTraits) this forward implements, and the values it
+    # implements of each (ANY: every value; the loader has already applied it to the weights or the tables). A
+    # trait not named here, or a value not listed, leaves the model to the op-by-op forward (`unsupported`).
+    ANY = None
+    IMPLEMENTS = {"rope_style": {"normal", "neox"}, "activation": set(GATES), "scale_embeddings": ANY,
+                  "qk_norm": ANY, "post_norms": ANY, "swa_pattern": ANY, "swa_all_layers": ANY, "swa_rope_base": ANY,
+                  "rope_freq_factors": ANY, "fused_qkv": ANY, "fused_gate_up": ANY, "longrope": ANY,
+                  "sliding_window_ignored": ANY, "soft_caps": ANY, "nope_interval": ANY, "moe": ANY}
+
+    @classmethod
+    def unsupported(cls, traits) -> str | None:
+        """Why this forward cannot run an architecture with `traits` (None: it can)."""
+        for f in dataclasses.fields(traits):
+            if f.name not in cls.IMPLEMENTS:
+                return f"the fused forward does not implement the trait {f.name}"
+            values = cls.IMPLEMENTS[f.name]
+            if values is not cls.ANY and getattr(traits, f.name) not in values:
+                return f"the fused forward does not implement {f.name} = {getattr(traits, f.name)!r}"
+        return None
+
 
     def __init__(self, layer_mats: list[list[Weight]], output: Weight, layer_vecs: list[list], output_norm,
                  dims: tuple, flags: tuple, eps: float, attention_scale: float, attention_softcap: float = 0.0,

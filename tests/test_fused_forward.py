@@ -70,6 +70,39 @@ def test_fused_steps_equal_the_per_kernel_path_bitwise(name):
         assert_bitwise(run(e, True, prompt, steps, interleave), run(e, False, prompt, steps, interleave))
 
 
+def test_the_fused_forward_reads_each_layers_weights_by_role_and_declares_the_traits_it_implements(monkeypatch):
+    """The fused forward takes the model plan's weights by the names its kernel reads them in (no list of
+    positions to keep in step), and an architecture trait it does not declare leaves the model to the op-by-op
+    forward, which computes the same tokens."""
+    import dataclasses
+
+    from localllm.architectures.transformer import LayerWeights
+    from localllm.kernels.cpu import fused_forward
+
+    fields = {f.name for f in dataclasses.fields(LayerWeights)}
+    assert set(ops.FusedForward.MATRIX_ROLES + ops.FusedForward.VECTOR_ROLES) <= fields
+    assert len(ops.FusedForward.MATRIX_ROLES) == fused_forward.MATS_PER_LAYER
+    assert len(ops.FusedForward.VECTOR_ROLES) == fused_forward.VECS_PER_LAYER
+    e = engine("smollm2-135m-instruct")
+    plan = e.model.plan
+    assert plan.layers[0] is e.model.layers[0] and len(plan.layer_rope) == len(plan.layer_window) == len(plan.layers)
+    assert ops.FusedForward.unsupported(e.config.traits) is None and e.model.fused.available
+    traits = e.config.traits
+    assert "rope_style" in ops.FusedForward.unsupported(dataclasses.replace(traits, rope_style="glm"))
+    implements = dict(ops.FusedForward.IMPLEMENTS)
+    del implements["qk_norm"]  # as if the trait were new: the fused forward has not declared it
+    monkeypatch.setattr(ops.FusedForward, "IMPLEMENTS", implements)
+    assert "qk_norm" in ops.FusedForward.unsupported(traits)
+    fresh = Engine(model_file("smollm2-135m-instruct"), ctx=256)
+    assert not fresh.model.fused_available
+    prompt = english_tokens(fresh.tokenizer, 24, seed=7)
+    want = run(e, False, prompt, steps_for(e, seed=8)[:3], False)
+    seq = fresh.new_sequence()
+    got = [fresh.evaluate(seq, prompt)] + [fresh.evaluate(seq, t, logit_positions=range(len(t)))
+                                            for t in steps_for(e, seed=8)[:3]]
+    assert_bitwise(got, want)
+
+
 def test_fused_steps_past_gemma3_sliding_window():
     """gemma3's sliding layers have dropped their first blocks (their table starts later than the global
     layers')."""

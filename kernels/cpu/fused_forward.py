@@ -18,11 +18,12 @@ routing, the chosen experts' gate/up, their down and the weighted sum), given as
 models pass None, and Numba prunes that branch from their compiled code.
 
 Layout of the model description (built once by the architecture; KV lists rebuilt when the pool grows):
-* `mats`: typed list of read-only uint8 (rows, row_bytes) weights, MATS_PER_LAYER per layer in the order
-  q, k, v, o, gate, up, down, then the output head; `mat_types` their GGML type ids, `mat_families` their
+* `mats`: typed list of read-only uint8 (rows, row_bytes) weights, MATS_PER_LAYER per layer in the order of
+  MATRIX_ROLES (q, k, v, o, gate, up, down), then the output head; `mat_types` their GGML type ids, `mat_families` their
   activation families (quant_dot.ACT_*).
-* `vecs`: typed list of float32 vectors, VECS_PER_LAYER per layer in the order attn_norm, ffn_norm, bq, bk, bv,
-  q_norm, k_norm, attn_post_norm, ffn_post_norm (empty where the architecture has none), then output_norm.
+* `vecs`: typed list of float32 vectors, VECS_PER_LAYER per layer in the order of VECTOR_ROLES (attn_norm,
+  ffn_norm, bq, bk, bv, q_norm, k_norm, attn_post_norm, ffn_post_norm; empty where the architecture has none),
+  then output_norm.
 * `dims`: n_layers, n_head, n_kv, head_dim, value_dim, rope_dim, n_embd, n_ff, vocab;
   `flags`: neox rope, qk_norm, post_norms, activation kind (kernels/cpu/blocks.py's GATE_*).
 * Per layer: its KV arrays (`kv_k`, `kv_ks`, `kv_v`, `kv_vs`), its KV group (block table row), its window, its
@@ -58,8 +59,16 @@ from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2, rows
 from localllm.kernels.cpu.tiled import TILE
 from localllm.kernels.cpu.team import any_left, next_task, task_bounds, task_done, wait_phase
 
-MATS_PER_LAYER = 7
-VECS_PER_LAYER = 9
+# Each layer's weights by role, in the order `mats` and `vecs` hold them (ops.FusedForward builds both lists
+# from these names, and the indices below are where each role sits).
+MATRIX_ROLES = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down")
+VECTOR_ROLES = ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm")
+MATS_PER_LAYER = len(MATRIX_ROLES)
+VECS_PER_LAYER = len(VECTOR_ROLES)
+M_WQ, M_WO, M_FFN_GATE, M_FFN_DOWN = (MATRIX_ROLES.index(r) for r in ("wq", "wo", "ffn_gate", "ffn_down"))
+(V_ATTN_NORM, V_FFN_NORM, V_BQ, V_Q_NORM, V_K_NORM, V_ATTN_POST_NORM,
+ V_FFN_POST_NORM) = (VECTOR_ROLES.index(r) for r in ("attn_norm", "ffn_norm", "bq", "q_norm", "k_norm",
+                                                      "attn_post_norm", "ffn_post_norm"))
 PHASES_PER_LAYER = 9
 
 
@@ -246,13 +255,13 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
         if _one_task(ctl, p):
             if layer > 0:
                 if post_norms:
-                    rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
+                    rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + V_FFN_POST_NORM], eps, dn)
                 x += dn
-            rms_norm_rows(x, vecs[vb + 0], eps, h)
+            rms_norm_rows(x, vecs[vb + V_ATTN_NORM], eps, h)
             task_done(ctl, p)
         wait_phase(ctl, p, 1)
         # 1: Q, K, V (+ biases)
-        call(products, (ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m, 3, h, q, k, v, vecs, vb + 2))
+        call(products, (ctl, p + 1, tasks, formats, mats, mat_types, mat_families, m + M_WQ, 3, h, q, k, v, vecs, vb + V_BQ))
         wait_phase(ctl, p + 1, tasks)
         # 2: Q/K norms, RoPE, the new keys and values into the cache
         g = layer_group[layer]
@@ -260,8 +269,8 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
             if qk_norm:
                 qr = q.reshape(n * n_head, head_dim)
                 kr = k.reshape(n * n_kv, head_dim)
-                rms_norm_rows(qr, vecs[vb + 5], eps, qr)
-                rms_norm_rows(kr, vecs[vb + 6], eps, kr)
+                rms_norm_rows(qr, vecs[vb + V_Q_NORM], eps, qr)
+                rms_norm_rows(kr, vecs[vb + V_K_NORM], eps, kr)
             r = layer_rope[layer]
             rope_rows(q3, cos[r], sin[r], rope_dim, neox)
             rope_rows(k3, cos[r], sin[r], rope_dim, neox)
@@ -290,22 +299,22 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
-        call(products, (ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + 3, 1, attn, o, o, o, vecs,
+        call(products, (ctl, p + 4, tasks, formats, mats, mat_types, mat_families, m + M_WO, 1, attn, o, o, o, vecs,
                         -1))
         wait_phase(ctl, p + 4, tasks)
         # 5: residual; the FFN's input norm
         if _one_task(ctl, p + 5):
             if post_norms:
-                rms_norm_rows(o, vecs[vb + 7], eps, o)
+                rms_norm_rows(o, vecs[vb + V_ATTN_POST_NORM], eps, o)
             x += o
-            rms_norm_rows(x, vecs[vb + 1], eps, h)
+            rms_norm_rows(x, vecs[vb + V_FFN_NORM], eps, h)
             task_done(ctl, p + 5)
         wait_phase(ctl, p + 5, 1)
         if moe is not None:
             _moe_ffn(ctl, p + 6, tasks, formats, layer, act_kind, h, dn, moe)
             continue
         # 6: gate and up
-        call(products, (ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + 4, 2, h, gate, up, up, vecs,
+        call(products, (ctl, p + 6, tasks, formats, mats, mat_types, mat_families, m + M_FFN_GATE, 2, h, gate, up, up, vecs,
                         -1))
         wait_phase(ctl, p + 6, tasks)
         # 7: act(gate) * up, in column ranges
@@ -319,7 +328,7 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
             task_done(ctl, p + 7)
         wait_phase(ctl, p + 7, tasks)
         # 8: down
-        call(products, (ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + 6, 1, act, dn, dn, dn, vecs,
+        call(products, (ctl, p + 8, tasks, formats, mats, mat_types, mat_families, m + M_FFN_DOWN, 1, act, dn, dn, dn, vecs,
                         -1))
         wait_phase(ctl, p + 8, tasks)
     # the last FFN output, the output norm of the rows that want logits, the output head
@@ -327,7 +336,7 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
     if _one_task(ctl, p):
         vb = VECS_PER_LAYER * n_layers
         if post_norms:
-            rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + 8], eps, dn)
+            rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + V_FFN_POST_NORM], eps, dn)
         x += dn
         for i in range(out_rows.shape[0]):
             xo[i] = x[out_rows[i]]

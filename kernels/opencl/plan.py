@@ -279,7 +279,7 @@ class DecodePlan:
         q8 = "_q8" if pool.kv_type == "q8_0" else ""
         self.STEP_COLS = 4 + 2 * self.G
         self.ROPE_AT = self.STEP_COLS + self.G
-        self.STEP_TABLES = self.ROPE_AT + len(m._ropes) * c.rope_dim
+        self.STEP_TABLES = self.ROPE_AT + len(m.plan.ropes) * c.rope_dim
         launches, cache_bound = [], []
         # the token's embedding row, scaled (gemma) and normalised for layer 0
         w = m.token_embd
@@ -323,7 +323,7 @@ class DecodePlan:
                     if bias is not None:
                         launches += self._add_bias(y, bias, wp.rows)
             # qk-norm, RoPE, the KV write
-            table = int(m._layer_rope_index[i])
+            table = int(m.plan.layer_rope[i])
             k_rope = self._kernel(self.oprog, "rope_kv" + q8)
             flags = 1 if c.traits.qk_norm else 0
 
@@ -388,7 +388,7 @@ class DecodePlan:
             self._build()
         need = (self.STEP_TABLES if self.G is not None else 0) + len(pool.groups) * width
         if self.G is None or self.G != len(pool.groups) or need > self._step_words or self.kv_type != pool.kv_type:
-            words = max(need, 4 + 3 * len(pool.groups) + len(self.model._ropes) * self.c.rope_dim
+            words = max(need, 4 + 3 * len(pool.groups) + len(self.model.plan.ropes) * self.c.rope_dim
                         + len(pool.groups) * max(width, 64)) * 2
             self.step_host = np.zeros(words, np.int32)
             self.step_buf = self.cl.Buffer(self.dev.context, self.cl.mem_flags.READ_ONLY, self.step_host.nbytes)
@@ -420,7 +420,7 @@ class DecodePlan:
         f = s.view(np.float32)
         half = c.rope_dim // 2
         at = np.array([pos])
-        for j, table in enumerate(m._ropes):
+        for j, table in enumerate(m.plan.ropes):
             cos, sin = table.get(at)
             o = self.ROPE_AT + j * c.rope_dim
             f[o:o + half] = cos[0]

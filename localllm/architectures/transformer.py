@@ -107,6 +107,33 @@ class LayerWeights:
     experts: Any = None
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """What a forward runs, by name: built once by the Transformer from the file and the architecture's traits,
+    and read by both forwards (the op-by-op forward below and a backend's whole-forward override), so that none
+    reads another's private fields or relies on positions in a list.
+
+    `layers`: each layer's weights by role (LayerWeights); `ropes`: the distinct RoPE tables, and `layer_rope[i]`
+    the one layer i uses (NoPE layers: the identity table); `layer_window[i]`: layer i's sliding window (0: it
+    attends to every earlier token)."""
+    config: Any
+    layers: tuple
+    token_embd: Any
+    output_norm: Any
+    output: Any
+    ropes: tuple
+    layer_rope: np.ndarray  # int64, (n_layers,)
+    layer_window: np.ndarray  # int64, (n_layers,)
+
+    def rope_angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of every table at `positions`: (n_tables, len(positions), rope_dim // 2) each."""
+        if len(self.ropes) == 1:
+            cos, sin = self.ropes[0].get(positions)
+            return cos[None], sin[None]
+        angles = [table.get(positions) for table in self.ropes]
+        return np.stack([a[0] for a in angles]), np.stack([a[1] for a in angles])
+
+
 def _vector(g: GGUFFile, name: str, length: int) -> np.ndarray:
     info = g.tensor_info(name)
     if info.qtype.name != "F32" or info.n_elements != length:
@@ -248,9 +275,11 @@ class Transformer:
                 self._rope[key] = RopeTable.identity(c.rope_dim) if key == "nope" else RopeTable(c.rope_dim, *key)
             self.layer_rope.append(self._rope[key])
         self.layer_window = [c.sliding_window if c.layer_is_sliding(i) else 0 for i in range(c.n_layers)]
-        self._ropes = list(self._rope.values())
-        self._layer_rope_index = np.array([self._ropes.index(t) for t in self.layer_rope], np.int64)
-        self._layer_window = np.array(self.layer_window, np.int64)
+        ropes = list(self._rope.values())
+        self.plan = ModelPlan(config=c, layers=tuple(self.layers), token_embd=self.token_embd,
+                              output_norm=self.output_norm, output=self.output, ropes=tuple(ropes),
+                              layer_rope=np.array([ropes.index(t) for t in self.layer_rope], np.int64),
+                              layer_window=np.array(self.layer_window, np.int64))
         # The backend's override of the same forward (decode, speculative verify, prompt chunks; with `batch`, the
         # server's step over several sequences), called as fused(tokens, cache, output_rows) -> logits: on the CPU
         # one compiled call per step, bitwise the op-by-op forward's logits, a mixture of experts' FFN included.

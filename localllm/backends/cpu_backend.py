@@ -160,54 +160,54 @@ class _WholeForward:
     the same logits: fused(tokens, cache, output_rows)."""
 
     def __init__(self, model):
-        c, tr = model.config, model.config.traits
-        self.model = model
+        plan = model.plan
+        c, tr = plan.config, plan.config.traits
+        self.model, self.plan = model, plan
+        # An architecture whose traits the fused forward does not declare runs op by op (Transformer.forward_batch)
+        self.unsupported = ops.FusedForward.unsupported(tr)
+        if self.unsupported is not None:
+            self.available = False
+            return
         self.kernel = ops.FusedForward(
-            [[L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down] for L in model.layers], model.output,
-            [[L.attn_norm, L.ffn_norm, L.bq, L.bk, L.bv, L.q_norm, L.k_norm, L.attn_post_norm, L.ffn_post_norm]
-             for L in model.layers], model.output_norm,
+            [[getattr(L, role) for role in ops.FusedForward.MATRIX_ROLES] for L in plan.layers], plan.output,
+            [[getattr(L, role) for role in ops.FusedForward.VECTOR_ROLES] for L in plan.layers], plan.output_norm,
             # n_ff 0 with experts: no dense FFN buffers
             (c.n_layers, c.n_head, c.n_head_kv, c.head_dim, c.value_dim, c.rope_dim, c.n_embd,
              0 if c.n_expert else c.n_ff, c.vocab_size),
             (tr.rope_style == "neox", tr.qk_norm, tr.post_norms, ops.GATES[tr.activation]), c.rms_eps,
             c.attention_scale, c.attn_softcap,
-            experts=[L.experts for L in model.layers] if c.n_expert else None, n_used=c.n_expert_used,
+            experts=[L.experts for L in plan.layers] if c.n_expert else None, n_used=c.n_expert_used,
             normalize=c.expert_weights_norm)
         self.available = self.kernel.available
 
     def __call__(self, tokens, cache, output_rows) -> np.ndarray:
         """One sequence's step: batch() of one segment without its joining and splitting (every numpy call
         here costs several microseconds: the step's weights have just gone through the caches)."""
-        m = self.model
+        plan = self.plan
         n = len(tokens)
         positions = np.arange(cache.length, cache.length + n)
         rows = np.array([n - 1]) if output_rows is None else np.asarray(output_rows, np.int64).reshape(-1)
         x = self._embedded(list(tokens))
-        if len(m._ropes) == 1:
-            cos, sin = m._ropes[0].get(positions)
-            cos, sin = cos[None], sin[None]
-        else:
-            angles = [table.get(positions) for table in m._ropes]
-            cos, sin = np.stack([a[0] for a in angles]), np.stack([a[1] for a in angles])
+        cos, sin = plan.rope_angles(positions)
         cache.reserve(n)
         tables, firsts, cols = cache.kernel_tables()
-        logits = self.kernel(x, _STORAGE.layer_arrays(cache.pool), cache.pool.layer_group, m._layer_window,
-                             m._layer_rope_index, tables, firsts, cols, positions, cos, sin, rows.astype(np.int64))
+        logits = self.kernel(x, _STORAGE.layer_arrays(cache.pool), cache.pool.layer_group, plan.layer_window,
+                             plan.layer_rope, tables, firsts, cols, positions, cos, sin, rows.astype(np.int64))
         cache.commit()
         return logits
 
     def _embedded(self, ids) -> np.ndarray:
-        m = self.model
-        x = ops.embed(m.token_embd, np.asarray(ids, dtype=np.int64))
-        if m.config.traits.scale_embeddings:
-            x *= np.float32(math.sqrt(m.config.n_embd))
+        plan = self.plan
+        x = ops.embed(plan.token_embd, np.asarray(ids, dtype=np.int64))
+        if plan.config.traits.scale_embeddings:
+            x *= np.float32(math.sqrt(plan.config.n_embd))
         return np.ascontiguousarray(x, dtype=np.float32)
 
     def batch(self, segments) -> list[np.ndarray]:
         """The logits of each segment (tokens, cache, output_rows or None: the last row), for sequences of one
         KV pool, in one compiled call: the server's step over several sequences, each one's logits bitwise
         those of its sequence alone."""
-        m = self.model
+        plan = self.plan
         pool = segments[0][1].pool
         if any(cache.pool is not pool for _, cache, _ in segments):
             raise ValueError("fused forward: the sequences of one step must share a KV pool")
@@ -222,9 +222,7 @@ class _WholeForward:
             bounds.append(bounds[-1] + n)
         positions = np.concatenate(positions)
         x = self._embedded(ids)
-        angles = [table.get(positions) for table in m._ropes]
-        cos = np.stack([a[0] for a in angles])
-        sin = np.stack([a[1] for a in angles])
+        cos, sin = plan.rope_angles(positions)
         tables, firsts, cols = [], [], []
         for tokens, cache, _ in segments:
             cache.reserve(len(tokens))
@@ -240,7 +238,7 @@ class _WholeForward:
             for s, t in enumerate(tables):
                 padded[s, :, : t.shape[1]] = t
             tables, firsts, bounds = padded, np.stack(firsts), np.asarray(bounds, np.int64)
-        logits = self.kernel(x, _STORAGE.layer_arrays(pool), pool.layer_group, m._layer_window, m._layer_rope_index,
+        logits = self.kernel(x, _STORAGE.layer_arrays(pool), pool.layer_group, plan.layer_window, plan.layer_rope,
                              tables, firsts, np.concatenate(cols, axis=1), positions, cos, sin,
                              np.concatenate(rows).astype(np.int64), bounds)
         for _, cache, _ in segments:
