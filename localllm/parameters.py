@@ -7,8 +7,9 @@ Everything that reads a sampling parameter derives it from here: `SamplingParams
 (cli/generate.py), and the chat app's settings, their checks and their labels (tui/settings.py, tui/screens.py).
 A new setting is a row here, its field in `SamplingParams` and its stage in the sampler.
 
-APIs are named "llamacpp" (its `/completion`, `/infill` and the chat app), "openai" (chat completions,
-completions, responses), "anthropic" and "ollama".
+APIs are named "llamacpp" (its `/completion`, `/infill`, and the CLI), "openai" (chat completions, completions,
+responses), "anthropic" and "ollama"; "chat" is the chat app's settings screen, whose bounds may be tighter (a
+negative DRY multiplier, which llama.cpp accepts and which rewards repeats, is a typo there).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ SAMPLING: tuple[Param, ...] = (
     Param("presence_penalty", float, 0.0, -100.0, 100.0, api_bounds={"openai": (-2.0, 2.0)}),
     Param("frequency_penalty", float, 0.0, -100.0, 100.0, api_bounds={"openai": (-2.0, 2.0)}),
     # DRY and XTC: llama.cpp's names, defaults (off) and semantics; the chat turns DRY on (loop_guard.py)
-    Param("dry_multiplier", float, 0.0, -1e6, 1e6,
+    Param("dry_multiplier", float, 0.0, -1e6, 1e6, api_bounds={"chat": (0.0, 100.0)},  # the chat app: no negative
           flag="--dry-multiplier", help="DRY (don't repeat yourself) penalty multiplier, llama.cpp's sampler; "
           "0 = off", label="DRY multiplier", hint="loop protection; 0 = off"),
     Param("dry_base", float, 1.75, -1e6, 1e6,

@@ -92,6 +92,7 @@ def test_the_chat_apps_settings_take_the_tables_defaults_labels_and_ranges():
             assert getattr(s, param.name) == param.default
     assert s.generation_params().sampling.dry_multiplier > 0
     for name, bad, why in (("top_p", 0.0, "Top-p must be in (0, 1]"), ("temperature", -0.5, "Temperature must be"),
-                           ("top_k", -1, "Top-k must be in [0, ")):
+                           ("top_k", -1, "Top-k must be in [0, "),
+                           ("dry_multiplier", -0.8, "DRY multiplier must be in [0, 100]")):
         with pytest.raises(ValueError, match=__import__("re").escape(why)):
             dataclasses.replace(s, **{name: bad}).validated()

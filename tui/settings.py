@@ -61,7 +61,7 @@ class ChatSettings:
     def validated(self) -> "ChatSettings":
         """These settings, or a ValueError naming the first value out of range."""
         for p in parameters.chat_settings():
-            why = p.problem(getattr(self, p.name))
+            why = p.problem(getattr(self, p.name), "chat")
             if why is not None:
                 raise ValueError(f"{p.label} must be {why} ({p.hint})")
         checks = [
