@@ -164,7 +164,12 @@ def test_llama_vims_instruction_mode_rewrites_the_selection_on_tab(vim_at):
     vim.keys("g", "g", "V", "j")  # select both lines
     vim.keys("\\lli", literal=True)  # <leader>lli: :LlamaInstruct, which asks for the instruction
     vim.wait(lambda: any(row.startswith("Instruction:") for row in vim.screen()), "the instruction prompt", 30)
-    vim.keys("Rename the function multiply to times", literal=True)
+    instruction = "Rename the function multiply to times"
+    vim.keys(instruction, literal=True)
+    # Enter only once Vim shows the whole instruction: sent while the prompt was still taking the typed text, it
+    # was lost once in a full run (the prompt sat there until the wait ran out)
+    vim.wait(lambda: any(row.startswith("Instruction: " + instruction) for row in vim.screen()),
+             "the typed instruction", 30)
     vim.keys("Enter")
     # streamed from /v1/chat/completions; the plugin marks the selection ready once curl exits
     vim.wait(lambda: any("Ready!" in row for row in vim.screen()), "the instruction's result")
