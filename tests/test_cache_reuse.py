@@ -12,7 +12,8 @@ from conftest import model_file
 from test_architectures import CASES, converted
 
 from localllm.runtime.cache_reuse import Splice, find_splices
-from localllm.runtime.engine import Engine, Generation, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
+from localllm.runtime.generation import Driver, Generation, Run
 from localllm.chat.sampling import SamplingParams
 from localllm.server.scheduler import Final, Request, Scheduler
 
@@ -115,9 +116,10 @@ def text_tokens(engine, n: int) -> list[int]:
     return engine.tokenizer.encode(text)[:n]
 
 
-def prefill(engine, tokens) -> tuple[Generation, np.ndarray]:
-    gen = Generation(engine, tokens, greedy(4), engine.new_sequence())
-    return gen, gen.prefill()
+def prefill(engine, tokens, seq=None) -> tuple[Generation, np.ndarray]:
+    """The prompt read by the one generation driver; the answer's state and the last prompt token's logits."""
+    run = Run(engine, tokens, greedy(4), seq or engine.new_sequence())
+    return run.gen, Driver(engine).read_prompt(run)
 
 
 def test_an_insertion_computes_only_the_inserted_tokens_and_names_nothing_after_them(engine):
@@ -198,8 +200,7 @@ def test_a_chat_sequence_whose_middle_was_edited_reuses_its_own_later_turns(engi
         seq = engine.new_sequence()
         list(engine.generate(base, greedy(2), seq=seq))
         edited = base[:150] + base[170:]  # a turn in the middle shortened
-        gen = Generation(engine, edited, greedy(2), seq)
-        gen.prefill()
+        gen, _ = prefill(engine, edited, seq)
         assert gen.timings.cache_n >= len(edited) - 20
         assert gen.timings.prompt_n <= 20
         assert seq.tokens == edited

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from localllm.runtime.engine import Engine, Generation, GenerationParams
+from localllm.runtime.engine import Engine, GenerationParams
+from localllm.runtime.generation import Driver, Run
 from localllm.chat.sampling import SamplingParams
 
 
@@ -50,8 +51,9 @@ def answer(engine: Engine, donor: list[int] | None, prompt: list[int], score: li
         engine.evaluate(seq, donor)
         engine.retire(seq)
     seq = engine.new_sequence()
-    gen = Generation(engine, prompt, params, seq)
-    first = gen.prefill()
+    run = Run(engine, prompt, params, seq)
+    first = Driver(engine).read_prompt(run)
+    gen = run.gen
     computed = gen.timings.prompt_n
     twin = seq.fork()  # the prompt's cache again, for the greedy answer
     rows = np.vstack([first[None, :], engine.evaluate(seq, score[:-1], logit_positions=range(len(score) - 1))])

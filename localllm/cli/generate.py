@@ -224,22 +224,15 @@ def cmd_run(args) -> int:
     tokens = engine.tokenize_prompt(prompt, chat=args.chat)
     seq = open_prompt_cache(engine, args.prompt_cache) if args.prompt_cache else engine.new_sequence()
     generated, pieces, final = [], [], None
-    if params.max_tokens == 0:
-        from localllm.runtime.engine import Generation, TokenEvent
-
-        # As llama.cpp's -n 0: evaluate (and, with --prompt-cache, save) the prompt; generate nothing.
-        gen = Generation(engine, tokens, params, seq)
-        gen.prefill()
-        if args.prompt_cache and not args.prompt_cache_ro:
-            save_prompt_cache(engine, seq, args.prompt_cache, len(tokens))
-        final = TokenEvent(None, "", finish_reason="length", timings=gen.timings)
     guard = RepeatGuard() if args.chat and not args.no_loop_guard else None
-    events = engine.generate(tokens, params, seq=seq) if final is None else iter(())
+    # -n 0 (as llama.cpp's): the prompt is evaluated (and, with --prompt-cache, saved); one final event, no token.
+    events = engine.generate(tokens, params, seq=seq)
     for event in events:
         if args.prompt_cache and final is None and not args.prompt_cache_ro:
             # As llama.cpp: the prompt's state is saved once it is evaluated (the first token just came out).
             save_prompt_cache(engine, seq, args.prompt_cache, len(tokens))
-        generated.append(event.token)
+        if event.token is not None:
+            generated.append(event.token)
         pieces.append(event.text)
         if not args.json:
             sys.stdout.write(event.text)

@@ -11,8 +11,6 @@ starts with cached blocks (a shared system prompt, a regenerated answer) attache
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -25,9 +23,9 @@ from localllm.runtime.cache_reuse import Splice, find_splices
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.runtime.kv_cache import KV_TYPES, KVCache, KVPool
-from localllm.chat.sampling import Sampler, SamplingParams
-from localllm.runtime.speculative import SpeculationParams, SpeculativeRun, check_draft_engine, make_drafter
-from localllm.chat.stop import StopMatcher
+from localllm.runtime.generation import (PROMPT_CHUNK, Driver, Generation, GenerationParams, Run, Timings,
+                                        TokenEvent)
+from localllm.runtime.speculative import SpeculativeRun, check_draft_engine, make_drafter
 from localllm.tokenizer import Tokenizer
 from localllm.runtime.warmup import warm_up
 
@@ -38,93 +36,6 @@ POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 # Decoder models carry no pooling type. Mean over the text's tokens, measured on the four catalog models (tests/
 # test_embeddings.py): related sentences score above unrelated ones with mean pooling on all four.
 POOLING_DEFAULT = "mean"
-PROMPT_CHUNK = 256  # tokens per forward while processing a prompt: bounds attention-score memory
-
-
-@dataclass
-class GenerationParams:
-    max_tokens: int | None = 256  # None: until end of generation or the context is full
-    stop: list[str] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    ignore_eos: bool = False
-    # At the context limit: "stop" finishes with "length"; "shift" drops the older half of the tokens after the
-    # first n_keep and goes on, as llama.cpp's context shift does. n_keep < 0 keeps the whole prompt (--keep -1).
-    context_overflow: str = "stop"
-    n_keep: int = 0
-    # Speculative decoding (n-gram or a draft model; see speculative.py); None = off. Lossless: greedy output is
-    # token for token the same, sampled output keeps the target's distribution.
-    speculation: SpeculationParams | None = None
-    # llama.cpp's t_max_predict_ms (code completion): once this many ms have passed since the prompt was read,
-    # the next generated text that holds a newline ends the answer ("length"), so a suggestion stays quick.
-    t_max_predict_ms: float | None = None
-    # A compiled constraint (grammar.py: JSON schema, GBNF, regex); each generation gets its own matcher, which
-    # the sampler consults (sampling.py's stage 0b). The answer ends when the grammar is complete and the model
-    # (or, when nothing else fits, the grammar) picks the end of generation.
-    grammar: object | None = None
-
-
-@dataclass
-class Timings:
-    """What llama.cpp's server reports as `timings`."""
-
-    prompt_n: int = 0  # prompt tokens evaluated
-    cache_n: int = 0  # prompt tokens reused from the cache
-    prompt_ms: float = 0.0
-    predicted_n: int = 0
-    predicted_ms: float = 0.0
-    token_ms: list[float] = field(default_factory=list)  # wall time of each generated token
-    n_shifts: int = 0  # context shifts during generation (context_overflow="shift")
-    # Speculative decoding (llama.cpp's server names the first two): tokens drafted and checked, drafted tokens
-    # the target accepted, and forwards that verified a draft.
-    draft_n: int = 0
-    draft_n_accepted: int = 0
-    n_verifies: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
-
-    @property
-    def tokens_per_verify(self) -> float:
-        """Tokens a verifying forward yielded on average: the accepted drafts and the target's own next token."""
-        return (self.draft_n_accepted + self.n_verifies) / self.n_verifies if self.n_verifies else 0.0
-
-    @property
-    def prompt_per_second(self) -> float:
-        return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
-
-    @property
-    def predicted_per_second(self) -> float:
-        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_n": self.prompt_n,
-            "cache_n": self.cache_n,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
-            "prompt_per_second": round(self.prompt_per_second, 3),
-            "predicted_n": self.predicted_n,
-            "predicted_ms": round(self.predicted_ms, 3),
-            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
-            "predicted_per_second": round(self.predicted_per_second, 3),
-            "n_shifts": self.n_shifts,
-            "draft_n": self.draft_n,
-            "draft_n_accepted": self.draft_n_accepted,
-            "n_verifies": self.n_verifies,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "tokens_per_verify": round(self.tokens_per_verify, 3),
-        }
-
-
-@dataclass
-class TokenEvent:
-    token: int | None  # None on a final event that generated nothing new (e.g. flushed text)
-    text: str  # text this step releases (may be "" while a character or a possible stop string is pending)
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (end of generation or a stop string) or "length"
-    timings: Timings | None = None
 
 
 class Sequence:
@@ -389,7 +300,10 @@ class Engine:
 
     def generate(self, prompt: str | list[int], params: GenerationParams | None = None,
                  seq: Sequence | None = None, chat: bool = False) -> Iterator[TokenEvent]:
-        """Stream the answer to `prompt` token by token. Stopping early is not asking for the next event."""
+        """Stream the answer to `prompt` token by token: the one generation driver (generation.py) with this one
+        run, so an answer here is bitwise the one the server's batched steps give it. Stopping early is not
+        asking for the next event. max_tokens 0 (llama.cpp's -n 0): the prompt is read into the cache, and one
+        final event without a token says so."""
         params = params or GenerationParams()
         tokens = self.tokenize_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if seq is None:
@@ -401,39 +315,15 @@ class Engine:
             finally:
                 seq.close()
             return
-        gen = Generation(self, tokens, params, seq)
+        run = Run(self, tokens, params, seq)
         try:
-            if params.speculation is not None:
-                yield from self.generate_speculative(gen)
-                return
-            logits = gen.prefill()
-            while True:
-                event = gen.step(logits)
-                if event.finish_reason is None:
-                    logits = self.evaluate(seq, [event.token])
-                gen.record(event)
-                yield event
-                if event.finish_reason is not None:
-                    return
+            yield from Driver(self).run_alone(run)
+            if params.max_tokens == 0:
+                yield TokenEvent(None, "", finish_reason="length", timings=run.gen.timings)
         finally:
-            gen.release_donor()  # a prefill that failed midway still gives the donor's blocks back
+            run.close()  # a prompt that failed midway still gives the donor's blocks back
 
-    def generate_speculative(self, gen: "Generation") -> Iterator[TokenEvent]:
-        """generate() with speculative decoding: each round is one forward that verifies a draft and hands out
-        every token it accepted (speculative.py). A scheduler drives a `speculative_run` itself instead, its
-        verifies part of its batched forwards."""
-        run = self.speculative_run(gen)
-        try:
-            run.start()
-            while True:
-                for event in run.round():
-                    yield event
-                    if event.finish_reason is not None:
-                        return
-        finally:
-            run.close()
-
-    def speculative_run(self, gen: "Generation") -> SpeculativeRun:
+    def speculative_run(self, gen: Generation) -> SpeculativeRun:
         """The speculative decoding of `gen` (its params.speculation), with its drafter (a draft model is
         loaded on first use)."""
         spec = gen.params.speculation.validated()
@@ -553,146 +443,3 @@ class Engine:
         logits -= np.log(np.exp(logits).sum(axis=1, keepdims=True))
         return logits
 
-
-class Generation:
-    """One answer being generated: its sampler, detokenizer, stop strings, context handling and timings.
-
-    `Engine.generate()` drives one; the server's scheduler drives many, batching their forwards with
-    `Engine.evaluate_batch`. The protocol: `logits = gen.prefill()`, then repeatedly `event = gen.step(logits)`;
-    unless `event.finish_reason` is set, evaluate `[event.token]` on `gen.seq` to get the next logits, then
-    `gen.record(event)` (after the forward, so a token's time includes it) and hand the event out.
-    """
-
-    def __init__(self, engine: Engine, tokens: list[int], params: GenerationParams, seq: Sequence):
-        engine.check_fits(len(tokens))
-        engine.check_tokens(tokens)
-        if params.context_overflow not in ("stop", "shift"):
-            raise LocalLLMError(f"context overflow {params.context_overflow!r}: use 'stop' or 'shift'")
-        self.shift = params.context_overflow == "shift"
-        if self.shift and not engine.model.can_shift:
-            raise LocalLLMError(f"{engine.name} has sliding-window layers, which keep only their window: a context "
-                                "shift cannot keep the first tokens there (use --context-overflow stop)")
-        self.engine, self.tokens, self.params, self.seq = engine, tokens, params, seq
-        self.n_keep = engine.keep_count(params, tokens) if self.shift else 0
-        self.timings = Timings()
-        self.sampler = Sampler(params.sampling, engine.config.vocab_size, vocab=engine.tokenizer,
-                               grammar=params.grammar)
-        self.decoder = engine.tokenizer.stream_decoder()
-        self.stops = StopMatcher(params.stop)
-        # No max_tokens: until the context is full, or, when shifting, until the model stops (as llama.cpp's -n -1).
-        self.limit = params.max_tokens if params.max_tokens is not None else (
-            float("inf") if self.shift else engine.ctx)
-        self.finish_reason: str | None = None
-        self._t_gen = self._t_tok = 0.0
-        self.donor: Sequence | None = None  # chunk-level KV reuse: where spliced chunks come from (start_prefill)
-        self.splices: list[Splice] = []
-
-    def prefill(self) -> np.ndarray:
-        """Reuse the cached prefix, evaluate the rest of the prompt; returns the last prompt token's logits."""
-        t0 = time.perf_counter()
-        logits = self.read_prompt()
-        self.end_prefill()
-        self.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
-        return logits
-
-    def read_prompt(self) -> np.ndarray:
-        """`start_prefill`, then its tokens evaluated (and chunks spliced) on this sequence alone; returns the
-        last prompt token's logits."""
-        left = self.start_prefill()
-        while True:
-            left = left[self.splice_due() :]
-            n = min(len(left), self.until_splice())
-            logits = self.engine.evaluate(self.seq, left[:n])
-            left = left[n:]
-            if not left:
-                return logits
-
-    def start_prefill(self) -> list[int]:
-        """The prompt tokens after the longest cached prefix (for callers that batch the prompt's forward
-        themselves; `prefill()` does it all). With the engine's cache reuse on, some of them may be spliced
-        from a donor instead: before each forward call `splice_due()` (then drop that many tokens from the
-        front) and evaluate at most `until_splice()` tokens."""
-        own = self.seq.fork() if self.engine.cache_reuse > 0 and self.seq.tokens else None
-        self.timings.cache_n = self.seq.reuse_prefix(self.tokens)
-        self.donor, self.splices = self.engine.take_donor(self.tokens, self.timings.cache_n,
-                                                          [own] if own is not None else [])
-        if own is not None and own is not self.donor:
-            own.close()
-        if self.donor is None:
-            self.splices = []
-        spliced = sum(s.n for s in self.splices)
-        new = self.tokens[self.timings.cache_n :]
-        self.timings.cache_n += spliced  # as llama.cpp counts a reused chunk: cached, not processed
-        self.timings.prompt_n = len(new) - spliced
-        return new
-
-    def splice_due(self) -> int:
-        """Splice in the donor's chunks that start where the sequence now ends; how many tokens they hold."""
-        done = 0
-        while self.splices and self.splices[0].dst == len(self.seq.tokens):
-            s = self.splices.pop(0)
-            self.seq.cache.splice(self.donor.cache, s.src, s.n, self.engine.model.rotate_keys)
-            self.seq.tokens.extend(self.tokens[s.dst : s.dst + s.n])
-            done += s.n
-        if not self.splices:
-            self.release_donor()
-        return done
-
-    def until_splice(self) -> int | float:
-        """Tokens to evaluate before the next chunk is spliced in."""
-        return self.splices[0].dst - len(self.seq.tokens) if self.splices else float("inf")
-
-    def release_donor(self) -> None:
-        """Give back the donor's blocks (prefill done, or the request ended early)."""
-        if self.donor is not None:
-            self.donor.close()
-            self.donor, self.splices = None, []
-
-    def end_prefill(self) -> None:
-        # As llama.cpp's server does: the prompt counts for repetition penalties.
-        self.release_donor()
-        self.sampler.accept_prompt(self.tokens)
-        self._t_gen = time.perf_counter()
-
-    def step(self, logits: np.ndarray, token: int | None = None, n_past: int | None = None) -> TokenEvent:
-        """Pick the next token from `logits`; decide whether generation ends here. Speculative decoding may
-        give the `token` its acceptance rule chose, and `n_past`, the tokens before this one (the sequence then
-        still holds draft tokens after it)."""
-        self._t_tok = time.perf_counter()
-        picked = self.sampler.sample(logits, token=token)
-        self.sampler.accept(picked.id)
-        finish = None
-        # With a grammar, an end-of-generation token is where the grammar ended: nothing may follow, ignore_eos or not.
-        if self.engine.tokenizer.is_eog(picked.id) and (not self.params.ignore_eos or self.params.grammar is not None):
-            text, finish = self.decoder.flush(), "stop"
-        else:
-            text = self.decoder.feed(picked.id)
-        text, stopped = self.stops.feed(text)
-        if stopped:
-            finish = "stop"
-        self.timings.predicted_n += 1
-        if finish is None and self.timings.predicted_n >= self.limit:
-            finish = "length"
-        t_max = self.params.t_max_predict_ms
-        if (finish is None and t_max is not None and t_max > 0 and "\n" in text
-                and 1000 * (time.perf_counter() - self._t_gen) > t_max):
-            finish = "length"
-        if finish is None and (len(self.seq.tokens) if n_past is None else n_past) + 1 >= self.engine.ctx:
-            # The context is full (as llama.cpp's server decides it): this token is the last that fits.
-            if self.shift:
-                self.engine.shift_context(self.seq, self.n_keep)
-                self.timings.n_shifts += 1
-            else:
-                finish = "length"
-        if finish is not None and not stopped:
-            # Release what was held back: a partial character (at "length") and a possible stop-string start.
-            tail, stopped = self.stops.feed(self.decoder.flush() if finish == "length" else "")
-            text += tail + ("" if stopped else self.stops.flush())
-        self.finish_reason = finish
-        return TokenEvent(picked.id, text, picked.logprob, picked.top_logprobs, finish, self.timings)
-
-    def record(self, event: TokenEvent) -> None:
-        """Account the token's wall time (sampling, and the forward that followed it)."""
-        now = time.perf_counter()
-        self.timings.token_ms.append(1000 * (now - self._t_tok))
-        self.timings.predicted_ms = 1000 * (now - self._t_gen)

@@ -555,10 +555,10 @@ def cost_line(engine, role: str) -> _LineFit:
 
 
 class SpeculativeRun:
-    """Speculative decoding of one `Generation` (see engine.py): `start()` (or, when the caller evaluated the
-    prompt, `begin(logits)`), then `round()` until an event carries a finish reason. Each round is one forward of
-    the target: `round()` runs it alone; a scheduler splits it into `plan()` (the tokens to verify), its own
-    batched forward, and `finish(rows)` (the accepted events), the same logic either way."""
+    """Speculative decoding of one `Generation` (localllm/runtime/generation.py), as the rounds its `Run` plans:
+    `begin(logits)` once the prompt is read, then per round `plan()` (the pending token and a draft), one forward
+    of the target (the driver's batched step, alone or beside other runs), and `finish(rows)` (the accepted
+    events). Plain decoding (generation.py `Decoding`) has this interface with no draft."""
 
     def __init__(self, gen, spec: SpeculationParams, drafter):
         self.gen, self.spec, self.drafter = gen, spec, drafter
@@ -576,14 +576,6 @@ class SpeculativeRun:
         self.history: list[int] = []  # prompt and every token handed out (the n-gram drafter's text)
         self._round = None  # what `plan` decided, for `finish`: (event, base, draft, shadow, start time)
 
-    def start(self) -> None:
-        """Prompt processing for the target and the drafter; picks the first token."""
-        gen = self.gen
-        t0 = time.perf_counter()
-        logits = gen.read_prompt()
-        self.begin(logits)
-        gen.timings.prompt_ms = 1000 * (time.perf_counter() - t0)
-
     def begin(self, logits: np.ndarray) -> None:
         """After the target read the prompt (`Generation.start_prefill`'s tokens; `logits`: its last
         position's): the drafter reads it too, and the first token is picked."""
@@ -594,12 +586,6 @@ class SpeculativeRun:
         gen.end_prefill()
         self.history = list(gen.tokens)
         self.pending = gen.step(logits)
-
-    def round(self) -> list:
-        """One round alone: its verify is one forward of this sequence."""
-        tokens = self.plan()
-        rows = None if tokens is None else self.engine.evaluate(self.seq, tokens, logit_positions=range(len(tokens)))
-        return self.finish(rows)
 
     def plan(self) -> list[int] | None:
         """The round's tokens for the target to evaluate, with logits at every one of them: the pending token

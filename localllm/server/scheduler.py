@@ -6,38 +6,36 @@ The engine is not thread-safe, so it lives in one dedicated thread. HTTP handler
 
   1. takes new requests into a FIFO queue and drops cancelled ones (queued or running: a running one's
      sequence is closed at once, so its KV blocks go back to the pool, still cached for prefix reuse);
-  2. admits queued requests while fewer than `parallel` run: each gets a fresh `Sequence` whose prompt reuses
-     the longest cached prefix (`Generation.start_prefill`);
-  3. samples the next token of every decoding request (`Generation.step`; a request's first token is delivered
-     at once), drafts for every speculative one
-     (`SpeculativeRun.plan`: its pending token and draft, logits wanted at each), and evaluates all of them,
-     plus a bounded chunk of the prompts still being prefilled, in ONE `Engine.evaluate_batch` call, so running
-     streams keep flowing while a long prompt is read in;
-  4. walks each speculative request's draft (`SpeculativeRun.finish`: the tokens the target accepts; the same
-     code as speculation alone, so its answer is the one it gets alone), delivers the events; finished
-     requests leave the batch and close their sequence.
+  2. admits queued requests while fewer than `parallel` run: each gets a fresh `Sequence` and a `Run`
+     (localllm/runtime/generation.py) whose prompt reuses the longest cached prefix;
+  3. hands every run to the one generation driver (`Driver.step`, the same that `Engine.generate` runs with
+     one run): each decoding request's pending token (and a speculative one's draft, logits wanted at each),
+     plus a bounded chunk of the prompts still being read, is evaluated in ONE `Engine.evaluate_batch` call,
+     so running streams keep flowing while a long prompt is read in, and each run turns its rows into events
+     (a request's first token as soon as it is chosen, before the forward that feeds it back);
+  4. delivers the events; finished requests leave the batch and close their sequence.
 
 A request's error (a prompt that does not fit, a token id the model does not have, a sampler that has nothing
 left to sample) ends that request only, and so does an unexpected exception while admitting it, sampling for it
 or running its speculative round. When the batched forward of a step fails, each of its requests is evaluated
-again alone: the ones that fail again end (400 for a clear error, 500 otherwise), the others go on with exactly
-the logits the batch would have given them (the kernels are batch invariant).
+again alone (`Driver`): the ones that fail again end (400 for a clear error, 500 otherwise), the others go on
+with exactly the logits the batch would have given them (the kernels are batch invariant).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from localllm.runtime.engine import PROMPT_CHUNK, Engine, Generation, GenerationParams, TokenEvent
 from localllm.errors import LocalLLMError, ModelFileError
+from localllm.runtime.engine import Engine
+from localllm.runtime.generation import Driver, GenerationParams, Run, TokenEvent
+from localllm.runtime.speculative import SpeculationParams
 from localllm.server.metrics import Metrics
-from localllm.runtime.speculative import SpeculationParams, SpeculativeRun
 
 log = logging.getLogger("localllm.server")
 
@@ -126,16 +124,14 @@ class Handle:
 @dataclass
 class _Running:
     handle: Handle
-    gen: Generation
-    prefill: list[int]  # prompt tokens still to evaluate
+    run: Run
     slot: int = 0
-    logits: object = None  # the logits the next step samples from
-    t_prefill: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
-    # A speculative request (`serve --spec`, or its own params): its prompt is prefilled as any other's, then
-    # each step verifies its draft in the step's batched forward and hands out every token accepted.
-    spec: SpeculativeRun | None = None
+
+    @property
+    def gen(self):
+        return self.run.gen
 
 
 class Scheduler:
@@ -160,6 +156,7 @@ class Scheduler:
         # with its prompt, else the least recently used), so a conversation's turns keep to one slot.
         self.slot_tokens: list[list[int]] = [[] for _ in range(self.parallel)]
         self._slot_used = [0.0] * self.parallel
+        self.driver = Driver(engine)
         self._thread = threading.Thread(target=self._loop, name="localllm-scheduler", daemon=True)
         self._publish()
 
@@ -336,9 +333,7 @@ class Scheduler:
 
     def _finish(self, r: _Running, outcome) -> None:
         """Close the request's sequence and deliver its outcome (a Final or an exception), once."""
-        if r.spec is not None:
-            r.spec.close()  # releases the draft model's sequence
-        r.gen.release_donor()
+        r.run.close()  # the draft model's sequence, the donor's blocks
         if r.gen.seq is not None:
             if isinstance(outcome, Final) or getattr(outcome, "status", None) == 499:
                 self.slot_tokens[r.slot] = list(r.gen.seq.tokens)
@@ -381,23 +376,15 @@ class Scheduler:
             handle.slot = slot
             seq = self.engine.new_sequence()
             self.live_sequences += 1
-            params = handle.request.params
-            if self.speculation is not None and params.speculation is None and params.max_tokens != 0:
-                params = dataclasses.replace(params, speculation=self.speculation)
-            spec = None
             try:
-                gen = Generation(self.engine, handle.request.tokens, params, seq)
-                spec = self.engine.speculative_run(gen) if params.speculation is not None else None
-                prefill = gen.start_prefill()
+                run = Run(self.engine, handle.request.tokens, handle.request.params, seq, self.speculation)
             except Exception as e:  # this request only: the others are admitted as usual
-                if spec is not None:
-                    spec.close()  # the draft model's sequence
                 seq.close()
                 self.live_sequences -= 1
                 self.metrics.requests_failed += 1
                 handle._put(_failure(e))
                 continue
-            self._running.append(_Running(handle, gen, prefill, slot=slot, spec=spec))
+            self._running.append(_Running(handle, run, slot=slot))
 
     def _step(self) -> None:
         # Cancelled requests leave first: their blocks are back in the pool before anything else runs.
@@ -412,147 +399,33 @@ class Scheduler:
         if not self._running:
             return
 
-        items: list = []
-        decoding: list[tuple[_Running, TokenEvent]] = []
-        sent: set[int] = set()  # the decoding requests whose token went out before the forward
-        verifying: list[_Running] = []
-        prefilling: list[tuple[_Running, int]] = []
-        done: list[tuple[_Running, TokenEvent]] = []
-        for r in self._running:
-            if r.spec is not None or r.prefill or r.logits is None:
-                continue
-            try:
-                event = r.gen.step(r.logits)
-            except Exception as e:
-                done.append((r, _failure(e)))
-                continue
-            if event.finish_reason is None:
-                items.append((r.gen.seq, [event.token]))
-                decoding.append((r, event))
-                if r.t_first is None:
-                    # A request's first token goes out now, not after the forward that feeds it back (the event
-                    # loop runs while the forward does): its time to first token is its prefill, not the prefill
-                    # plus a step. Later tokens wait for the forward, so that on a machine whose cores all run the
-                    # forward the event loop's work stays between steps (each token sooner cost TPOT +7% on 2 cores).
-                    self._deliver(r, event, time.perf_counter())
-                    sent.add(id(r))
-            else:
-                done.append((r, event))
-        for r in self._running:
-            if r.spec is None or r.prefill or r.spec.pending is None:
-                continue
-            try:
-                tokens = r.spec.plan()
-            except Exception as e:
-                done.append((r, _failure(e)))
-                continue
-            if tokens is None:  # its pending token ends it (a round never hands out its final event itself)
-                done.append((r, r.spec.pending))
-                continue
-            items.append((r.gen.seq, tokens, range(len(tokens))))
-            verifying.append(r)
-        budget = PROMPT_CHUNK  # prompt tokens evaluated per step, across the requests being prefilled
-        for r in self._running:
-            if r.prefill and budget > 0:
-                try:  # chunks a donor holds (cache reuse) are copied in, not computed
-                    r.prefill = r.prefill[r.gen.splice_due():]
-                except Exception as e:
-                    done.append((r, _failure(e)))
-                    continue
-                chunk = r.prefill[: min(budget, r.gen.until_splice())]
-                budget -= len(chunk)
-                items.append((r.gen.seq, chunk))
-                prefilling.append((r, len(chunk)))
-
-        logits = self._evaluate(items, [r for r, _ in decoding] + verifying + [r for r, _ in prefilling], done)
-
+        running = list(self._running)
+        results = self.driver.step([r.run for r in running])
         now = time.perf_counter()
-        warmed: list[_Running] = []
-        for (r, event), lg in zip(decoding, logits[: len(decoding)]):
-            if lg is None:  # this request failed alone (in `done`)
+        for r, (events, error) in zip(running, results):
+            if error is not None:
+                self._running.remove(r)
+                self.metrics.requests_failed += 1
+                self._finish(r, _failure(error))
                 continue
-            r.logits = lg
-            r.gen.record(event)
-            if id(r) not in sent:
+            self.metrics.prompt_tokens += r.run.prompt_read
+            for event in events:
                 self._deliver(r, event, now)
-        for r, rows in zip(verifying, logits[len(decoding): len(decoding) + len(verifying)]):
-            if rows is None:
-                continue
-            try:
-                events = r.spec.finish(rows)
-            except Exception as e:
-                done.append((r, _failure(e)))
-                continue
-            for event in events:  # none is final: the next step's plan() finds that
-                self._deliver(r, event, now)
-        for (r, n), lg in zip(prefilling, logits[len(decoding) + len(verifying):]):
-            if lg is None:
-                continue
-            r.prefill = r.prefill[n:]
-            self.metrics.prompt_tokens += n
-            if not r.prefill:
-                if r.spec is not None:
-                    try:  # the drafter reads the prompt (a draft model: its own forward), the first token is picked
-                        r.spec.begin(lg)
-                    except Exception as e:
-                        done.append((r, _failure(e)))
-                        continue
-                else:
-                    r.gen.end_prefill()
-                    r.logits = lg
-                r.gen.timings.prompt_ms = 1000 * (time.perf_counter() - r.t_prefill)
-                if r.gen.params.max_tokens == 0:
-                    warmed.append(r)
-        for r in warmed:
-            # max_tokens 0 (llama.cpp's n_predict 0): a cache warm-up. The prompt is in the KV cache now, and
-            # closing the sequence leaves its blocks in the pool for the next request that starts the same way.
-            self._running.remove(r)
-            self.metrics.requests_done += 1
-            t = r.gen.timings
-            self._finish(r, Final("length", len(r.gen.tokens), 0, t.cache_n, None, t.to_dict()))
-        for r, outcome in done:
-            self._running.remove(r)
-            if isinstance(outcome, TokenEvent):
-                r.gen.record(outcome)
-                self._deliver(r, outcome, now)
+            if r.run.finished:
+                self._running.remove(r)
+                self.metrics.requests_done += 1
                 t = r.gen.timings
-                if r.spec is not None:
+                if r.run.speculative:
                     m = self.metrics
                     m.draft_tokens += t.draft_n
                     m.draft_accepted += t.draft_n_accepted
                     m.verifies += t.n_verifies
+                # max_tokens 0 (llama.cpp's n_predict 0) is a cache warm-up: the prompt is in the KV cache now,
+                # and closing the sequence leaves its blocks in the pool for the next request that starts so.
+                final_reason = events[-1].finish_reason if events else "length"
                 matched = r.gen.stops.matched if r.gen.stops.stopped else None
-                final = Final(outcome.finish_reason, len(r.gen.tokens), t.predicted_n, t.cache_n, matched,
-                              t.to_dict())
-                self.metrics.requests_done += 1
-                self._finish(r, final)
-            else:
-                self.metrics.requests_failed += 1
-                self._finish(r, outcome)
-
-    def _evaluate(self, items: list, owners: list[_Running], done: list) -> list:
-        """The step's one batched forward. If it fails, each item runs again alone (after rolling its sequence
-        back to where the step found it), so that only the requests that fail alone fail: their logits are None
-        and their failure joins `done`."""
-        if not items:
-            return []
-        lengths = [len(seq.tokens) for seq, *_ in items]
-        try:
-            return self.engine.evaluate_batch(items)
-        except Exception:
-            log.warning("a batched forward of %d requests failed; running them one by one", len(items),
-                        exc_info=True)
-        out = []
-        for item, n, r in zip(items, lengths, owners):
-            seq = item[0]
-            try:
-                if len(seq.tokens) != n:
-                    seq.truncate(n)
-                out.append(self.engine.evaluate_batch([item])[0])
-            except Exception as e:
-                done.append((r, _failure(e)))
-                out.append(None)
-        return out
+                self._finish(r, Final(final_reason, len(r.gen.tokens), t.predicted_n, t.cache_n, matched,
+                                      t.to_dict()))
 
     def _deliver(self, r: _Running, event: TokenEvent, now: float) -> None:
         m = self.metrics
