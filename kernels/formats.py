@@ -2,10 +2,11 @@
 (ggml.c) beside the per-backend `type_traits_cpu` (ggml-cpu.c). An entry holds what is true of the format on
 any device: block geometry, the block's byte layout as a numpy structured dtype, and numpy reference
 dequantize/quantize (gguf-py's ports of ggml's reference functions). Kernels live in per-backend tables keyed by
-the same types: `kernels/cpu/cpu_formats.py` (Numba) and `kernels/opencl/` (OpenCL C). The CPU's compiled kernels
-still switch on the format inside their code (`kernels/cpu/quant_dot.py`'s per-format dot products and row
-kernels), since Numba compiles one function per set of formats; moving those switches into the per-backend
-tables is issue 40's work.
+the same types: `kernels/cpu/cpu_formats.py` (Numba) and `kernels/opencl/` (OpenCL C). Inside the CPU's compiled
+products the format is a branch, not a table lookup (`kernels/cpu/quant_dot.py`: one dot product and one row
+kernel per format, dispatched on the weight's type): a per-format kernel must inline into the row loop to
+vectorize, which a call through a table of function pointers prevents, and a `FormatSet`
+(kernels/cpu/format_set.py) prunes the branches a model cannot take before they are compiled.
 
 This module imports no backend: validating a file or listing formats never loads Numba or OpenCL.
 """

@@ -349,8 +349,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: b
 def attention(q: np.ndarray, cache_inputs: tuple, q_positions: np.ndarray, key_start: int, window: int,
               scale: float, softcap: float = 0.0) -> np.ndarray:
     """Causal grouped-query attention of q (n, n_head, head_dim), C-contiguous float32, at positions
-    q_positions (ascending) over a paged KV cache (`KVCache.attention_inputs(layer)`, whose first key sits at
-    key_start). window > 0: a query at p sees only keys after p - window. softcap > 0: scores soft-capped,
+    q_positions (ascending) over a paged KV cache (`CpuKVStorage.attention_inputs(cache, layer)`, whose first
+    key sits at key_start). window > 0: a query at p sees only keys after p - window. softcap > 0: scores soft-capped,
     tanh(s / softcap) * softcap (gemma2). Returns (n, n_head * value_dim)."""
     k, k_scale, v, v_scale, table, first_block = cache_inputs
     _ensure_runtime()

@@ -7,6 +7,7 @@ import pytest
 
 from localllm.kernels import ops, reference
 from localllm import backends
+from localllm.backends.cpu_backend import CpuKVStorage
 from localllm.runtime.kv_cache import BLOCK, KVPool
 
 
@@ -38,7 +39,7 @@ def filled_cache(pool: KVPool, rng, n_tokens: int, interleave_with=None):
 
 def kernel_attention(cache, q, positions, window=0, softcap=0.0):
     cache.reserve(0)  # refresh the kernel's block tables, as a forward does
-    return ops.attention(q, cache.attention_inputs(0), positions, cache.start(0), window, 1 / np.sqrt(D), softcap)
+    return ops.attention(q, CpuKVStorage.attention_inputs(cache, 0), positions, cache.start(0), window, 1 / np.sqrt(D), softcap)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -117,7 +118,7 @@ def test_a_q8_0_cache_attends_bit_for_bit_as_a_float32_cache_holding_its_dequant
         got = {}
         for name, cache in (("f32", a), ("q8_0", b)):
             cache.reserve(0)
-            inputs = cache.attention_inputs(0)
+            inputs = CpuKVStorage.attention_inputs(cache, 0)
             scores, acc = np.empty(300, np.float32), np.empty(D, np.float32)
             for chunks in (1, 2, 5):
                 out = np.zeros_like(want)
@@ -166,7 +167,7 @@ def test_row_block_group_and_per_head_items_agree_bit_for_bit(window, softcap):
     pool = cpu_pool(1, N_KV, D, D)
     cache = filled_cache(pool, rng, 700, interleave_with=pool.new_cache(4096))
     cache.reserve(0)
-    k, ks, v, vs, table, first_block = cache.attention_inputs(0)
+    k, ks, v, vs, table, first_block = CpuKVStorage.attention_inputs(cache, 0)
     positions = np.arange(700 - 40, 700)
     q = rng.standard_normal((40, N_KV * GROUP, D)).astype(np.float32)
     scale, cap = np.float32(1 / np.sqrt(D)), np.float32(softcap)

@@ -34,6 +34,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from localllm import backends
+    from localllm.backends.cpu_backend import CpuKVStorage
     from localllm.kernels.cpu import attention
     from localllm.runtime.kv_cache import KVPool
 
@@ -49,7 +50,7 @@ def main() -> None:
             cache.write(0, rng.standard_normal((16, n_kv, d), dtype=np.float32),
                         rng.standard_normal((16, n_kv, d), dtype=np.float32))
             cache.commit()
-        inputs = cache.attention_inputs(0)
+        inputs = CpuKVStorage.attention_inputs(cache, 0)
         positions = np.arange(a.depth, a.depth + a.rows)
         q = rng.standard_normal((a.rows, n_kv * group, d)).astype(np.float32)
         scores, acc = np.empty(n + 16, np.float32), np.empty(d, np.float32)

@@ -518,7 +518,7 @@ class ChatApp(App):
                 self.load_model(self.session.engine.name)
 
         if self.opencl_devices is None:
-            from localllm.runtime.devices import opencl_devices
+            from localllm.backends.devices import opencl_devices
 
             self.opencl_devices = opencl_devices()[0]  # none (and no error shown) where OpenCL is missing
         self.push_screen(SettingsScreen(self.settings, self.opencl_devices), saved)

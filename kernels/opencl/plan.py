@@ -407,7 +407,7 @@ class DecodePlan:
         t0 = time.perf_counter()
         cache.reserve(1)
         pos = cache.length
-        tables, first, wcols = cache.kernel_tables()
+        tables, first, wcols = cache.pool.storage.kernel_tables(cache)
         G, W = tables.shape
         self._ensure(cache.pool, W)
         s = self.step_host

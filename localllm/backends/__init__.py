@@ -1,10 +1,10 @@
 """Backends that run the model (localllm/backends/interface.py): the registry.
 
 This package is where the engine meets the kernels: the model code asks `get(name)` for a backend and calls its
-operations, and the forward itself imports no kernel. Some tools outside the forward still import the CPU's
-kernels directly: `localllm/convert/quantize_gguf.py` (`kernels.cpu.formats`, `kernels.ops`), `cli/imatrix_cmd.py` and
-`cli/generate.py` (`kernels.ops` for bench and importance matrices) and `warmup.py`; moving them behind a backend
-is issue 40's work.
+operations (its own kernels, or the numpy reference where it has none: `Backend.supports`), and nothing else in
+localllm/ imports Numba or the CPU kernels (tests/test_backend_forward.py checks it). The tools that run the CPU's
+kernels on the host whatever the device (the quantizer's row kernels, `--threads`) take them from
+`host_kernels()`.
 """
 
 from __future__ import annotations
@@ -35,4 +35,12 @@ def get(name: str = "cpu") -> Backend:
     return _instances[name]
 
 
-__all__ = ["Backend", "NAMES", "get"]
+def host_kernels():
+    """The CPU backend's kernels (kernels/ops.py) for the tools that run them on the host whatever the device
+    (quantizing rows, importance matrices, the thread count of `--threads`). Importing them loads Numba."""
+    from localllm.kernels import ops
+
+    return ops
+
+
+__all__ = ["Backend", "NAMES", "get", "host_kernels"]

@@ -87,7 +87,7 @@ class CpuBackend(Backend):
         cache.write(layer, k, v)
 
     def attention(self, q, cache, layer, positions, window, scale, softcap=0.0):
-        return ops.attention(q, cache.attention_inputs(layer), positions, cache.start(layer), window, scale,
+        return ops.attention(q, _STORAGE.attention_inputs(cache, layer), positions, cache.start(layer), window, scale,
                              softcap)
 
     def to_host(self, x):
@@ -135,6 +135,14 @@ class CpuKVStorage(KVStorage):
 
     def move_columns(self, arr, src, dst):
         arr[:, dst] = arr[:, src].copy()  # source and destination may overlap
+
+    @staticmethod
+    def attention_inputs(cache, layer: int) -> tuple:
+        """What kernels/cpu/attention.py reads for `layer` during a forward: (keys, key scales, values, value
+        scales, block table from the first held block, that block's index)."""
+        gi, slot = cache.pool.where[layer]
+        g = cache.pool.groups[gi]
+        return g.k[slot], g.k_scale[slot], g.v[slot], g.v_scale[slot], cache.block_arrays[gi], cache.first[gi]
 
     def layer_arrays(self, pool) -> tuple:
         """Per layer, in layer order: (keys, key scales, values, value scales) as Numba typed lists, for the
@@ -190,7 +198,7 @@ class _WholeForward:
         x = self._embedded(list(tokens))
         cos, sin = plan.rope_angles(positions)
         cache.reserve(n)
-        tables, firsts, cols = cache.kernel_tables()
+        tables, firsts, cols = _STORAGE.kernel_tables(cache)
         logits = self.kernel(x, _STORAGE.layer_arrays(cache.pool), cache.pool.layer_group, plan.layer_window,
                              plan.layer_rope, tables, firsts, cols, positions, cos, sin, rows.astype(np.int64))
         cache.commit()
@@ -226,7 +234,7 @@ class _WholeForward:
         tables, firsts, cols = [], [], []
         for tokens, cache, _ in segments:
             cache.reserve(len(tokens))
-            t, f, w = cache.kernel_tables()
+            t, f, w = _STORAGE.kernel_tables(cache)
             tables.append(t)
             firsts.append(f)
             cols.append(w)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from localllm.backends.interface import Backend, KVStorage
+from localllm.runtime.kv_cache import BLOCK
 from localllm.errors import LocalLLMError
 
 
@@ -142,9 +143,12 @@ class OpenCLBackend(Backend):
         return d
 
     def _columns(self, cache, layer: int, which: str):
-        """The device copy of cache.column_map / write_columns for this layer's group, uploaded once per step."""
+        """The device copy of this layer group's storage columns, uploaded once per step: "read", of the keys
+        attention reads (positions from the group's first held block to the tokens being written: the block table
+        spelled out), or "write", of the tokens being written."""
         gi = cache.pool.where[layer][0]
-        cols = (cache.column_map if which == "read" else cache.write_columns)(layer)
+        cols = (cache.column_array(gi, cache.first[gi] * BLOCK, cache.length + cache.pending) if which == "read"
+                else cache.write_cols[gi])
         key = (id(cache), gi, which)
         hit = self._recall(key)
         if hit is not None and hit[0].shape == cols.shape and np.array_equal(hit[0], cols):
@@ -271,6 +275,12 @@ class OpenCLBackend(Backend):
 
     def to_host(self, x):
         return self.ops.to_host(x)
+
+    def from_host(self, x):  # what an op without a kernel here (the reference, on the host) gives back
+        return self.ops.to_device(np.ascontiguousarray(x, np.float32))
+
+    def assign(self, x, values):  # the result of an in-place op run on the host
+        x.set(np.ascontiguousarray(values, np.float32))
 
     def warm_up_calls(self, weights, kv_type=None):
         """One product per weight format, of 1 row (decode's kernel) and of 9 (the tiled one, a full tile and a

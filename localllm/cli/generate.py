@@ -464,12 +464,13 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from localllm.kernels import ops
+    from localllm.backends import host_kernels
     from localllm.kernels.membw import read_bandwidth
     from localllm.bench import speed as bench
     from localllm.store import local as store
     from localllm.runtime.engine import Engine
 
+    ops = host_kernels()
     if args.threads:
         ops.set_threads(args.threads)
     names = list(args.models)

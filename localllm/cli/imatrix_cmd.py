@@ -20,8 +20,8 @@ def _duration(seconds: float) -> str:
 
 def cmd_imatrix(args) -> int:
     from localllm.convert import imatrix
+    from localllm.backends import host_kernels
     from localllm.runtime.engine import Engine
-    from localllm.kernels import ops
 
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -37,7 +37,7 @@ def cmd_imatrix(args) -> int:
     if not text.strip():
         raise LocalLLMError(f"{args.text}: the calibration text is empty")
     if args.threads:
-        ops.set_threads(args.threads)
+        host_kernels().set_threads(args.threads)
     engine = Engine.load(args.model, ctx=max(args.ctx_size, 16), quiet=quiet)
     if out.exists() and out.resolve() == engine.path.resolve():
         raise LocalLLMError(f"{out}: the output would overwrite the model; choose another output path")

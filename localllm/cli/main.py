@@ -231,7 +231,7 @@ def cmd_bench_serve(args) -> int:
 
 
 def cmd_devices(args) -> int:
-    from localllm.runtime.devices import all_devices
+    from localllm.backends.devices import all_devices
 
     found = all_devices()
     if args.json:

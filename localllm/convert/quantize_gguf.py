@@ -623,8 +623,9 @@ SLAB_BYTES = 64 << 20  # float32 rows decoded at a time: memory stays ~3 slabs w
 
 def convert_rows(src: np.ndarray, src_type: T, dst_type: T, importance: np.ndarray | None = None) -> np.ndarray:
     """Raw rows of one type -> raw rows of another: decode to float32 (exact), quantize with the table's kernel."""
-    from localllm.kernels.cpu.cpu_formats import format_of
+    from localllm.backends import host_kernels
 
+    format_of = host_kernels().format_of
     rows = src.shape[0]
     ncols = src.shape[1] // format_of(src_type).type_size * format_of(src_type).block_size
     if src_type == T.F32:
@@ -647,10 +648,10 @@ def write(gguf: GGUFFile, plan: Plan, out_path: Path, progress=None, *, resume: 
     `progress(done_bytes)` is called as input bytes are consumed. `source(name)` gives a tensor's input rows
     (default: the input file's). An interruption or a system error (a full disk) keeps the partial file, which
     `resume` continues when `plan_id` (what the file is made from) is unchanged (localllm/store/resume.py)."""
-    from localllm.kernels import ops
+    from localllm.backends import host_kernels
     from localllm.store.resume import PartialWriter, keep_partial
 
-    ops.threads()  # the kernels' runtime settings, before the first parallel call
+    host_kernels().threads()  # the kernels' runtime settings, before the first parallel call
     source = source or gguf.raw
     writer = PartialWriter(Path(out_path), header_bytes(gguf, plan), plan_id or {}, [t.name for t in plan.tensors],
                            resume=resume, alignment=ALIGNMENT, say=say or (lambda s: None))

@@ -29,9 +29,10 @@ Design (vLLM-style paged attention with prefix caching, kept small):
 * Sliding-window layers (gemma3) form their own layer group with their own tables: blocks that the next query
   can no longer see are released, so those layers hold about `window` tokens whatever the sequence length.
 * Element type (`kv_type`): float32, or `q8_0` (int8 with a scale per 32 values, as ggml's block_q8_0),
-  about 3.6x smaller (on backends whose storage has it). Attention reads either directly (through
-  `attention_inputs`);
-  `keys()` / `values()` always return float32 (dequantized), for saving sessions and for tests.
+  about 3.6x smaller (on backends whose storage has it). Attention reads either directly: each backend's
+  `KVStorage` makes its kernels' view of a cache (the CPU's block tables over host arrays, OpenCL's column maps
+  on the device) from `block_arrays`, `first` and `write_cols`; `keys()` / `values()` always return float32
+  (dequantized), for saving sessions, the reference backend and tests.
 """
 
 from __future__ import annotations
@@ -241,11 +242,12 @@ class KVCache:
         self.pool = pool
         self.max_tokens = max_tokens
         self.length = 0  # committed tokens
-        self._pending = 0  # tokens written by the forward in progress
+        self.pending = 0  # tokens written by the forward in progress (reserved, not yet committed)
         self.tables: list[list[int | None]] = [[] for _ in pool.groups]
         self.first = [0] * len(pool.groups)  # first block each group still holds
-        self._block_arrays: list[np.ndarray] = []  # the tables from `first` on, for the kernels (set by reserve)
-        self._write_columns: list[np.ndarray] = []  # storage columns of the tokens being written (set by reserve)
+        # For the backends' attention and KV writes (each backend's KVStorage makes its kernels' views of them):
+        self.block_arrays: list[np.ndarray] = []  # per group, the table from `first` on (set by reserve)
+        self.write_cols: list[np.ndarray] = []  # per group, storage columns of the tokens being written (reserve)
         self.names: list[bytes] = []  # prefix names of the full blocks whose tokens we were told
         # After a context shift, blocks from this one on hold keys computed with tokens that are gone: they
         # are not what a fresh forward of their prefix gives, so they must never be named for reuse.
@@ -264,34 +266,18 @@ class KVCache:
             while len(table) * BLOCK < need:
                 last = table[-1] if table else None
                 table.append(self.pool.allocate(gi, None if last is None else last + 1))
-        self._block_arrays = [np.asarray(t[f:], np.int64) for t, f in zip(self.tables, self.first)]
+        self.block_arrays = [np.asarray(t[f:], np.int64) for t, f in zip(self.tables, self.first)]
         # Where the n new tokens go, per group: the same for every layer of the forward, so computed once here.
-        self._write_columns = [self._column_array(gi, self.length, need) for gi in range(len(self.tables))]
-        self._pending = n
+        self.write_cols = [self.column_array(gi, self.length, need) for gi in range(len(self.tables))]
+        self.pending = n
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """k: (n, n_kv_heads, head_dim), v: (n, n_kv_heads, value_dim) for the n reserved tokens."""
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
-        cols = self._write_columns[gi]
+        cols = self.write_cols[gi]
         self.pool.storage.write_rows(g.k[slot], g.k_scale[slot], cols, k)
         self.pool.storage.write_rows(g.v[slot], g.v_scale[slot], cols, v)
-
-    def attention_inputs(self, layer: int) -> tuple:
-        """What a backend's attention reads for `layer` during a forward: (keys, key scales, values, value
-        scales, block table from the first held block, that block's index)."""
-        gi, slot = self.pool.where[layer]
-        g = self.pool.groups[gi]
-        return g.k[slot], g.k_scale[slot], g.v[slot], g.v_scale[slot], self._block_arrays[gi], self.first[gi]
-
-    def kernel_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For a compiled forward over every layer (after `reserve`): per group, the block table from the first
-        held block (rows padded to one width), that block, and the storage columns of the tokens being written."""
-        width = max(len(t) for t in self._block_arrays)
-        tables = np.zeros((len(self._block_arrays), max(width, 1)), np.int64)
-        for gi, t in enumerate(self._block_arrays):
-            tables[gi, : len(t)] = t
-        return tables, np.asarray(self.first, np.int64), np.stack(self._write_columns)
 
     def start(self, layer: int) -> int:
         """Absolute position of the first token `keys(layer)` holds (> 0 once a sliding layer dropped blocks)."""
@@ -301,32 +287,22 @@ class KVCache:
         """float32 (n_kv, T, head_dim): the keys of positions start(layer)..length (a view when it can be)."""
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
-        return self._read(g.k[slot], g.k_scale[slot], gi, self.start(layer), self.length + self._pending)
+        return self._read(g.k[slot], g.k_scale[slot], gi, self.start(layer), self.length + self.pending)
 
     def values(self, layer: int) -> np.ndarray:
         gi, slot = self.pool.where[layer]
         g = self.pool.groups[gi]
-        return self._read(g.v[slot], g.v_scale[slot], gi, self.start(layer), self.length + self._pending)
+        return self._read(g.v[slot], g.v_scale[slot], gi, self.start(layer), self.length + self.pending)
 
     def _read(self, store, scales, gi: int, start: int, end: int) -> np.ndarray:
         cols = self._columns(gi, start, end)
         if isinstance(store, np.ndarray) and store.dtype == np.float32 and isinstance(cols, slice):
             return store[:, cols]  # a view, no copy
-        return self.pool.storage.read_rows(store, scales, self._column_array(gi, start, end))
-
-    def column_map(self, layer: int) -> np.ndarray:
-        """int64 storage columns of positions start(layer) .. length + pending - 1 for `layer` (after reserve):
-        the block table spelled out, for kernels that read keys through a column list."""
-        gi = self.pool.where[layer][0]
-        return self._column_array(gi, self.first[gi] * BLOCK, self.length + self._pending)
-
-    def write_columns(self, layer: int) -> np.ndarray:
-        """int64 storage columns of the tokens being written (after reserve), for `layer`."""
-        return self._write_columns[self.pool.where[layer][0]]
+        return self.pool.storage.read_rows(store, scales, self.column_array(gi, start, end))
 
     def commit(self) -> None:
-        self.length += self._pending
-        self._pending = 0
+        self.length += self.pending
+        self.pending = 0
         for gi, g in enumerate(self.pool.groups):
             if g.window:
                 # The next query (at `length`) sees keys after length - window. One spare block lets a short
@@ -352,7 +328,7 @@ class KVCache:
         if self.name_limit is not None and n <= self.name_limit * BLOCK:
             self.name_limit = None  # everything shifted was rolled back
         self.length = n
-        self._pending = 0
+        self.pending = 0
 
     def shift(self, n_keep: int, n_discard: int, rotate) -> None:
         """llama.cpp's context shift: drop tokens [n_keep, n_keep + n_discard) and move the later ones down by
@@ -360,14 +336,14 @@ class KVCache:
         head_dim), C-contiguous, rotated in place) re-positions them; values move as they are."""
         if any(g.window for g in self.pool.groups):
             raise ValueError("a context shift needs every layer's full history (sliding-window layers dropped it)")
-        if not (0 <= n_keep and n_discard > 0 and n_keep + n_discard <= self.length and self._pending == 0):
+        if not (0 <= n_keep and n_discard > 0 and n_keep + n_discard <= self.length and self.pending == 0):
             raise ValueError(f"cannot shift a {self.length}-token cache by {n_discard} after {n_keep}")
         new_len = self.length - n_discard
         for gi, g in enumerate(self.pool.groups):
             for j in range(n_keep // BLOCK, -(-new_len // BLOCK)):
                 self._own(gi, j)  # contents change: copy shared blocks, un-name our own
-            src = self._column_array(gi, n_keep + n_discard, self.length)
-            dst = self._column_array(gi, n_keep, new_len)
+            src = self.column_array(gi, n_keep + n_discard, self.length)
+            dst = self.column_array(gi, n_keep, new_len)
             storage = self.pool.storage
             for slot, layer in enumerate(g.layers):
                 keys = np.ascontiguousarray(
@@ -383,7 +359,7 @@ class KVCache:
     def fork(self) -> "KVCache":
         """Another holder of the same blocks (no copy: each block's refcount + 1, copy-on-write protects both):
         this cache's contents kept readable, e.g. as the source of `splice` while this one is rewritten."""
-        if self._pending:
+        if self.pending:
             raise ValueError("cannot fork a cache during a forward")
         twin = KVCache(self.pool, self.max_tokens)
         for gi, table in enumerate(self.tables):
@@ -406,7 +382,7 @@ class KVCache:
         stored. The result is not what a forward would give (those tokens attended to the donor's earlier
         tokens, not to this cache's), so from the block holding the first spliced token on nothing is named
         for exact prefix reuse."""
-        if donor.pool is not self.pool or self._pending:
+        if donor.pool is not self.pool or self.pending:
             raise ValueError("a splice needs a donor of the same pool, between forwards")
         if n <= 0 or src < donor.held_from() or src + n > donor.length:
             raise ValueError(f"the donor does not hold positions {src}..{src + n}")
@@ -415,8 +391,8 @@ class KVCache:
         delta = dst - src
         storage = self.pool.storage
         for gi, g in enumerate(self.pool.groups):
-            src_cols = donor._column_array(gi, src, src + n)
-            dst_cols = self._write_columns[gi]
+            src_cols = donor.column_array(gi, src, src + n)
+            dst_cols = self.write_cols[gi]
             for slot, layer in enumerate(g.layers):
                 if delta:
                     keys = np.ascontiguousarray(storage.read_rows(g.k[slot], g.k_scale[slot], src_cols)
@@ -536,7 +512,7 @@ class KVCache:
             while len(table) * BLOCK < length:
                 last = table[-1] if table and table[-1] is not None else None
                 table.append(self.pool.allocate(gi, None if last is None else last + 1))
-            cols = self._column_array(gi, start, length)
+            cols = self.column_array(gi, start, length)
             for slot, layer in enumerate(g.layers):
                 keys, values = kv[layer]
                 self.pool.storage.write_rows(g.k[slot], g.k_scale[slot], cols,
@@ -556,7 +532,7 @@ class KVCache:
         self.first = [0] * len(self.tables)
         self.names.clear()
         self.name_limit = None
-        self.length = self._pending = 0
+        self.length = self.pending = 0
 
     def __del__(self):
         try:
@@ -593,7 +569,8 @@ class KVCache:
         else:
             g.forget(b)
 
-    def _column_array(self, gi: int, start: int, end: int) -> np.ndarray:
+    def column_array(self, gi: int, start: int, end: int) -> np.ndarray:
+        """int64 storage columns of positions [start, end) in group gi."""
         cols = self._columns(gi, start, end)
         return np.arange(cols.start, cols.stop, dtype=np.int64) if isinstance(cols, slice) else cols
 

@@ -20,8 +20,9 @@ from localllm.progress import note, progress_bar
 
 @cache
 def _build_key() -> str:
+    from importlib.metadata import version
+
     import llvmlite.binding as llvm
-    import numba
 
     import localllm.kernels as kernels
 
@@ -29,7 +30,7 @@ def _build_key() -> str:
     root = Path(kernels.__file__).parent
     for src in sorted([*root.rglob("*.py"), *root.rglob("*.cl")]):  # Numba's and OpenCL's kernel sources
         digest.update(src.read_bytes())
-    digest.update(numba.__version__.encode())
+    digest.update(version("numba").encode())  # compiled code is Numba's: a new one compiles anew
     digest.update(llvm.get_host_cpu_name().encode())
     return digest.hexdigest()[:16]
 
