@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from localllm.runtime import kv_cache
-from localllm.backends.interface import Backend, KVStorage
+from localllm.backends.interface import Backend, HostKVStorage
 from localllm.kernels import ops
 from localllm.kernels.cpu import attention as _attention
 
@@ -90,9 +90,6 @@ class CpuBackend(Backend):
         return ops.attention(q, _STORAGE.attention_inputs(cache, layer), positions, cache.start(layer), window, scale,
                              softcap)
 
-    def to_host(self, x):
-        return x
-
     def kv_storage(self):
         return _STORAGE
 
@@ -105,36 +102,21 @@ class CpuBackend(Backend):
         return ops.warm_up_calls(weights, kv_type)
 
 
-class CpuKVStorage(KVStorage):
-    """KV blocks in host numpy arrays, written and read by kernels/cpu/attention.py (its attention reads them
-    in place through the block tables)."""
+class CpuKVStorage(HostKVStorage):
+    """KV blocks in host numpy arrays, float32 or q8_0, written and read by kernels/cpu/attention.py (its
+    attention reads them in place through the block tables)."""
 
     kv_types = ("f32", "q8_0")
-
-    def new(self, n_kv, dim, dtype):
-        return np.empty((n_kv, 0, dim), dtype)
-
-    def grown(self, old, columns):
-        new = np.empty((old.shape[0], columns, old.shape[2]), old.dtype)
-        new[:, : old.shape[1]] = old
-        return new
-
-    def copy_columns(self, arr, src, dst, n):
-        arr[:, dst : dst + n] = arr[:, src : src + n]
 
     def write_rows(self, store, scales, cols, x):
         _attention.write_rows(store, scales, cols, x)
 
     def read_rows(self, store, scales, cols):
         if store.dtype == np.float32:
-            # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
-            return np.take(store, cols, axis=1)
+            return super().read_rows(store, scales, cols)
         out = np.empty((store.shape[0], len(cols), store.shape[2]), np.float32)
         _attention.read_rows(store, scales, cols, out)
         return out
-
-    def move_columns(self, arr, src, dst):
-        arr[:, dst] = arr[:, src].copy()  # source and destination may overlap
 
     @staticmethod
     def attention_inputs(cache, layer: int) -> tuple:

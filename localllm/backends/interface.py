@@ -334,7 +334,7 @@ class KVStorage(ABC):
 
 class HostKVStorage(KVStorage):
     """KV blocks in host float32 arrays, written and read with numpy: the storage of a backend that has none of
-    its own (the reference backend)."""
+    its own (the reference backend), and the CPU's, whose kernels add q8_0."""
 
     kv_types = ("f32",)
 
@@ -353,10 +353,11 @@ class HostKVStorage(KVStorage):
         store[:, cols] = np.asarray(x, np.float32).transpose(1, 0, 2)
 
     def read_rows(self, store, scales, cols):
+        # np.take gathers along the token axis about twice as fast as fancy indexing store[:, cols].
         return np.take(store, cols, axis=1)
 
     def move_columns(self, arr, src, dst):
-        arr[:, dst] = arr[:, src].copy()
+        arr[:, dst] = arr[:, src].copy()  # source and destination may overlap
 
 
 _HOST_STORAGE = HostKVStorage()
