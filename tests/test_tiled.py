@@ -1,5 +1,6 @@
-"""Tests of the 16-row tiled weights (kernels/cpu/tiled.py): the repacking is lossless, the VNNI kernel is
-bitwise its portable loops and batch invariant, and a model loaded tiled computes what the file's layout does."""
+"""Tests of the 16-row tiled weights (kernels/cpu/tiled.py, and kernels/cpu/tiled_k.py for Q4_K and Q6_K): the
+repacking is lossless, the VNNI kernel is bitwise its portable loops and batch invariant, and a model loaded tiled
+computes what the file's layout does."""
 
 from __future__ import annotations
 
@@ -13,23 +14,32 @@ from localllm.gguf_file import GGUFFile
 from conftest import model_file
 
 Q = GGMLQuantizationType
-TILED = [Q.Q8_0, Q.Q4_0, Q.Q5_0]
+TILED = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K]
+K_QUANTS = (Q.Q4_K, Q.Q6_K)
 needs_vnni = pytest.mark.skipif(not tiled.HAVE_AVX512_VNNI, reason="the tiled kernel needs AVX-512 VNNI")
 
 
 def random_weights(qtype, rows, cols, rng):
-    """Random blocks (every quant bit random) with finite fp16 scales in [-0.05, 0.05]."""
-    bb = GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, (rows, cols // 32 * bb), dtype=np.uint8)
-    blocks = raw.reshape(rows, cols // 32, bb)
-    blocks[:, :, 0:2] = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16).view(np.uint8).reshape(
-        *blocks.shape[:2], 2)
+    """Random blocks (every quant and scale bit random) with finite fp16 scales in [-0.05, 0.05] (Q4_K's d and
+    dmin, Q6_K's d at the block's end)."""
+    size, bb = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // size * bb), dtype=np.uint8)
+    blocks = raw.reshape(rows, cols // size, bb)
+    for at in {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}.get(qtype, (0,)):
+        blocks[:, :, at:at + 2] = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16).view(
+            np.uint8).reshape(*blocks.shape[:2], 2)
     return raw
 
 
+def widths(qtype, *for_32):
+    """Row widths for a format: the 32-block formats' as given, the K-quants' (256-blocks) their multiples."""
+    return [c // 32 * 256 if qtype in K_QUANTS else c for c in for_32]
+
+
 @pytest.mark.parametrize("qtype", TILED, ids=lambda q: q.name)
-@pytest.mark.parametrize("cols", [64, 96, 896])  # even and odd block counts
-def test_untiling_any_rows_of_a_tiled_weight_gives_back_the_file_bytes(qtype, cols):
+@pytest.mark.parametrize("width", [64, 96, 896])  # even and odd block counts
+def test_untiling_any_rows_of_a_tiled_weight_gives_back_the_file_bytes(qtype, width):
+    [cols] = widths(qtype, width)
     rng = np.random.default_rng(cols)
     raw = random_weights(qtype, 48, cols, rng)
     t = tiled.tile(raw, qtype)
@@ -43,7 +53,7 @@ def test_untiling_any_rows_of_a_tiled_weight_gives_back_the_file_bytes(qtype, co
 @pytest.mark.parametrize("qtype", TILED, ids=lambda q: q.name)
 def test_the_tiled_kernel_is_bitwise_its_portable_loops_at_every_batch_size(qtype):
     rng = np.random.default_rng(int(qtype))
-    cols, rows = 320, 96
+    [cols], rows = widths(qtype, 320), 96
     raw = random_weights(qtype, rows, cols, rng)
     t = tiled.tile(raw, qtype)
     kernel = quant_dot.bind_tiled(t, qtype)
@@ -61,7 +71,7 @@ def test_the_tiled_kernel_is_bitwise_its_portable_loops_at_every_batch_size(qtyp
 @pytest.mark.parametrize("qtype", TILED, ids=lambda q: q.name)
 def test_a_row_alone_is_bitwise_the_same_row_in_any_batch(qtype):
     rng = np.random.default_rng(7)
-    cols, rows = 896, 64
+    [cols], rows = widths(qtype, 96), 64
     t = tiled.tile(random_weights(qtype, rows, cols, rng), qtype)
     kernel = quant_dot.bind_tiled(t, qtype)
     x = rng.standard_normal((11, cols)).astype(np.float32)
@@ -77,9 +87,10 @@ def test_a_row_alone_is_bitwise_the_same_row_in_any_batch(qtype):
 @pytest.mark.parametrize("qtype", TILED, ids=lambda q: q.name)
 def test_tiled_products_agree_with_the_file_layout_kernel_to_float_rounding(qtype):
     """The same integer block sums, summed in another float order: 1e-5 of the row's magnitude bounds the
-    difference of float32 sums of 28 block terms (each term ~1e-7 relative)."""
+    difference of float32 sums of 28 block terms (each term ~1e-7 relative); the K-quants' file-layout kernel sums
+    8 float lanes a row (ggml's order), the tiles one sum a row."""
     rng = np.random.default_rng(3)
-    cols, rows = 896, 128
+    [cols], rows = widths(qtype, 896 if qtype not in K_QUANTS else 224), 128
     raw = random_weights(qtype, rows, cols, rng)
     x = rng.standard_normal((8, cols)).astype(np.float32)
     want = np.empty((8, rows), np.float32)
@@ -93,8 +104,9 @@ def test_tiled_products_agree_with_the_file_layout_kernel_to_float_rounding(qtyp
 @needs_vnni
 def test_a_model_loaded_tiled_embeds_dequantizes_and_multiplies_like_the_file_layout():
     g = GGUFFile(model_file("qwen2.5-coder-0.5b-instruct"))
-    names = [n for n, info in g.tensors.items() if info.qtype in TILED and len(info.shape) == 2][:6]
-    assert names
+    matrices = [(n, info.qtype) for n, info in g.tensors.items() if info.qtype in TILED and len(info.shape) == 2]
+    names = [n for q in TILED for n in [n for n, t in matrices if t == q][:2]]  # two of each tiled format it has
+    assert {g.tensors[n].qtype for n in names} == {Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K}
     for name in names:
         plain = ops.Weight.from_gguf(g, name)
         tiled_w = ops.Weight.from_gguf(g, name, tile=True)
@@ -116,7 +128,8 @@ def test_a_model_loaded_tiled_embeds_dequantizes_and_multiplies_like_the_file_la
 
 def test_weights_that_do_not_fill_whole_tiles_keep_the_file_layout():
     assert not tiled.can_tile(Q.Q8_0, 24)
-    assert not tiled.can_tile(Q.Q4_K, 64)
+    assert not tiled.can_tile(Q.Q4_K, 40)
+    assert not tiled.can_tile(Q.Q2_K, 64)  # no tiled kernel: the file's layout
     raw = random_weights(Q.Q8_0, 24, 64, np.random.default_rng(0))
     with pytest.raises(ValueError, match="cannot be tiled"):
         ops.Weight(raw, Q.Q8_0, tiled=True)

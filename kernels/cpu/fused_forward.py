@@ -48,7 +48,7 @@ from numba import njit, prange, typeof, types
 from numba.core.compiler_lock import global_compiler_lock
 
 from localllm.kernels.cpu import (
-    attention, blocks, by_address, forget_stale_cache, format_set, quant_dot, simd, team, tiled,
+    attention, blocks, by_address, forget_stale_cache, format_set, quant_dot, simd, team, tiled, tiled_k,
 )
 from localllm.kernels.cpu import moe_kernels
 from localllm.kernels.cpu.by_address import AddressType, Compiled, call
@@ -459,5 +459,5 @@ def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_sc
 
 # The compiled forward contains the code of every kernel it calls: recompile it when any of them changes.
 forget_stale_cache(__file__, forward._cache.cache_path,
-                   [m.__file__ for m in (simd, team, quant_dot, tiled, attention, blocks, moe_kernels, format_set,
-                                         by_address)])
+                   [m.__file__ for m in (simd, team, quant_dot, tiled, tiled_k, attention, blocks, moe_kernels,
+                                         format_set, by_address)])

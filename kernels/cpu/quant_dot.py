@@ -47,6 +47,8 @@ from localllm.kernels.cpu import tiled as _tiled
 from localllm.kernels.cpu.format_set import FormatSetType
 from localllm.kernels.cpu.tiled import TILE as _TILE
 from localllm.kernels.cpu.tiled import rows_fast as tiled_rows
+from localllm.kernels.cpu import tiled_k as _tiled_k
+from localllm.kernels.cpu.tiled_k import rows_fast as tiled_k_rows
 from localllm.kernels.cpu.simd import (
     HAVE_AVX2,
     HAVE_AVX512,
@@ -1890,8 +1892,8 @@ ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 1, 2, 4  # activation families, as bits of a mask
 def activation_family(qtype) -> int:
     """The activation family (ACT_*) that weights of `qtype` (or its tiled twin's kernel type) are multiplied
     with."""
-    if int(qtype) >= 100:  # tiled Q4_0 / Q5_0 / Q8_0 (kernels/cpu/tiled.py)
-        return ACT_Q8_0
+    if int(qtype) >= 100:  # tiled Q4_0 / Q5_0 / Q8_0 (kernels/cpu/tiled.py), Q4_K / Q6_K (tiled_k.py)
+        return ACT_Q8_K if int(qtype) - 100 in _tiled_k.KIND.values() else ACT_Q8_0
     qtype = GGMLQuantizationType(qtype)
     if qtype in (Q.Q4_1, Q.Q5_1):
         return ACT_Q8_1
@@ -1910,7 +1912,7 @@ def _quantize_activations_for(formats, x, families):
     if not isinstance(formats, FormatSetType):
         return None
     needed = 0
-    for qtype in list(SUPPORTED) + [100 + int(q) for q in (Q.Q8_0, Q.Q4_0, Q.Q5_0)]:
+    for qtype in list(SUPPORTED) + [100 + int(q) for q in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K)]:
         if formats.has(qtype):
             needed |= activation_family(qtype)
     # Constants of the closure: Numba prunes the branches they rule out before typing them.
@@ -1949,9 +1951,16 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
     q2_k, q3_k, q4_k, q5_k, q6_k = (formats.has(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
     # tiled twins (kernels/cpu/tiled.py): kernel type 100 + the GGML type
     t8_0, t4_0, t5_0 = (formats.has(100 + int(q)) for q in (Q.Q8_0, Q.Q4_0, Q.Q5_0))
+    t4_k, t6_k = (formats.has(100 + int(q)) for q in (Q.Q4_K, Q.Q6_K))
 
     def impl(formats, raw, qtype, acts, out, r0, r1):
         q0, d0, q1, d1, s1, qk, dk, bk = acts
+        if t4_k:
+            if qtype == 112:
+                tiled_k_rows(raw, 12, qk, dk, bk, out, r0, r1)
+        if t6_k:
+            if qtype == 114:
+                tiled_k_rows(raw, 14, qk, dk, bk, out, r0, r1)
         if t8_0:
             if qtype == 108:
                 tiled_rows(raw, 0, q0, d0, out, r0, r1)
@@ -2058,6 +2067,36 @@ def _tiled_matmul_many_q5_0(raws, xq, xd, outs, chunks):
     _tiled_matmul_many(raws, 3, xq, xd, outs, chunks)
 
 
+@njit(parallel=True, cache=True)
+def _tiled_k_matmul(raws, kind, xq, xd, bsums, outs, chunks):
+    """K-quant tiled weights of one format on one x (tiled_k.py), their tiles laid end to end and cut into
+    `chunks`."""
+    literally(kind)
+    total = 0
+    for w in range(len(raws)):
+        total += raws[w].shape[0] // _TILE
+    for c in prange(chunks):
+        lo, hi = c * total // chunks, (c + 1) * total // chunks
+        start = 0
+        for w in range(len(raws)):
+            tiles = raws[w].shape[0] // _TILE
+            t0, t1 = max(lo - start, 0), min(hi - start, tiles)
+            if t0 < t1:
+                tiled_k_rows(raws[w], kind, xq, xd, bsums, outs[w], _TILE * t0, _TILE * t1)
+            start += tiles
+
+
+@njit(cache=True)
+def _tiled_matmul_q4_k(raws, xq, xd, bsums, outs, chunks):
+    _tiled_k_matmul(raws, 12, xq, xd, bsums, outs, chunks)
+
+
+@njit(cache=True)
+def _tiled_matmul_q6_k(raws, xq, xd, bsums, outs, chunks):
+    _tiled_k_matmul(raws, 14, xq, xd, bsums, outs, chunks)
+
+
+_TILED_K = {Q.Q4_K: _tiled_matmul_q4_k, Q.Q6_K: _tiled_matmul_q6_k}
 _TILED_ONE = {0: _tiled_matmul_q8_0, 1: _tiled_matmul_q4_0, 3: _tiled_matmul_q5_0}
 _TILED_MANY = {0: _tiled_matmul_many_q8_0, 1: _tiled_matmul_many_q4_0, 3: _tiled_matmul_many_q5_0}
 
@@ -2070,6 +2109,9 @@ def _tiled_chunks(tiles: int, cols: int, threads: int) -> int:
 
 def bind_tiled(raw: np.ndarray, qtype):
     """`bind` for a weight in kernels/cpu/tiled.py's 16-row tiles."""
+    if Q(qtype) in _TILED_K:
+        many = bind_many_tiled([raw], qtype)
+        return lambda x, out, threads: many(x, (out,), threads)
     one = _TILED_ONE[_tiled.KIND[Q(qtype)]]
     tiles = raw.shape[0] // _TILE
     cols = raw.shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 32
@@ -2083,6 +2125,17 @@ def bind_tiled(raw: np.ndarray, qtype):
 
 def bind_many_tiled(raws: list[np.ndarray], qtype):
     """`kernel(x, outs, n_threads)` for several tiled weights of one format and width on one x."""
+    if Q(qtype) in _TILED_K:
+        k_many = _TILED_K[Q(qtype)]
+        raws = tuple(raws)
+        tiles = sum(r.shape[0] for r in raws) // _TILE
+        cols = raws[0].shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 256
+
+        def k_kernel(x, outs, threads):
+            xq, xd, bsums = quantize_q8_K(x)
+            k_many(raws, xq, xd, bsums, tuple(outs), _tiled_chunks(tiles, cols, threads))
+
+        return k_kernel
     many = _TILED_MANY[_tiled.KIND[Q(qtype)]]
     raws = tuple(raws)
     tiles = sum(r.shape[0] for r in raws) // _TILE
@@ -2097,12 +2150,16 @@ def bind_many_tiled(raws: list[np.ndarray], qtype):
 
 def matmul_tiled_portable(raw: np.ndarray, qtype, x: np.ndarray, out: np.ndarray) -> None:
     """The oracle: rows_portable over all rows, one thread."""
+    if Q(qtype) in _tiled_k.KIND:
+        xq, xd, bsums = quantize_q8_K(np.ascontiguousarray(x, dtype=np.float32))
+        _tiled_k.rows_portable(raw, _tiled_k.KIND[Q(qtype)], xq, xd, bsums, out, 0, raw.shape[0])
+        return
     xq, xd = quantize_q8_0(np.ascontiguousarray(x, dtype=np.float32))
     _tiled.rows_portable(raw, _tiled.KIND[Q(qtype)], xq, xd, out, 0, raw.shape[0])
 
 
 # Built with simd.py's intrinsics: recompile when that file changes (see kernels.cpu.forget_stale_cache).
-forget_stale_cache(__file__, _matmul_q8_0_avx2._cache.cache_path, [simd.__file__, _tiled.__file__])
+forget_stale_cache(__file__, _matmul_q8_0_avx2._cache.cache_path, [simd.__file__, _tiled.__file__, _tiled_k.__file__])
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public interface (called by kernels.ops.matmul)

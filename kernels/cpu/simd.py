@@ -1390,6 +1390,81 @@ def store_pair_sums_4(typingctx, address, v0, v1, v2, v3):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Lane-wise integer operations on zmm, for the K-quant tiles (kernels/cpu/tiled_k.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _zmm_binary(op: str, doc: str):
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, a, b):
+        if a != m512i or b != m512i:
+            return None
+
+        def codegen(context, builder, signature, args):
+            x, y = (builder.bitcast(v, I32x16) for v in args)
+            return builder.bitcast(getattr(builder, op)(x, y), I64x8)
+
+        return m512i(a, b), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+and_si512 = _zmm_binary("and_", "a & b (`vpandd`).")
+or_si512 = _zmm_binary("or_", "a | b (`vpord`).")
+mullo_epi32_512 = _zmm_binary("mul", "The low 32 bits of a * b per int32 lane (`vpmulld`).")
+
+
+def _zmm_shift(lane: ir.IntType, doc: str):
+    vec = ir.VectorType(lane, 512 // lane.width)
+
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, v, n):
+        if v != m512i or not isinstance(n, types.IntegerLiteral):
+            return None
+        count = n.literal_value
+
+        def codegen(context, builder, signature, args):
+            x = builder.bitcast(args[0], vec)
+            amount = _splat(builder, ir.Constant(lane, abs(count)), vec)
+            x = builder.shl(x, amount) if count > 0 else builder.lshr(x, amount) if count < 0 else x
+            return builder.bitcast(x, I64x8)
+
+        return m512i(v, n), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+shift_epi16_512 = _zmm_shift(_I16, "Each 16-bit lane shifted by the literal n: left for n > 0, right (logical) for "
+                                   "n < 0 (`vpsllw` / `vpsrlw`).")
+shift_epi32_512 = _zmm_shift(_I32, "Each int32 lane shifted by the literal n: left for n > 0, right (logical) for "
+                                   "n < 0 (`vpslld` / `vpsrld`).")
+
+
+def _load_widen_bytes(signed: bool, doc: str):
+    @intrinsic(prefer_literal=True)
+    def fn(typingctx, address):
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            packed = builder.load(_ptr(builder, args[0], I8x16), align=1)
+            wide = builder.sext(packed, I32x16) if signed else builder.zext(packed, I32x16)
+            return builder.bitcast(wide, I64x8)
+
+        return m512i(address), codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+load_cvtepu8_epi32_512 = _load_widen_bytes(False, "16 bytes at `address` as 16 int32 lanes, zero-extended "
+                                                  "(`vpmovzxbd`).")
+load_cvtepi8_epi32_512 = _load_widen_bytes(True, "16 signed bytes at `address` as 16 int32 lanes (`vpmovsxbd`).")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # ggml's composite helpers (arch/x86/quants.c), built from the primitives above
 # ---------------------------------------------------------------------------------------------------------------
 

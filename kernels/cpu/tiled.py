@@ -37,6 +37,7 @@ from numba import literally, njit, prange
 
 from localllm.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from localllm.kernels.cpu import forget_stale_cache, simd
+from localllm.kernels.cpu import tiled_k as _tiled_k
 from localllm.kernels.cpu.dequant import f16_to_f32
 from localllm.kernels.cpu.simd import HAVE_AVX512_VNNI, fma_f32
 
@@ -48,8 +49,10 @@ TILED_BASE = 100
 
 
 def can_tile(qtype, rows: int) -> bool:
-    """Whether a weight of this format and row count is tiled on this CPU (the kernel needs AVX-512 VNNI)."""
-    return HAVE_AVX512_VNNI and Q(qtype) in KIND and rows > 0 and rows % TILE == 0
+    """Whether a weight of this format and row count is tiled on this CPU (the kernels need AVX-512 VNNI): Q4_0,
+    Q5_0 and Q8_0 here, Q4_K and Q6_K in kernels/cpu/tiled_k.py."""
+    return (HAVE_AVX512_VNNI and (Q(qtype) in KIND or Q(qtype) in _tiled_k.KIND) and rows > 0
+            and rows % TILE == 0)
 
 
 def kernel_type(qtype) -> int:
@@ -86,7 +89,10 @@ def tile(raw: np.ndarray, qtype, release=None) -> np.ndarray:
     step = max(TILE, _CHUNK_BYTES // max(row_bytes, 1) // TILE * TILE)
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        _tile_into(raw[r0:r1], KIND[qtype], out[r0:r1])
+        if qtype in _tiled_k.KIND:
+            _tiled_k.tile(raw[r0:r1], qtype, out[r0:r1])
+        else:
+            _tile_into(raw[r0:r1], KIND[qtype], out[r0:r1])
         if release is not None:
             release(raw[r0:r1])
     out.flags.writeable = False
@@ -150,6 +156,8 @@ def _tile_into(raw, kind, out):
 def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
     """The GGUF-layout bytes (len(ids), row_bytes) of rows `ids` of a tiled weight (`tile` inverted); each row
     is gathered from its tile alone (an embedding lookup reads a few rows of a 150k-row table every step)."""
+    if Q(qtype) in _tiled_k.KIND:
+        return _tiled_k.untile_rows(tiled, qtype, ids)
     ids = np.asarray(ids, np.int64).reshape(-1)
     out = np.empty((len(ids), tiled.shape[1]), np.uint8)
     _untile_into(tiled, KIND[Q(qtype)], ids, out)
