@@ -62,38 +62,46 @@ def tile(raw: np.ndarray, qtype, out: np.ndarray) -> None:
     _tile_into(raw, KIND[Q(qtype)], out)
 
 
+@njit(cache=True, inline="always")
+def _u32_at(src, at):
+    """4 bytes of src from `at` as a little-endian uint32 (LLVM makes it one unaligned load)."""
+    return (np.uint32(src[at]) | (np.uint32(src[at + 1]) << np.uint32(8)) | (np.uint32(src[at + 2]) << np.uint32(16))
+            | (np.uint32(src[at + 3]) << np.uint32(24)))
+
+
 @njit(parallel=True, cache=True)
 def _tile_into(raw, kind, out):
+    """Word by word where the layout moves 4 bytes together (the quants), byte by byte for the scales: the
+    1.5b's 934 MiB of K-quants tile in about a second on 2 cores, where a byte at a time took several."""
     rows, row_bytes = raw.shape
     bb = 144 if kind == 12 else 210
     blocks = row_bytes // bb
     for t in prange(rows // TILE):
         dst = out[TILE * t : TILE * (t + 1)].reshape(TILE * row_bytes)
+        words = dst.view(np.uint32)  # a tile is 16 rows: a multiple of 4 bytes from a 64-byte aligned start
         for r in range(TILE):
             src = raw[TILE * t + r]
             for b in range(blocks):
                 s = bb * b
+                o = _off(kind, blocks, b)
                 if kind == 12:
                     for c in range(32):
-                        for m in range(4):
-                            dst[_off(kind, blocks, b)[0] + 64 * c + 4 * r + m] = src[s + 16 + 4 * c + m]
+                        words[(o[0] + 64 * c + 4 * r) // 4] = _u32_at(src, s + 16 + 4 * c)
                     for k in range(12):
-                        dst[_off(kind, blocks, b)[1] + 16 * k + r] = src[s + 4 + k]
-                    dst[_off(kind, blocks, b)[3] + 2 * r] = src[s]
-                    dst[_off(kind, blocks, b)[3] + 2 * r + 1] = src[s + 1]
-                    dst[_off(kind, blocks, b)[4] + 2 * r] = src[s + 2]
-                    dst[_off(kind, blocks, b)[4] + 2 * r + 1] = src[s + 3]
+                        dst[o[1] + 16 * k + r] = src[s + 4 + k]
+                    dst[o[3] + 2 * r] = src[s]
+                    dst[o[3] + 2 * r + 1] = src[s + 1]
+                    dst[o[4] + 2 * r] = src[s + 2]
+                    dst[o[4] + 2 * r + 1] = src[s + 3]
                 else:
                     for c in range(32):
-                        for m in range(4):
-                            dst[_off(kind, blocks, b)[0] + 64 * c + 4 * r + m] = src[s + 4 * c + m]
+                        words[(o[0] + 64 * c + 4 * r) // 4] = _u32_at(src, s + 4 * c)
                     for c in range(16):
-                        for m in range(4):
-                            dst[_off(kind, blocks, b)[1] + 64 * c + 4 * r + m] = src[s + 128 + 4 * c + m]
+                        words[(o[1] + 64 * c + 4 * r) // 4] = _u32_at(src, s + 128 + 4 * c)
                     for k in range(16):
-                        dst[_off(kind, blocks, b)[2] + 16 * k + r] = src[s + 192 + k]
-                    dst[_off(kind, blocks, b)[4] + 2 * r] = src[s + 208]
-                    dst[_off(kind, blocks, b)[4] + 2 * r + 1] = src[s + 209]
+                        dst[o[2] + 16 * k + r] = src[s + 192 + k]
+                    dst[o[4] + 2 * r] = src[s + 208]
+                    dst[o[4] + 2 * r + 1] = src[s + 209]
 
 
 def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
