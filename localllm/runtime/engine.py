@@ -23,8 +23,7 @@ from localllm.runtime.cache_reuse import Splice, find_splices
 from localllm.errors import ContextOverflowError, LocalLLMError
 from localllm.gguf_file import GGUFFile
 from localllm.runtime.kv_cache import KV_TYPES, KVCache, KVPool
-from localllm.runtime.generation import (PROMPT_CHUNK, Driver, Generation, GenerationParams, Run, Timings,
-                                        TokenEvent)
+from localllm.runtime.generation import PROMPT_CHUNK, Driver, Generation, GenerationParams, Run, TokenEvent
 from localllm.runtime.speculative import SpeculativeRun, check_draft_engine, make_drafter
 from localllm.tokenizer import Tokenizer
 from localllm.runtime.warmup import warm_up
