@@ -2008,97 +2008,66 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
 # Weights in 16-row tiles (kernels/cpu/tiled.py): the drivers; the row kernels are tiled.py's
 # ---------------------------------------------------------------------------------------------------------------
 
+@njit(cache=True, inline="always")
+def _tiled_range(raws, kind, xq, xd, bsums, outs, lo, hi):
+    """Tiles lo..hi of several tiled weights laid end to end: tiled.py's row kernel, or tiled_k.py's (kind 12 and
+    14, with the Q8_K activations' 16-sums)."""
+    start = 0
+    for w in range(len(raws)):
+        tiles = raws[w].shape[0] // _TILE
+        t0, t1 = max(lo - start, 0), min(hi - start, tiles)
+        if t0 < t1:
+            if kind >= 12:
+                tiled_k_rows(raws[w], kind, xq, xd, bsums, outs[w], _TILE * t0, _TILE * t1)
+            else:
+                tiled_rows(raws[w], kind, xq, xd, outs[w], _TILE * t0, _TILE * t1)
+        start += tiles
+
+
 @njit(parallel=True, cache=True)
-def _tiled_matmul(raw, kind, xq, xd, out, chunks):
+def _tiled_matmul_many(raws, kind, xq, xd, bsums, outs, chunks):
+    """Tiled weights of one format on one x, their tiles laid end to end and cut into `chunks` (one: no parallel
+    region, for the small weights)."""
     literally(kind)
-    tiles = raw.shape[0] // _TILE
+    total = 0
+    for w in range(len(raws)):
+        total += raws[w].shape[0] // _TILE
     if chunks == 1:
-        tiled_rows(raw, kind, xq, xd, out, 0, raw.shape[0])
+        _tiled_range(raws, kind, xq, xd, bsums, outs, 0, total)
         return
     for c in prange(chunks):
-        tiled_rows(raw, kind, xq, xd, out, _TILE * (c * tiles // chunks), _TILE * ((c + 1) * tiles // chunks))
+        _tiled_range(raws, kind, xq, xd, bsums, outs, c * total // chunks, (c + 1) * total // chunks)
 
 
-@njit(parallel=True, cache=True)
-def _tiled_matmul_many(raws, kind, xq, xd, outs, chunks):
-    """Several tiled weights of one format on one x, their tiles laid end to end and cut into `chunks`."""
-    literally(kind)
-    total = 0
-    for w in range(len(raws)):
-        total += raws[w].shape[0] // _TILE
-    for c in prange(chunks):
-        lo, hi = c * total // chunks, (c + 1) * total // chunks
-        start = 0
-        for w in range(len(raws)):
-            tiles = raws[w].shape[0] // _TILE
-            t0, t1 = max(lo - start, 0), min(hi - start, tiles)
-            if t0 < t1:
-                tiled_rows(raws[w], kind, xq, xd, outs[w], _TILE * t0, _TILE * t1)
-            start += tiles
+# One compiled driver per format (the kind a literal):
+@njit(cache=True)
+def _tiled_matmul_q8_0(raws, xq, xd, bsums, outs, chunks):
+    _tiled_matmul_many(raws, 0, xq, xd, bsums, outs, chunks)
 
 
 @njit(cache=True)
-def _tiled_matmul_q8_0(raw, xq, xd, out, chunks):
-    _tiled_matmul(raw, 0, xq, xd, out, chunks)
+def _tiled_matmul_q4_0(raws, xq, xd, bsums, outs, chunks):
+    _tiled_matmul_many(raws, 1, xq, xd, bsums, outs, chunks)
 
 
 @njit(cache=True)
-def _tiled_matmul_q4_0(raw, xq, xd, out, chunks):
-    _tiled_matmul(raw, 1, xq, xd, out, chunks)
-
-
-@njit(cache=True)
-def _tiled_matmul_q5_0(raw, xq, xd, out, chunks):
-    _tiled_matmul(raw, 3, xq, xd, out, chunks)
-
-
-@njit(cache=True)
-def _tiled_matmul_many_q8_0(raws, xq, xd, outs, chunks):
-    _tiled_matmul_many(raws, 0, xq, xd, outs, chunks)
-
-
-@njit(cache=True)
-def _tiled_matmul_many_q4_0(raws, xq, xd, outs, chunks):
-    _tiled_matmul_many(raws, 1, xq, xd, outs, chunks)
-
-
-@njit(cache=True)
-def _tiled_matmul_many_q5_0(raws, xq, xd, outs, chunks):
-    _tiled_matmul_many(raws, 3, xq, xd, outs, chunks)
-
-
-@njit(parallel=True, cache=True)
-def _tiled_k_matmul(raws, kind, xq, xd, bsums, outs, chunks):
-    """K-quant tiled weights of one format on one x (tiled_k.py), their tiles laid end to end and cut into
-    `chunks`."""
-    literally(kind)
-    total = 0
-    for w in range(len(raws)):
-        total += raws[w].shape[0] // _TILE
-    for c in prange(chunks):
-        lo, hi = c * total // chunks, (c + 1) * total // chunks
-        start = 0
-        for w in range(len(raws)):
-            tiles = raws[w].shape[0] // _TILE
-            t0, t1 = max(lo - start, 0), min(hi - start, tiles)
-            if t0 < t1:
-                tiled_k_rows(raws[w], kind, xq, xd, bsums, outs[w], _TILE * t0, _TILE * t1)
-            start += tiles
+def _tiled_matmul_q5_0(raws, xq, xd, bsums, outs, chunks):
+    _tiled_matmul_many(raws, 3, xq, xd, bsums, outs, chunks)
 
 
 @njit(cache=True)
 def _tiled_matmul_q4_k(raws, xq, xd, bsums, outs, chunks):
-    _tiled_k_matmul(raws, 12, xq, xd, bsums, outs, chunks)
+    _tiled_matmul_many(raws, 12, xq, xd, bsums, outs, chunks)
 
 
 @njit(cache=True)
 def _tiled_matmul_q6_k(raws, xq, xd, bsums, outs, chunks):
-    _tiled_k_matmul(raws, 14, xq, xd, bsums, outs, chunks)
+    _tiled_matmul_many(raws, 14, xq, xd, bsums, outs, chunks)
 
 
-_TILED_K = {Q.Q4_K: _tiled_matmul_q4_k, Q.Q6_K: _tiled_matmul_q6_k}
-_TILED_ONE = {0: _tiled_matmul_q8_0, 1: _tiled_matmul_q4_0, 3: _tiled_matmul_q5_0}
-_TILED_MANY = {0: _tiled_matmul_many_q8_0, 1: _tiled_matmul_many_q4_0, 3: _tiled_matmul_many_q5_0}
+_TILED = {Q.Q8_0: _tiled_matmul_q8_0, Q.Q4_0: _tiled_matmul_q4_0, Q.Q5_0: _tiled_matmul_q5_0,
+          Q.Q4_K: _tiled_matmul_q4_k, Q.Q6_K: _tiled_matmul_q6_k}
+_NO_SUMS = np.empty((0, 0), np.int16)  # the 32-block formats' activations carry no 16-sums
 
 
 def _tiled_chunks(tiles: int, cols: int, threads: int) -> int:
@@ -2108,42 +2077,27 @@ def _tiled_chunks(tiles: int, cols: int, threads: int) -> int:
 
 
 def bind_tiled(raw: np.ndarray, qtype):
-    """`bind` for a weight in kernels/cpu/tiled.py's 16-row tiles."""
-    if Q(qtype) in _TILED_K:
-        many = bind_many_tiled([raw], qtype)
-        return lambda x, out, threads: many(x, (out,), threads)
-    one = _TILED_ONE[_tiled.KIND[Q(qtype)]]
-    tiles = raw.shape[0] // _TILE
-    cols = raw.shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 32
-
-    def kernel(x, out, threads):
-        xq, xd = quantize_q8_0(x)
-        one(raw, xq, xd, out, _tiled_chunks(tiles, cols, threads))
-
-    return kernel
+    """`bind` for a weight in 16-row tiles (kernels/cpu/tiled.py, tiled_k.py)."""
+    many = bind_many_tiled([raw], qtype)
+    return lambda x, out, threads: many(x, (out,), threads)
 
 
 def bind_many_tiled(raws: list[np.ndarray], qtype):
     """`kernel(x, outs, n_threads)` for several tiled weights of one format and width on one x."""
-    if Q(qtype) in _TILED_K:
-        k_many = _TILED_K[Q(qtype)]
-        raws = tuple(raws)
-        tiles = sum(r.shape[0] for r in raws) // _TILE
-        cols = raws[0].shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 256
-
-        def k_kernel(x, outs, threads):
-            xq, xd, bsums = quantize_q8_K(x)
-            k_many(raws, xq, xd, bsums, tuple(outs), _tiled_chunks(tiles, cols, threads))
-
-        return k_kernel
-    many = _TILED_MANY[_tiled.KIND[Q(qtype)]]
+    qtype = Q(qtype)
+    many = _TILED[qtype]
     raws = tuple(raws)
+    size, block_bytes = GGML_QUANT_SIZES[qtype]
     tiles = sum(r.shape[0] for r in raws) // _TILE
-    cols = raws[0].shape[1] // GGML_QUANT_SIZES[Q(qtype)][1] * 32
+    cols = raws[0].shape[1] // block_bytes * size
+    k_quant = qtype in _tiled_k.KIND
 
     def kernel(x, outs, threads):
-        xq, xd = quantize_q8_0(x)
-        many(raws, xq, xd, outs, _tiled_chunks(tiles, cols, threads))
+        if k_quant:
+            xq, xd, bsums = quantize_q8_K(x)
+        else:
+            (xq, xd), bsums = quantize_q8_0(x), _NO_SUMS
+        many(raws, xq, xd, bsums, tuple(outs), _tiled_chunks(tiles, cols, threads))
 
     return kernel
 

@@ -425,17 +425,24 @@ or_si256 = _bitwise("or_", "`_mm256_or_si256`.")
 andnot_si256 = _bitwise("andnot", "(~a) & b (`_mm256_andnot_si256`).")
 
 
+def _register(vec: ir.VectorType):
+    """The register type (ymm or zmm) a vector of these lanes fills, and its storage type."""
+    wide = vec.count * vec.element.width == 512
+    return (m512i, I64x8) if wide else (m256i, I64x4)
+
+
 def _lanewise(op: str, vec: ir.VectorType, doc: str):
     @intrinsic(prefer_literal=True)
     def fn(typingctx, a, b):
-        if a != m256i or b != m256i:
+        reg, store = _register(vec)
+        if a != reg or b != reg:
             return None
 
         def codegen(context, builder, signature, args):
             x, y = (builder.bitcast(v, vec) for v in args)
-            return builder.bitcast(getattr(builder, op)(x, y), I64x4)
+            return builder.bitcast(getattr(builder, op)(x, y), store)
 
-        return m256i(a, b), codegen
+        return reg(a, b), codegen
 
     fn.__doc__ = doc
     return fn
@@ -448,26 +455,27 @@ add_epi32 = _lanewise("add", I32x8, "Wrapping int32 add (`_mm256_add_epi32`).")
 sub_epi32 = _lanewise("sub", I32x8, "Wrapping int32 subtract (`_mm256_sub_epi32`).")
 
 
-def _shift16(op: str, doc: str):
+def _shift(op: str, vec: ir.VectorType, doc: str):
     @intrinsic(prefer_literal=True)
     def fn(typingctx, a, count):
-        if a != m256i or not isinstance(count, types.Integer):
+        reg, store = _register(vec)
+        if a != reg or not isinstance(count, types.Integer):
             return None
 
         def codegen(context, builder, signature, args):
-            x = builder.bitcast(args[0], I16x16)
-            shift = _splat(builder, _int_arg(builder, args[1], _I16), I16x16)
-            return builder.bitcast(getattr(builder, op)(x, shift), I64x4)
+            x = builder.bitcast(args[0], vec)
+            shift = _splat(builder, _int_arg(builder, args[1], vec.element), vec)
+            return builder.bitcast(getattr(builder, op)(x, shift), store)
 
-        return m256i(a, count), codegen
+        return reg(a, count), codegen
 
     fn.__doc__ = doc
     return fn
 
 
 # Counts are compile-time constants in our kernels, so LLVM emits the immediate forms vpsrlw/vpsllw ymm, imm.
-srli_epi16 = _shift16("lshr", "Logical right shift of each int16 lane (`_mm256_srli_epi16`); count must be < 16.")
-slli_epi16 = _shift16("shl", "Left shift of each int16 lane (`_mm256_slli_epi16`); count must be < 16.")
+srli_epi16 = _shift("lshr", I16x16, "Logical right shift of each int16 lane (`_mm256_srli_epi16`); count must be < 16.")
+slli_epi16 = _shift("shl", I16x16, "Left shift of each int16 lane (`_mm256_slli_epi16`); count must be < 16.")
 
 
 @intrinsic(prefer_literal=True)
@@ -1394,52 +1402,13 @@ def store_pair_sums_4(typingctx, address, v0, v1, v2, v3):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _zmm_binary(op: str, doc: str):
-    @intrinsic(prefer_literal=True)
-    def fn(typingctx, a, b):
-        if a != m512i or b != m512i:
-            return None
-
-        def codegen(context, builder, signature, args):
-            x, y = (builder.bitcast(v, I32x16) for v in args)
-            return builder.bitcast(getattr(builder, op)(x, y), I64x8)
-
-        return m512i(a, b), codegen
-
-    fn.__doc__ = doc
-    return fn
-
-
-and_si512 = _zmm_binary("and_", "a & b (`vpandd`).")
-or_si512 = _zmm_binary("or_", "a | b (`vpord`).")
-mullo_epi32_512 = _zmm_binary("mul", "The low 32 bits of a * b per int32 lane (`vpmulld`).")
-
-
-def _zmm_shift(lane: ir.IntType, doc: str):
-    vec = ir.VectorType(lane, 512 // lane.width)
-
-    @intrinsic(prefer_literal=True)
-    def fn(typingctx, v, n):
-        if v != m512i or not isinstance(n, types.IntegerLiteral):
-            return None
-        count = n.literal_value
-
-        def codegen(context, builder, signature, args):
-            x = builder.bitcast(args[0], vec)
-            amount = _splat(builder, ir.Constant(lane, abs(count)), vec)
-            x = builder.shl(x, amount) if count > 0 else builder.lshr(x, amount) if count < 0 else x
-            return builder.bitcast(x, I64x8)
-
-        return m512i(v, n), codegen
-
-    fn.__doc__ = doc
-    return fn
-
-
-shift_epi16_512 = _zmm_shift(_I16, "Each 16-bit lane shifted by the literal n: left for n > 0, right (logical) for "
-                                   "n < 0 (`vpsllw` / `vpsrlw`).")
-shift_epi32_512 = _zmm_shift(_I32, "Each int32 lane shifted by the literal n: left for n > 0, right (logical) for "
-                                   "n < 0 (`vpslld` / `vpsrld`).")
+and_si512 = _lanewise("and_", I32x16, "a & b (`vpandd`).")
+or_si512 = _lanewise("or_", I32x16, "a | b (`vpord`).")
+mullo_epi32_512 = _lanewise("mul", I32x16, "The low 32 bits of a * b per int32 lane (`vpmulld`).")
+srli_epi16_512 = _shift("lshr", I16x32, "Logical right shift of each int16 lane (`vpsrlw`); count < 16.")
+slli_epi16_512 = _shift("shl", I16x32, "Left shift of each int16 lane (`vpsllw`); count < 16.")
+srli_epi32_512 = _shift("lshr", I32x16, "Logical right shift of each int32 lane (`vpsrld`); count < 32.")
+slli_epi32_512 = _shift("shl", I32x16, "Left shift of each int32 lane (`vpslld`); count < 32.")
 
 
 def _load_widen_bytes(signed: bool, doc: str):

@@ -42,9 +42,14 @@ from localllm.kernels.cpu.simd import HAVE_AVX512_VNNI, fma_f32
 
 TILE = 16
 KIND = {Q.Q4_K: 12, Q.Q6_K: 14}  # the GGML type ids, as the kernels' literal
-BLOCK_BYTES = {12: 144, 14: 210}
 # How far ahead of the bytes being read the kernel prefetches (as quant_dot's _PREFETCH_AHEAD)
 AHEAD = 16 * 1024
+
+
+@njit(cache=True, inline="always")
+def _block_bytes(kind):
+    """Bytes of one 256-weight block in the file: Q4_K 144, Q6_K 210."""
+    return 144 if kind == 12 else 210
 
 
 @njit(cache=True, inline="always")
@@ -74,7 +79,7 @@ def _tile_into(raw, kind, out):
     """Word by word where the layout moves 4 bytes together (the quants), byte by byte for the scales: the
     1.5b's 934 MiB of K-quants tile in about a second on 2 cores, where a byte at a time took several."""
     rows, row_bytes = raw.shape
-    bb = 144 if kind == 12 else 210
+    bb = _block_bytes(kind)
     blocks = row_bytes // bb
     for t in prange(rows // TILE):
         dst = out[TILE * t : TILE * (t + 1)].reshape(TILE * row_bytes)
@@ -115,7 +120,7 @@ def untile_rows(tiled: np.ndarray, qtype, ids: np.ndarray) -> np.ndarray:
 @njit(cache=True)
 def _untile_into(tiled, kind, ids, out):
     rows, row_bytes = tiled.shape
-    bb = 144 if kind == 12 else 210
+    bb = _block_bytes(kind)
     blocks = row_bytes // bb
     for j in range(ids.shape[0]):
         t, r = ids[j] // TILE, ids[j] % TILE
@@ -173,7 +178,7 @@ def rows_portable(raw, kind, xq, xd, bsums, out, r0, r1):
     n = xd.shape[0]
     rows, row_bytes = raw.shape
     flat = raw.reshape(rows * row_bytes)
-    blocks = row_bytes // (144 if kind == 12 else 210)
+    blocks = row_bytes // _block_bytes(kind)
     for r in range(r0, r1):
         tb = (r // TILE) * TILE * row_bytes
         lane = r % TILE
@@ -228,7 +233,8 @@ if HAVE_AVX512_VNNI:
         fmadd_ps_512,
         keep_alive, load_cvtepi8_epi32_512, load_cvtepu8_epi32_512, load_u32, loadu_ps_512, loadu_si512,
         mul_ps_512, mullo_epi32_512, nibbles_512, or_si512, prefetch, set1_epi8_512, set1_epi32_512, set1_ps_512,
-        setzero_ps_512, shift_epi16_512, shift_epi32_512, storeu_ps_512, storeu_si512, zero_si512,
+        setzero_ps_512, slli_epi16_512, slli_epi32_512, srli_epi16_512, srli_epi32_512, storeu_ps_512,
+        storeu_si512, zero_si512,
     )
 
     @njit(cache=True, inline="always")
@@ -250,10 +256,10 @@ if HAVE_AVX512_VNNI:
                 storeu_si512(sc + 64 * (8 + j), and_si512(load_cvtepu8_epi32_512(s + 16 * (j + 4)), m63))
             for j in range(4, 8):
                 high = load_cvtepu8_epi32_512(s + 16 * (j + 4))
-                low_sc = shift_epi32_512(shift_epi32_512(load_cvtepu8_epi32_512(s + 16 * (j - 4)), -6), 4)
-                low_mn = shift_epi32_512(shift_epi32_512(load_cvtepu8_epi32_512(s + 16 * j), -6), 4)
+                low_sc = slli_epi32_512(srli_epi32_512(load_cvtepu8_epi32_512(s + 16 * (j - 4)), 6), 4)
+                low_mn = slli_epi32_512(srli_epi32_512(load_cvtepu8_epi32_512(s + 16 * j), 6), 4)
                 storeu_si512(sc + 64 * j, or_si512(and_si512(high, m15), low_sc))
-                storeu_si512(sc + 64 * (8 + j), or_si512(shift_epi32_512(high, -4), low_mn))
+                storeu_si512(sc + 64 * (8 + j), or_si512(srli_epi32_512(high, 4), low_mn))
         else:
             a, h = tb + _off(kind, blocks, b)[0], tb + _off(kind, blocks, b)[1]
             m4, m30 = set1_epi8_512(0x0F), set1_epi8_512(0x30)
@@ -263,12 +269,12 @@ if HAVE_AVX512_VNNI:
                     lb = loadu_si512(a + 64 * (16 * half + 8 + p))
                     qh = loadu_si512(h + 64 * (8 * half + p))
                     g = 32 * half + p
-                    storeu_si512(w + 64 * g, or_si512(and_si512(la, m4), and_si512(shift_epi16_512(qh, 4), m30)))
+                    storeu_si512(w + 64 * g, or_si512(and_si512(la, m4), and_si512(slli_epi16_512(qh, 4), m30)))
                     storeu_si512(w + 64 * (g + 8),
-                                 or_si512(and_si512(lb, m4), and_si512(shift_epi16_512(qh, 2), m30)))
+                                 or_si512(and_si512(lb, m4), and_si512(slli_epi16_512(qh, 2), m30)))
                     storeu_si512(w + 64 * (g + 16), or_si512(nibbles_512(la, 1), and_si512(qh, m30)))
                     storeu_si512(w + 64 * (g + 24),
-                                 or_si512(nibbles_512(lb, 1), and_si512(shift_epi16_512(qh, -2), m30)))
+                                 or_si512(nibbles_512(lb, 1), and_si512(srli_epi16_512(qh, 2), m30)))
             s = tb + _off(kind, blocks, b)[2]
             for k in range(16):
                 storeu_si512(sc + 64 * k, load_cvtepi8_epi32_512(s + 16 * k))
@@ -291,10 +297,10 @@ if HAVE_AVX512_VNNI:
     @njit(cache=True, inline="always")
     def _pair_mins(sc):
         """The rows' 8 mins (int32 zmm at sc + 512 ..) as 4 zmm of int16 pairs: lane r = m_2k | m_2k+1 << 16."""
-        return (or_si512(loadu_si512(sc + 512), shift_epi32_512(loadu_si512(sc + 576), 16)),
-                or_si512(loadu_si512(sc + 640), shift_epi32_512(loadu_si512(sc + 704), 16)),
-                or_si512(loadu_si512(sc + 768), shift_epi32_512(loadu_si512(sc + 832), 16)),
-                or_si512(loadu_si512(sc + 896), shift_epi32_512(loadu_si512(sc + 960), 16)))
+        return (or_si512(loadu_si512(sc + 512), slli_epi32_512(loadu_si512(sc + 576), 16)),
+                or_si512(loadu_si512(sc + 640), slli_epi32_512(loadu_si512(sc + 704), 16)),
+                or_si512(loadu_si512(sc + 768), slli_epi32_512(loadu_si512(sc + 832), 16)),
+                or_si512(loadu_si512(sc + 896), slli_epi32_512(loadu_si512(sc + 960), 16)))
 
     @njit(cache=True, inline="always")
     def _q4_k_min_sum(mp, bs):
@@ -338,13 +344,13 @@ if HAVE_AVX512_VNNI:
                     lb = loadu_si512(a + 64 * (16 * half + 8 + p))
                     qh = loadu_si512(h + 64 * (8 * half + p))
                     yy = y + 128 * half + 4 * p
-                    e0 = dpbusd_epi32_512(e0, or_si512(and_si512(la, m4), and_si512(shift_epi16_512(qh, 4), m30)),
+                    e0 = dpbusd_epi32_512(e0, or_si512(and_si512(la, m4), and_si512(slli_epi16_512(qh, 4), m30)),
                                           set1_epi32_512(load_u32(yy)))
-                    e1 = dpbusd_epi32_512(e1, or_si512(and_si512(lb, m4), and_si512(shift_epi16_512(qh, 2), m30)),
+                    e1 = dpbusd_epi32_512(e1, or_si512(and_si512(lb, m4), and_si512(slli_epi16_512(qh, 2), m30)),
                                           set1_epi32_512(load_u32(yy + 32)))
                     e2 = dpbusd_epi32_512(e2, or_si512(nibbles_512(la, 1), and_si512(qh, m30)),
                                           set1_epi32_512(load_u32(yy + 64)))
-                    e3 = dpbusd_epi32_512(e3, or_si512(nibbles_512(lb, 1), and_si512(shift_epi16_512(qh, -2), m30)),
+                    e3 = dpbusd_epi32_512(e3, or_si512(nibbles_512(lb, 1), and_si512(srli_epi16_512(qh, 2), m30)),
                                           set1_epi32_512(load_u32(yy + 96)))
                 isum = add_epi32_512(isum, mullo_epi32_512(loadu_si512(sc + 64 * k0), e0))
                 isum = add_epi32_512(isum, mullo_epi32_512(loadu_si512(sc + 64 * (k0 + 2)), e1))
@@ -415,7 +421,7 @@ if HAVE_AVX512_VNNI:
         n = xd.shape[0]
         rows, row_bytes = raw.shape
         stride = TILE * row_bytes
-        blocks = row_bytes // (144 if kind == 12 else 210)
+        blocks = row_bytes // _block_bytes(kind)
         base = address_of(raw)
         xb, xs = address_of(xq), xq.strides[0]
         ob, ostride = address_of(out), out.strides[0]

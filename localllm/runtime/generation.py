@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -151,9 +151,9 @@ class Generation:
         self.splices: list[Splice] = []
 
     def start_prefill(self) -> list[int]:
-        """The prompt tokens after the longest cached prefix (`Run` evaluates them, in chunks). With the engine's cache reuse on, some of them may be spliced
-        from a donor instead: before each forward call `splice_due()` (then drop that many tokens from the
-        front) and evaluate at most `until_splice()` tokens."""
+        """The prompt tokens after the longest cached prefix (`Run` evaluates them, in chunks). With the engine's
+        cache reuse on, some of them may be spliced from a donor instead: before each forward call `splice_due()`
+        (then drop that many tokens from the front) and evaluate at most `until_splice()` tokens."""
         own = self.seq.fork() if self.engine.cache_reuse > 0 and self.seq.tokens else None
         self.timings.cache_n = self.seq.reuse_prefix(self.tokens)
         self.donor, self.splices = self.engine.take_donor(self.tokens, self.timings.cache_n,
@@ -282,9 +282,7 @@ class Run:
     def __init__(self, engine, tokens: list[int], params: GenerationParams, seq,
                  speculation: SpeculationParams | None = None):
         if speculation is not None and params.speculation is None and params.max_tokens != 0:
-            from dataclasses import replace
-
-            params = replace(params, speculation=speculation)  # the server's --spec, for requests with none of their own
+            params = replace(params, speculation=speculation)  # the server's --spec, for requests without their own
         self.gen = gen = Generation(engine, tokens, params, seq)
         self.seq = seq
         self.decoding = engine.speculative_run(gen) if params.speculation is not None else Decoding(gen)
