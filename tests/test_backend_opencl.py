@@ -211,14 +211,19 @@ def test_a_decode_step_uploads_only_small_index_arrays_and_downloads_only_its_lo
     assert not [c for c in copies if c[0] == "device"]  # no device-side copies either (no storage growth here)
 
 
-def test_a_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit_for_bit():
-    # kernels/opencl/plan.py: 8 launches a layer, bound once (fused Q/K/V, RoPE with the KV write, the residual
-    # add with the next norm, gate/up with the activation), against the op-by-op forward of the same steps, on
-    # smollm2's Q4_1 and Q8_0 products; and a prompt after decode steps still agrees (its KV written by the plan)
+@pytest.mark.parametrize("norm_prologue", [True, False])
+def test_a_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit_for_bit(norm_prologue):
+    # kernels/opencl/plan.py: launches bound once (fused Q/K/V and gate/up with the activation, RoPE with the KV
+    # write, attention, the output and down products), against the op-by-op forward of the same steps, on
+    # smollm2's Q4_1 and Q8_0 products; and a prompt after decode steps still agrees (its KV written by the plan).
+    # With the norm prologue (GPUs' default) the Q/K/V and gate/up products normalise their own input from the
+    # residual stream: 6 launches a layer; without it (CPU devices') an add_rms before each: 8.
     _, e = engines("smollm2-135m-instruct")
     model = e.model
     plan = model.fused
     assert plan is not None and plan.available
+    saved = plan.norm_prologue
+    plan.norm_prologue, plan._built = norm_prologue, False  # launches assembled again at the next step
 
     def steps(use_plan):
         cache = model.new_cache(64)
@@ -232,11 +237,15 @@ def test_a_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit
         out.append(model.forward([11, 12], cache, output_rows=np.arange(2)))  # a prompt chunk over the plan's KV
         return np.concatenate(out)
 
-    before = plan.stats["steps"]
-    fused, op = steps(True), steps(False)
-    assert plan.stats["steps"] == before + 3
-    assert np.array_equal(bits(fused), bits(op))
-    assert len(plan.launches) == 3 + 8 * model.config.n_layers
+    try:
+        before = plan.stats["steps"]
+        fused, op = steps(True), steps(False)
+        assert plan.stats["steps"] == before + 3
+        assert np.array_equal(bits(fused), bits(op))
+        # the embedding row, the output norm, the output product, and 6 or 8 a layer
+        assert len(plan.launches) == 3 + (6 if norm_prologue else 8) * model.config.n_layers
+    finally:
+        plan.norm_prologue, plan._built = saved, False
 
 
 def test_opencl_q8_0_kv_storage_keeps_the_cpu_backends_bytes_through_writes_growth_and_block_copies(tiny):

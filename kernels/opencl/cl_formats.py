@@ -14,6 +14,8 @@ same kernels on device arrays (`Ops.embed`, `Ops.matmul`) through `enqueue_dequa
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -297,13 +299,18 @@ def _build_options(dev: Device) -> tuple[str, ...]:
     opts = list(capability_options(dev))
     if dev.emulate_integer_dot:
         opts.append("-DLOCALLLM_INTEGER_DOT_EMULATED=1")
-    if dev.info.platform == INTEL_CPU_PLATFORM and dev.info.type == "CPU":
-        opts.append("-DLOCALLLM_FMA=1")  # formats.cl's MAC: see there
+    opts += fma_options(dev)
     if integer_dot(opts) and dev.device.single_fp_config & dev.cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
         # quantize_q8_0's amax / 127 and 127 / amax as numpy and the CPU backend round them (OpenCL's
         # division may be 2.5 ulp off otherwise)
         opts.append("-cl-fp32-correctly-rounded-divide-sqrt")
     return tuple(o for o in _OPTIONS if not o.startswith("-cl-std")) + tuple(opts)
+
+
+def fma_options(dev: Device) -> list[str]:
+    """-DLOCALLLM_FMA on Intel's CPU runtime, whose fma() is the CPU's instruction: formats.cl's MAC and rows.cl's
+    ROW_MAC use it there (see formats.cl)."""
+    return ["-DLOCALLLM_FMA=1"] if dev.info.platform == INTEL_CPU_PLATFORM and dev.info.type == "CPU" else []
 
 
 def capability_options(dev: Device) -> tuple[str, ...]:
@@ -328,7 +335,11 @@ def kernel(dev: Device, name: str):
 
 
 def shape_for(dev: Device) -> str:
-    """The kernel shape of a device: "rows" on a CPU device, "lanes" elsewhere."""
+    """The kernel shape of a device: "rows" on a CPU device, "lanes" elsewhere; LOCALLLM_OPENCL_SHAPE=rows or
+    lanes overrides it (a GPU's kernels on a CPU device: their bits and the host's cost with them)."""
+    forced = os.environ.get("LOCALLLM_OPENCL_SHAPE", "")
+    if forced in ("rows", "lanes"):
+        return forced
     return "rows" if dev.info.type == "CPU" else "lanes"
 
 
@@ -353,9 +364,24 @@ class DeviceWeight:
         self.relaid = self.qtype in LAYOUTS
         if self.relaid:
             arrays = relayout(raw, self.qtype)
-            # a format without mins or high bits gets a placeholder word for its unused kernel argument
-            self.buffers = tuple(cl.Buffer(dev.context, flags, hostbuf=arrays[k] if arrays[k] is not None
-                                           else np.zeros(1, np.uint32)) for k in ("sc", "mn", "lo", "hi"))
+            # One buffer holds the four arrays (`packed`, at `offsets` in bytes: the decode plan's kernels take it
+            # and the offsets, one memory object where four cost the runtime four to track on every launch:
+            # Intel's CPU runtime, 12 buffer arguments 5.5 us a launch against 3.0 for 3); the op-by-op kernels
+            # take sub-buffers of it. An array a format lacks (mins, high bits) is a view of the scales, unread.
+            align = max(128, dev.device.mem_base_addr_align // 8)
+            offsets, total = {}, 0
+            for k in ("sc", "mn", "lo", "hi"):
+                if arrays[k] is not None:
+                    offsets[k] = total
+                    total += -(-arrays[k].nbytes // align) * align
+            host = np.zeros(max(total, align), np.uint8)
+            for k, off in offsets.items():
+                host[off:off + arrays[k].nbytes] = arrays[k].reshape(-1).view(np.uint8)
+            self.packed = cl.Buffer(dev.context, flags, hostbuf=host)
+            sizes = {k: max(4, arrays[k].nbytes) if arrays[k] is not None else 4 for k in offsets}
+            self.offsets = tuple(offsets.get(k, offsets["sc"]) for k in ("sc", "mn", "lo", "hi"))
+            self.buffers = tuple(self.packed.get_sub_region(offsets.get(k, offsets["sc"]), sizes.get(k, 4))
+                                 for k in ("sc", "mn", "lo", "hi"))
             self.nbytes = sum(a.nbytes for a in arrays.values() if a is not None)  # what a product reads
         else:
             self.buffers = (cl.Buffer(dev.context, flags, hostbuf=np.ascontiguousarray(raw)),)

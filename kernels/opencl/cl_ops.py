@@ -35,7 +35,13 @@ GATES = ("silu", "gelu_tanh")
 
 @cache
 def source() -> str:
-    return resources.files("localllm.kernels.opencl").joinpath("ops.cl").read_text()
+    """ops.cl after rows.cl (the row sum of squares it shares with the decode plan's products)."""
+    here = resources.files("localllm.kernels.opencl")
+    return here.joinpath("rows.cl").read_text() + here.joinpath("ops.cl").read_text()
+
+
+def rows_source() -> str:
+    return resources.files("localllm.kernels.opencl").joinpath("rows.cl").read_text()
 
 
 def build_options(dev: Device) -> tuple[str, ...]:
@@ -45,8 +51,9 @@ def build_options(dev: Device) -> tuple[str, ...]:
 
 def _build_options(dev: Device) -> tuple[str, ...]:
     """ops.cl's constants and the device's capability macros (formats.capability_options: the same sub-group
-    rule as the weight kernels'), -cl-std=CL1.2 where it has none."""
-    return tuple(o for o in _OPTIONS if not o.startswith("-cl-std")) + _formats.capability_options(dev)
+    rule as the weight kernels'), -cl-std=CL1.2 where it has none; rows.cl's multiply-add as the formats'."""
+    return (tuple(o for o in _OPTIONS if not o.startswith("-cl-std")) + _formats.capability_options(dev)
+            + tuple(_formats.fma_options(dev)))
 
 
 def kernel(dev: Device, name: str):

@@ -32,51 +32,22 @@
 #define ATT_NACC (ATT_MAX_D / ATT_WG)  // output sums per work-item
 #endif
 
-// Optional: with LOCALLLM_SUBGROUPS_INTEL (kernels/opencl/formats.py passes it only where the device takes a
-// required sub-group size of 16), rms_norm's sum of squares meets in sub_group_reduce_add over sub-groups of
-// 16, then the ROW_WG / 16 sums in order: two barriers instead of log2(ROW_WG) + 1.
+// With LOCALLLM_SUBGROUPS_INTEL (kernels/opencl/formats.py passes it only where the device takes a required
+// sub-group size of 16) the kernels that use sub-groups ask for that size. A row's sum of squares does not: it
+// has one order on every device (rows.cl), which the plan's products reproduce in their own work-groups.
 #ifdef LOCALLLM_SUBGROUPS_INTEL
 #define SG_ATTR __attribute__((intel_reqd_sub_group_size(16)))
 #else
 #define SG_ATTR
 #endif
 
-// row_scale(xr, d, eps, part): 1 / sqrt(mean(xr[0..d)^2) + eps) for the calling work-group (ROW_WG items, part:
-// ROW_WG local floats): each work-item sums a strided slice (i = lid, lid + ROW_WG, ...), then a tree, or with
-// Intel's sub-groups of 16 the sub-groups' sums in order. Every kernel that normalises a row calls this one
-// function, so rms_norm, add_rms and rope_kv give a row the same bits. A work-item reads only its own slice, so
-// it may have written that slice itself just before (add_rms) without a barrier.
+// row_scale(xr, d, eps, part): 1 / sqrt(mean(xr[0..d)^2) + eps) for the calling work-group (part: ROW_PARTS
+// local floats), the sum of squares in rows.cl's fixed order. Every kernel that normalises a row calls this one
+// function, so rms_norm, add_rms, rope_kv and the plan's products with a norm prologue give a row the same bits.
 float row_scale(global const float *xr, uint d, float eps, local float *part) {
-    uint lid = get_local_id(0);
-    float acc = 0.0f;
-    uint i = lid;
-    // four of the slice's values loaded before they are summed, in the same order: a GPU issues the four loads
-    // together instead of waiting out each one's latency (a 1536-wide row: 24 loads in a row took 19 us)
-    for (; i + 3 * ROW_WG < d; i += 4 * ROW_WG) {
-        float a0 = xr[i], a1 = xr[i + ROW_WG], a2 = xr[i + 2 * ROW_WG], a3 = xr[i + 3 * ROW_WG];
-        acc = MAC(a0, a0, acc);
-        acc = MAC(a1, a1, acc);
-        acc = MAC(a2, a2, acc);
-        acc = MAC(a3, a3, acc);
-    }
-    for (; i < d; i += ROW_WG) acc = MAC(xr[i], xr[i], acc);
-#ifdef LOCALLLM_SUBGROUPS_INTEL
-    float sg = sub_group_reduce_add(acc);
-    if (get_sub_group_local_id() == 0) part[lid / 16] = sg;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    float total = part[0];
-    for (uint g = 1; g < ROW_WG / 16; g++) total += part[g];
-#else
-    part[lid] = acc;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint s = ROW_WG / 2; s > 0; s >>= 1) {
-        if (lid < s) part[lid] += part[lid + s];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    float total = part[0];
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);  // part may be reused by the caller's next row_scale
-    return 1.0f / sqrt(total / (float)d + eps);
+    float total;
+    ROW_SUMSQ(xr, d, part, total)
+    return ROW_SCALE(total, d, eps);
 }
 
 // o[i] = (xr[i] * scale) * w[i] over the work-item's slice, four elements' loads before their stores
@@ -95,7 +66,7 @@ float row_scale(global const float *xr, uint d, float eps, local float *part) {
 // rms_norm(x, w, out, d, eps): out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, one work-group per row.
 // The sum of squares is float32 (no fp64 on the floor): each work-item sums a strided slice, then a tree.
 kernel SG_ATTR void rms_norm(global const float *x, global const float *w, global float *out, uint d, float eps) {
-    local float part[ROW_WG];
+    local float part[ROW_PARTS];
     uint r = get_group_id(0), lid = get_local_id(0);
     global const float *xr = x + (ulong)r * d;
     float scale = row_scale(xr, d, eps, part);
@@ -112,7 +83,7 @@ kernel SG_ATTR void rms_norm(global const float *x, global const float *w, globa
 #define ADD_POST_NORM 4u
 kernel SG_ATTR void add_rms(global float *x, global const float *dlt, global const float *pw, global const float *w,
                             global float *h, uint d, float eps, uint flags, float s) {
-    local float part[ROW_WG];
+    local float part[ROW_PARTS];
     uint r = get_group_id(0), lid = get_local_id(0);
     global float *xr = x + (ulong)r * d;
     global const float *dr = dlt + (ulong)r * d;
@@ -134,6 +105,7 @@ kernel SG_ATTR void add_rms(global float *x, global const float *dlt, global con
             if (i < d) xr[i] = x1;
         }
     }
+    barrier(CLK_GLOBAL_MEM_FENCE);  // the sum of squares reads elements other work-items wrote
     float scale = row_scale(xr, d, eps, part);
     global float *o = h + (ulong)r * d;
     STORE_NORMED(o, xr, w, scale, d)
@@ -409,7 +381,7 @@ kernel SG_ATTR void rope_kv(global float *q, global const float *kk, global cons
                             uint n_head, uint n_kv, uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags,
                             float eps, uint g, uint step_cols, uint rope_at) {
     local float hv[ATT_MAX_D];
-    local float part[ROW_WG];
+    local float part[ROW_PARTS];
     uint hd = get_group_id(0), lid = get_local_id(0);
     uint col = (uint)step[step_cols + g];
     if (hd >= n_head + n_kv) {  // a value head: stored as it is
@@ -449,7 +421,7 @@ kernel SG_ATTR void rope_kv_q8(global float *q, global const float *kk, global c
                                uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags, float eps, uint g,
                                uint step_cols, uint rope_at) {
     local float hv[ATT_MAX_D];
-    local float part[ROW_WG];
+    local float part[ROW_PARTS];
     uint hd = get_group_id(0), lid = get_local_id(0);
     uint col = (uint)step[step_cols + g];
     if (hd >= n_head + n_kv) {  // a value head: quantized as it is

@@ -46,26 +46,81 @@ def _params(w) -> tuple:
 
 
 def _pargs(p: int) -> str:
-    return (f"global const float *sc{p}, global const float *mn{p}, global const uint *lo{p}, "
-            f"global const uint *hi{p}")
+    # a weight as its one buffer and the byte offsets of its four arrays (DeviceWeight.packed, .offsets)
+    return f"global const uchar *w{p}, uint osc{p}, uint omn{p}, uint olo{p}, uint ohi{p}"
 
 
 def _part(p: int, params, r: str, start: str, step: str, acc: str) -> str:
     L, H, S, MIN, OFF = params
-    return (f"{{ global const float *sc = sc{p}, *mn = mn{p}; global const uint *lo = lo{p}, *hi = hi{p}; "
+    return (f"{{ global const float *sc = (global const float *)(w{p} + osc{p}), "
+            f"*mn = (global const float *)(w{p} + omn{p}); "
+            f"global const uint *lo = (global const uint *)(w{p} + olo{p}), *hi = (global const uint *)(w{p} + ohi{p}); "
             f"PART_ACC({L}, {H}, {S}, {MIN}, {OFF}, {r}, {start}, {step}, {acc}) }}")
 
 
-def multi_source(name: str, params: list, shape: str) -> str:
+def _wargs(w) -> list:
+    """A relaid weight's arguments to the plan's products (_pargs)."""
+    return [w.packed] + [np.uint32(o) for o in w.offsets]
+
+
+# The norm prologue of a product that normalises its own input (norm_cols set): the residual stream's step
+# before it (ops.cl's add_rms: x1 = xin * s with flag 1, x1 = x1 + dlt, where with flag 4 dlt is first normalised
+# by pw, with flag 2) into local memory, written to xout by work-group 0 alone (the next step's xin: the stream
+# goes back and forth between two buffers, so no work-group reads what another writes), then RMSNorm by nw in
+# place (rows.cl's sum of squares, the same bits as add_rms's in any work-group). The product then reads its x
+# row from local memory: two launches a layer fewer (the add_rms before the Q/K/V and the gate/up products).
+NORM_ARGS = ("global const float *xin, global const float *dlt, global const float *pw, global const float *nw, "
+             "global float *xout, float eps, uint nflags, float nscale")
+NORM_PROLOGUE = r"""
+#define NORM_PROLOGUE(NCOLS)                                                                                    \
+    local float hx[NCOLS];                                                                                      \
+    local float rp[ROW_PARTS];                                                                                  \
+    {                                                                                                           \
+        uint l_ = get_local_id(0), w_ = get_local_size(0);                                                     \
+        float post_ = 0.0f;                                                                                     \
+        if (nflags & 4u) {                                                                                      \
+            float t_;                                                                                           \
+            ROW_SUMSQ(dlt, cols, rp, t_)                                                                        \
+            post_ = ROW_SCALE(t_, cols, eps);                                                                   \
+        }                                                                                                       \
+        int writer_ = get_group_id(0) == 0;                                                                     \
+        for (uint i_ = l_; i_ < cols; i_ += w_) {                                                               \
+            float x1_ = xin[i_];                                                                                \
+            if (nflags & 1u) x1_ = x1_ * nscale;                                                                \
+            if (nflags & 2u) x1_ = x1_ + ((nflags & 4u) ? (dlt[i_] * post_) * pw[i_] : dlt[i_]);                \
+            hx[i_] = x1_;                                                                                       \
+            if (writer_) xout[i_] = x1_;                                                                        \
+        }                                                                                                       \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        float t_;                                                                                               \
+        ROW_SUMSQ(hx, cols, rp, t_)                                                                             \
+        float sc_ = ROW_SCALE(t_, cols, eps);                                                                   \
+        for (uint i_ = l_; i_ < cols; i_ += w_) hx[i_] = (hx[i_] * sc_) * nw[i_];                               \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }                                                                                                           \
+    local const float *x = hx;
+"""
+
+
+def _x_args(norm_cols) -> list:
+    return [NORM_ARGS] if norm_cols else ["global const float *x"]
+
+
+def _x_prologue(norm_cols) -> list:
+    return [f"    NORM_PROLOGUE({norm_cols})"] if norm_cols else []
+
+
+def multi_source(name: str, params: list, shape: str, norm_cols: int = 0) -> str:
     """A kernel of len(params) products of one x row (formats.cl's fused products), part p's rows into y<p> with
-    bias b<p> where bit p of bias_mask is set. Lanes: part p's work-groups from g<p> on; rows: its work-items."""
+    bias b<p> where bit p of bias_mask is set. Lanes: part p's work-groups from g<p> on; rows: its work-items.
+    With norm_cols, the x row is made by the norm prologue (NORM_PROLOGUE) from the residual stream."""
     P = len(params)
-    args = ", ".join([_pargs(p) for p in range(P)] + ["global const float *x"]
+    args = ", ".join([_pargs(p) for p in range(P)] + _x_args(norm_cols)
                      + [f"global float *y{p}" for p in range(P)] + [f"global const float *b{p}" for p in range(P)]
                      + ["uint bias_mask", "uint cols"] + [f"uint rows{p}" for p in range(P)]
                      + [f"uint g{p}" for p in range(1, P)])
     lanes = shape == "lanes"
-    lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"]
+    lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"] + _x_prologue(norm_cols)
     if lanes:
         lines += ["    FUSED_LOCAL",
                   "    uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR, grp = get_group_id(0);"]
@@ -92,11 +147,12 @@ def multi_source(name: str, params: list, shape: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gate_up_source(name: str, params: list, shape: str, kind: str) -> str:
-    """act(x W_gate^T) * (x W_up^T) for one x row, one launch: each row's two sums as their matvecs give them."""
+def gate_up_source(name: str, params: list, shape: str, kind: str, norm_cols: int = 0) -> str:
+    """act(x W_gate^T) * (x W_up^T) for one x row, one launch: each row's two sums as their matvecs give them.
+    With norm_cols, the x row is made by the norm prologue (NORM_PROLOGUE) from the residual stream."""
     lanes = shape == "lanes"
-    args = f"{_pargs(0)}, {_pargs(1)}, global const float *x, global float *out, uint cols, uint rows"
-    lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"]
+    args = ", ".join([_pargs(0), _pargs(1)] + _x_args(norm_cols) + ["global float *out, uint cols, uint rows"])
+    lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"] + _x_prologue(norm_cols)
     if lanes:
         lines += ["    FUSED_LOCAL",
                   "    uint lid = get_local_id(0), lane = lid % LPR, rl = lid / LPR;",
@@ -127,6 +183,7 @@ class DecodePlan:
         # the host has enqueued all of them, so the host's time is measured without the device's work beside it
         self.gate_steps = False
         self.events = None  # a list: each step's (kernel name, event) pairs are kept there (opencl_gpu_bench.py)
+        self.norm_prologue = None  # products normalise their own input: None = by shape (_norm_cols)
         self.stats = {"steps": 0, "launches": 0, "host_s": 0.0, "bytes_up": 0, "bytes_down": 0}
 
     @staticmethod
@@ -181,14 +238,17 @@ class DecodePlan:
         self.shape = b.ops.shape
         # the fused products this model needs, written into a program of their own (formats.cl + them)
         self._extra: dict[str, str] = {}
-        self._want = []  # (name, source) collected while planning, then built
+        self.norm_cols = self._norm_cols()
         layers_spec = [self._plan_layer(i, L) for i, L in enumerate(m.layers)]
-        src = F.source() + "\n" + "".join(self._extra.values())
+        if self._fusable(m.output):
+            self._multi_name([m.output])
+        src = F.source() + "\n" + O.rows_source() + NORM_PROLOGUE + "".join(self._extra.values())
         self.fprog = self.dev.program(src, F.build_options(self.dev))
         self.oprog = self.dev.program(O.source(), O.build_options(self.dev))
         # buffers
         q_dim, kv_dim, v_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.value_dim
         self.x, self.h, self.o = self._buf(c.n_embd), self._buf(c.n_embd), self._buf(c.n_embd)
+        self.x2 = self._buf(c.n_embd)  # the residual stream's other buffer (the norm prologue's xout)
         self.qb, self.kb, self.vb = self._buf(q_dim), self._buf(kv_dim), self._buf(v_dim)
         self.att = self._buf(c.n_head * c.value_dim)
         self.gb, self.ub, self.act = self._buf(c.n_ff), self._buf(c.n_ff), self._buf(c.n_ff)
@@ -209,28 +269,50 @@ class DecodePlan:
     def _kernel(self, prog, name):
         return self.cl.Kernel(prog, name)
 
+    def _norm_cols(self) -> int:
+        """n_embd where the products normalise their own input (NORM_PROLOGUE: the row and the partial sums in
+        local memory beside the lanes' tree, within the 32 KiB floor and the device's own limit), else 0.
+
+        On by default in the "lanes" shape (GPUs), where a decode step is bound by the host's launches (two a
+        layer fewer); off in the "rows" shape (CPU devices), where every work-group of 32 rows redoing the norm
+        cost more than the launches it saves (smollm2 on Intel's CPU runtime: the Q/K/V and gate/up kernels'
+        time +13% and +32%, the step's +10%, the host's -0.15 ms of 23 ms). `norm_prologue` forces either."""
+        c, dev = self.model.config, self.dev
+        on = self.norm_prologue if self.norm_prologue is not None else self.shape == "lanes"
+        if not on:
+            return 0
+        need = 4 * c.n_embd + 4 * 64 + 4 * 2 * F.LANES_RPG * F.LANES_LPR + 1024  # + margin for the compiler's own
+        return c.n_embd if need <= min(32768, dev.info.local_mem_bytes) and c.n_embd % 32 == 0 else 0
+
     def _plan_layer(self, i, L):
-        """Record which fused kernels layer i needs (their source); the launches are made in _assemble."""
+        """Record which fused kernels layer i needs (their source); the launches are made in _assemble. Returns
+        (Q/K/V norm columns, gate/up kernel name or None, gate/up norm columns): a product takes the norm
+        prologue where it is one kernel (every part fusable)."""
         qkv = [(L.wq, L.bq), (L.wk, L.bk), (L.wv, L.bv)]
         fused = [w for w, _ in qkv if self._fusable(w)]
+        qkv_norm = self.norm_cols if len(fused) == 3 else 0
         if fused:
-            self._multi_name(fused)
-        gate_up = None
+            self._multi_name(fused, qkv_norm)
+        gate_up, gu_norm = None, 0
         if self._fusable(L.ffn_gate) and self._fusable(L.ffn_up) and L.ffn_gate.rows == L.ffn_up.rows:
-            gate_up = self._gate_up_name(L.ffn_gate, L.ffn_up)
-        return gate_up
+            gu_norm = self.norm_cols
+            gate_up = self._gate_up_name(L.ffn_gate, L.ffn_up, gu_norm)
+        for w in [L.wo, L.ffn_down] + ([] if gate_up else [L.ffn_gate, L.ffn_up]):
+            if self._fusable(w):
+                self._multi_name([w])  # _matvec's one-part product
+        return qkv_norm, gate_up, gu_norm
 
-    def _multi_name(self, ws):
-        name = f"mv{len(ws)}_{self.shape}_" + "_".join(w.format.suffix for w in ws)
+    def _multi_name(self, ws, norm_cols=0):
+        name = f"mv{len(ws)}{'n' if norm_cols else ''}_{self.shape}_" + "_".join(w.format.suffix for w in ws)
         if name not in self._extra:
-            self._extra[name] = multi_source(name, [_params(w) for w in ws], self.shape)
+            self._extra[name] = multi_source(name, [_params(w) for w in ws], self.shape, norm_cols)
         return name
 
-    def _gate_up_name(self, g, u):
+    def _gate_up_name(self, g, u, norm_cols=0):
         kind = self.model.config.traits.activation
-        name = f"gu_{self.shape}_{g.format.suffix}_{u.format.suffix}_{kind}"
+        name = f"gu{'n' if norm_cols else ''}_{self.shape}_{g.format.suffix}_{u.format.suffix}_{kind}"
         if name not in self._extra:
-            self._extra[name] = gate_up_source(name, [_params(g), _params(u)], self.shape, kind)
+            self._extra[name] = gate_up_source(name, [_params(g), _params(u)], self.shape, kind, norm_cols)
         return name
 
     def _rows_launch(self, rows: int):
@@ -253,9 +335,9 @@ class DecodePlan:
             out_l.append([kq, (w.cols // 32, 1), None])
             k = self._kernel(self.fprog, f"matvec_{self.shape}_{w.format.suffix}_q8")
             k.set_args(*w.buffers, self.xq, self.xd, out, u32(w.cols), u32(w.rows), u32(1))
-        else:
-            k = self._kernel(self.fprog, f"matvec_{self.shape}_{w.format.suffix}")
-            k.set_args(*w.buffers, x, out, u32(w.cols), u32(w.rows), u32(1))
+        else:  # the one-part fused product: the matvec's arithmetic, the weight as one buffer
+            k = self._kernel(self.fprog, self._multi_name([w]))
+            k.set_args(*_wargs(w), x, out, self.dummy, u32(0), u32(w.cols), u32(w.rows))
         out_l.append([k, *self._rows_launch(w.rows)])
         return out_l
 
@@ -264,9 +346,9 @@ class DecodePlan:
         k.set_args(y, bias.data, y, np.uint32(count), np.uint32(count))
         return [[k, O._groups(count), (256,)]]
 
-    def _add_rms(self, dlt, pw, w, flags, s=1.0):
+    def _add_rms(self, x, dlt, pw, w, flags, s=1.0):
         k = self._kernel(self.oprog, "add_rms")
-        k.set_args(self.x, dlt, pw.data if pw is not None else self.dummy, w.data, self.h, np.uint32(self.c.n_embd),
+        k.set_args(x, dlt, pw.data if pw is not None else self.dummy, w.data, self.h, np.uint32(self.c.n_embd),
                    np.float32(self.c.rms_eps), np.uint32(flags), np.float32(s))
         return [[k, (O.ROW_WG,), (O.ROW_WG,)]]
 
@@ -290,16 +372,31 @@ class DecodePlan:
         else:
             k.set_args(w.buffers[0], self.step_buf, self.x, u32(w.row_bytes), u32(w.cols))
             launches.append([k, (w.cols // w.format.chunk, 1), None])
-        L0 = m.layers[0]
-        launches += self._add_rms(self.x, None, L0.attn_norm, ADD_SCALE if c.traits.scale_embeddings else 0,
-                                  math.sqrt(c.n_embd))
+        # the residual stream's step before each norm, pending until the product that normalises it (or add_rms)
+        stream = {"x": self.x, "dlt": None, "pw": None, "flags": ADD_SCALE if c.traits.scale_embeddings else 0,
+                  "s": math.sqrt(c.n_embd)}
+
+        def norm_into(nw, norm_cols):
+            """The pending step and RMSNorm by nw: the norm prologue's arguments for the next product (the
+            stream moves to the other buffer), or an add_rms launch into self.h (in place) and None."""
+            x, dlt, pw = stream["x"], stream["dlt"], stream["pw"]
+            if norm_cols:
+                other = self.x2 if x is self.x else self.x
+                stream["x"] = other
+                return [x, dlt if dlt is not None else self.dummy, pw.data if pw is not None else self.dummy,
+                        nw.data, other, f32(c.rms_eps), u32(stream["flags"]), f32(stream["s"])]
+            launches.extend(self._add_rms(x, dlt if dlt is not None else x, pw, nw, stream["flags"], stream["s"]))
+            return None
+
         neox = c.traits.rope_style == "neox"
         for i, L in enumerate(m.layers):
+            qkv_norm, gate_up, gu_norm = self._layers_spec[i]
             # Q, K and V: the fusable ones in one product, biases in its epilogue; the others op by op
             parts = [(L.wq, L.bq, self.qb), (L.wk, L.bk, self.kb), (L.wv, L.bv, self.vb)]
             fused = [p for p in parts if self._fusable(p[0])]
+            x_args = norm_into(L.attn_norm, qkv_norm) or [self.h]
             if fused:
-                name = self._multi_name([p[0] for p in fused])
+                name = self._multi_name([p[0] for p in fused], qkv_norm)
                 k = self._kernel(self.fprog, name)
                 P = len(fused)
                 firsts, total = [], 0
@@ -308,7 +405,7 @@ class DecodePlan:
                     g, _ = self._rows_launch(wp.rows)
                     total += g[0] // (F.LANES_LPR * F.LANES_RPG) if self.shape == "lanes" else g[0]
                 mask = sum(1 << p for p, (_, bias, _) in enumerate(fused) if bias is not None)
-                args = [buf for wp, _, _ in fused for buf in wp.buffers] + [self.h] + [y for _, _, y in fused]
+                args = [a for wp, _, _ in fused for a in _wargs(wp)] + x_args + [y for _, _, y in fused]
                 args += [bias.data if bias is not None else self.dummy for _, bias, _ in fused]
                 args += [u32(mask), u32(L.wq.cols)] + [u32(wp.rows) for wp, _, _ in fused] + [u32(f) for f in firsts[1:]]
                 k.set_args(*args)
@@ -353,15 +450,16 @@ class DecodePlan:
 
             cache_bound.append((k_att, att_args))
             launches.append([k_att, (c.n_head * O.ATT_WG, 1), (O.ATT_WG, 1)])
-            # the output product, the residual add and the FFN's norm
+            # the output product; the residual add and the FFN's norm, in the gate/up product or before it
             launches += self._matvec(L.wo, self.att, self.o)
             post = c.traits.post_norms
-            launches += self._add_rms(self.o, L.attn_post_norm if post else None, L.ffn_norm,
-                                      ADD_DELTA | (ADD_POST_NORM if post else 0))
+            stream.update(dlt=self.o, pw=L.attn_post_norm if post else None,
+                          flags=ADD_DELTA | (ADD_POST_NORM if post else 0), s=1.0)
+            x_args = norm_into(L.ffn_norm, gu_norm if gate_up is not None else 0) or [self.h]
             # gate and up with the activation, down
-            if self._layers_spec[i] is not None:
-                k = self._kernel(self.fprog, self._layers_spec[i])
-                k.set_args(*L.ffn_gate.buffers, *L.ffn_up.buffers, self.h, self.act, u32(L.ffn_gate.cols),
+            if gate_up is not None:
+                k = self._kernel(self.fprog, gate_up)
+                k.set_args(*_wargs(L.ffn_gate), *_wargs(L.ffn_up), *x_args, self.act, u32(L.ffn_gate.cols),
                            u32(L.ffn_gate.rows))
                 launches.append([k, *self._rows_launch(L.ffn_gate.rows)])
             else:
@@ -371,9 +469,9 @@ class DecodePlan:
                 k.set_args(self.gb, self.ub, self.act, u32(L.ffn_gate.rows))
                 launches.append([k, O._groups(L.ffn_gate.rows), (256,)])
             launches += self._matvec(L.ffn_down, self.act, self.o)
-            nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else m.output_norm
-            launches += self._add_rms(self.o, L.ffn_post_norm if post else None, nxt,
-                                      ADD_DELTA | (ADD_POST_NORM if post else 0))
+            stream.update(dlt=self.o, pw=L.ffn_post_norm if post else None,
+                          flags=ADD_DELTA | (ADD_POST_NORM if post else 0), s=1.0)
+        norm_into(m.output_norm, 0)  # the output norm: add_rms (the vocabulary's work-groups would each redo it)
         launches += self._matvec(m.output, self.h, self.logits)
         self.launches = [tuple(x) for x in launches]
         self.cache_bound = cache_bound
