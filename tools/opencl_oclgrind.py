@@ -347,7 +347,6 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         step.view(np.float32)[rope_at:step_tables] = np.concatenate([cos, sin])
         step[step_tables:] = table
-        step_d = ops.to_device(step, np.int32)
         qn, kn = (ops.to_device((1 + 0.1 * rng.standard_normal(d)).astype(np.float32)) for _ in range(2))
         rows_k, rows_v = (rng.standard_normal((pos, n_kv, d)).astype(np.float32) for _ in range(2))
         q0, k0, v0 = (rng.standard_normal(shape).astype(np.float32) for shape in ((1, n_head, d), (1, n_kv, d),
@@ -374,25 +373,41 @@ def _child(only: list[str], self_check: bool, verbose: bool, optimised: bool) ->
             ops.kv_write(vc2, ops.to_device(v0), cols=cols[pos:], scales=vs2)
             want = ops.to_host(ops.attention(qh, kc2, vc2, np.array([pos]), 0.125, 0, 0, cols=cols, k_scales=ks2,
                                              v_scales=vs2))
-            # the plan's two kernels
-            qd, kd, vd = ops.to_device(q0), ops.to_device(k0), ops.to_device(v0)
+            # the plan's two kernels, on one activations buffer (the step words first, then q, k, v and the
+            # output at 32-float boundaries) and one buffer of norm weights, as plan.py lays them out
+            at = {}
+            n_act = -(-len(step) // 32) * 32
+            for key, size in (("q", n_head * d), ("k", n_kv * d), ("v", n_kv * d), ("out", n_head * d)):
+                at[key] = n_act
+                n_act += -(-size // 32) * 32
+            act_h = np.zeros(n_act, np.float32)
+            act_h[:len(step)] = step.view(np.float32)
+            for key, arr in (("q", q0), ("k", k0), ("v", v0)):
+                act_h[at[key]:at[key] + arr.size] = arr.ravel()
+            act = ops.to_device(act_h)
+            prm = ops.to_device(np.concatenate([ops.to_host(qn), np.zeros(32 - d % 32 if d % 32 else 0, np.float32),
+                                                ops.to_host(kn)]))
+            kn_at = -(-d // 32) * 32
             kv = (kc.data, ks.data, vc.data, vs.data) if q8 else (kc.data, vc.data)
             name = "_q8" if q8 else ""
             ops._kernel("rope_kv" + name)(dev.queue, ((n_head + 2 * n_kv) * cl_ops.ROW_WG,), (cl_ops.ROW_WG,),
-                                          qd.data, kd.data, vd.data, qn.data, kn.data, step_d.data, *kv, u32(n_head),
-                                          u32(n_kv), u32(cap), u32(d), u32(d), u32(rope_dim), u32(1), u32(1),
-                                          np.float32(1e-6), u32(0), u32(step_cols), u32(rope_at))
-            out = ops.empty((1, n_head * d))
-            ops._kernel("attention_step" + name)(dev.queue, (n_head * cl_ops.ATT_WG, 1), (cl_ops.ATT_WG, 1), qd.data,
-                                                 *kv, step_d.data, out.data, u32(n_head), u32(n_kv), u32(cap), u32(d),
-                                                 u32(d), u32(0), u32(step_tables), np.int32(0), np.float32(0.125),
-                                                 np.float32(0.0))
-            assert np.array_equal(bits(ops.to_host(qd)), bits(ops.to_host(qh))), f"rope_kv{name}: q"
+                                          act.data, prm.data, u32(at["q"]), u32(at["k"]), u32(at["v"]), u32(0),
+                                          u32(kn_at), *kv, u32(n_head), u32(n_kv), u32(cap), u32(d), u32(d),
+                                          u32(rope_dim), u32(1), u32(1), np.float32(1e-6), u32(0), u32(step_cols),
+                                          u32(rope_at))
+            ops._kernel("attention_step" + name)(dev.queue, (n_head * cl_ops.ATT_WG, 1), (cl_ops.ATT_WG, 1), act.data,
+                                                 u32(at["q"]), u32(at["out"]), *kv, u32(n_head), u32(n_kv), u32(cap),
+                                                 u32(d), u32(d), u32(0), u32(step_tables), np.int32(0),
+                                                 np.float32(0.125), np.float32(0.0))
+            got_act = ops.to_host(act)
+            qd = got_act[at["q"]:at["q"] + n_head * d].reshape(1, n_head, d)
+            out = got_act[at["out"]:at["out"] + n_head * d].reshape(1, n_head * d)
+            assert np.array_equal(bits(qd), bits(ops.to_host(qh))), f"rope_kv{name}: q"
             for got_, want_ in ((kc, kc2), (ks, ks2), (vc, vc2), (vs, vs2)):
                 if got_ is not None:
                     assert np.array_equal(ops.to_host(got_).view(np.uint8), ops.to_host(want_).view(np.uint8)), \
                         f"rope_kv{name}: the cache"
-            assert np.array_equal(bits(ops.to_host(out)), bits(want)), f"attention_step{name}"
+            assert np.array_equal(bits(out), bits(want)), f"attention_step{name}"
 
     failed = 0
     for name, fn in cases:

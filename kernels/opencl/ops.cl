@@ -74,16 +74,18 @@ kernel SG_ATTR void rms_norm(global const float *x, global const float *w, globa
     STORE_NORMED(o, xr, w, scale, d)
 }
 
-// add_rms(x, dlt, pw, w, h, d, eps, flags, s): the residual stream's step between two products, one work-group
+// add_rms(act, prm, x, dlt, pw, w, h offsets, d, eps, flags, s): the residual stream's step between two products, one work-group
 // per row, in the op-by-op forward's order and with its arithmetic (bit for bit): with ADD_SCALE x = x * s (the
 // embedding's scale); with ADD_DELTA x = x + dlt, where with ADD_POST_NORM dlt is first normalised by pw (gemma's
 // post-attention and post-FFN norms); then h = rms_norm(x) * w, the next product's input.
 #define ADD_SCALE 1u
 #define ADD_DELTA 2u
 #define ADD_POST_NORM 4u
-kernel SG_ATTR void add_rms(global float *x, global const float *dlt, global const float *pw, global const float *w,
-                            global float *h, uint d, float eps, uint flags, float s) {
+kernel SG_ATTR void add_rms(global float *act, global const float *prm, uint ox, uint odlt, uint opw, uint ow,
+                            uint oh, uint d, float eps, uint flags, float s) {
     local float part[ROW_PARTS];
+    global float *x = act + ox, *h = act + oh;
+    global const float *dlt = act + odlt, *pw = prm + opw, *w = prm + ow;
     uint r = get_group_id(0), lid = get_local_id(0);
     global float *xr = x + (ulong)r * d;
     global const float *dr = dlt + (ulong)r * d;
@@ -340,8 +342,10 @@ kernel void attention_q8(global const float *q, global const char *k, global con
     ATTENTION_BODY(pos[i], T, key_start, COL_LIST, Q8)
 }
 
-// ---- a decode step's kernels (kernels/opencl/plan.py): arguments bound once, the token's values read from
-// `step`, an int32 buffer uploaded once per token:
+// ---- a decode step's kernels (kernels/opencl/plan.py): arguments bound once. Every activation of a step lives in
+// one buffer `act` (the kernels take element offsets into it) and the norms' weights and the biases in one `prm`:
+// a launch names three or four memory objects, not ten (each costs the runtime bookkeeping on every launch).
+// The token's values are read from `step`, the first words of `act`, uploaded once per token:
 //   step[0..1] the token id (int64)         step[2] its position          step[3] W, the block tables' width
 //   step[4 + 2 g], step[5 + 2 g]: layer group g's first held position (key_start) and its number of keys T
 //   step[STEP_COLS + g] the storage column the token's K and V go to in group g
@@ -352,36 +356,43 @@ kernel void attention_q8(global const float *q, global const char *k, global con
 // attention_step: attention for the step's one query (global (n_head * ATT_WG, 1)): the same body as
 // `attention`, the position, key range and columns read from the step buffer (layer group g).
 #define COL_TABLE(t) (step[tables + ((t) / KV_BLOCK)] * KV_BLOCK + (t) % KV_BLOCK)
-kernel void attention_step(global const float *q, global const float *k, global const float *v,
-                           global const int *step, global float *out, uint n_head, uint n_kv, uint cap, uint d,
-                           uint dv, uint g, uint step_tables, int window, float scale, float softcap) {
+kernel void attention_step(global float *act, uint oq, uint oout, global const float *k, global const float *v,
+                           uint n_head, uint n_kv, uint cap, uint d, uint dv, uint g, uint step_tables, int window,
+                           float scale, float softcap) {
+    global const float *q = act + oq;
+    global float *out = act + oout;
+    global const int *step = (global const int *)act;
     uint h = get_group_id(0), i = 0, lid = get_local_id(0);
     uint tables = step_tables + g * (uint)step[3];
     ATTENTION_BODY(step[2], (uint)step[5 + 2 * g], step[4 + 2 * g], COL_TABLE, F32)
 }
 
 // attention_step_q8: attention_step over a q8_0 cache
-kernel void attention_step_q8(global const float *q, global const char *k, global const float *ks,
-                              global const char *v, global const float *vs, global const int *step, global float *out,
-                              uint n_head, uint n_kv, uint cap, uint d, uint dv, uint g, uint step_tables, int window,
-                              float scale, float softcap) {
+kernel void attention_step_q8(global float *act, uint oq, uint oout, global const char *k, global const float *ks,
+                              global const char *v, global const float *vs, uint n_head, uint n_kv, uint cap, uint d,
+                              uint dv, uint g, uint step_tables, int window, float scale, float softcap) {
+    global const float *q = act + oq;
+    global float *out = act + oout;
+    global const int *step = (global const int *)act;
     uint h = get_group_id(0), i = 0, lid = get_local_id(0);
     uint tables = step_tables + g * (uint)step[3];
     ATTENTION_BODY(step[2], (uint)step[5 + 2 * g], step[4 + 2 * g], COL_TABLE, Q8)
 }
 
-// rope_kv(q, kk, vv, qn, kn, step, kc, vc, ...): a step's Q, K and V after their product, one work-group of
+// rope_kv(act, prm, q, kk, vv, qn, kn offsets, kc, vc, ...): a step's Q, K and V after their product, one work-group of
 // ROW_WG per head (global ((n_head + 2 n_kv) * ROW_WG)): Q and K heads normalised (flags & 1: qk-norm, q_norm and
 // k_norm weights) and rotated by RoPE (cos/sin from the step buffer at rope_at; NeoX halves or adjacent pairs;
 // elements from rope_dim on as they are), Q in place, K into the key cache (n_kv, cap, d) at the step's column of
 // layer group g; V heads copied into the value cache (n_kv, cap, dv). The op-by-op forward's rms_norm, rope and
 // kv_write, bit for bit, in one launch.
-kernel SG_ATTR void rope_kv(global float *q, global const float *kk, global const float *vv, global const float *qn,
-                            global const float *kn, global const int *step, global float *kc, global float *vc,
-                            uint n_head, uint n_kv, uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags,
-                            float eps, uint g, uint step_cols, uint rope_at) {
+kernel SG_ATTR void rope_kv(global float *act, global const float *prm, uint oq, uint ok, uint ov, uint oqn, uint okn,
+                            global float *kc, global float *vc, uint n_head, uint n_kv, uint cap, uint d, uint dv,
+                            uint rope_dim, uint neox, uint flags, float eps, uint g, uint step_cols, uint rope_at) {
     local float hv[ATT_MAX_D];
     local float part[ROW_PARTS];
+    global float *q = act + oq;
+    global const float *kk = act + ok, *vv = act + ov, *qn = prm + oqn, *kn = prm + okn;
+    global const int *step = (global const int *)act;
     uint hd = get_group_id(0), lid = get_local_id(0);
     uint col = (uint)step[step_cols + g];
     if (hd >= n_head + n_kv) {  // a value head: stored as it is
@@ -415,13 +426,15 @@ kernel SG_ATTR void rope_kv(global float *q, global const float *kk, global cons
 
 // rope_kv_q8: rope_kv into a q8_0 cache (values kc, vc and their scales kcs, vcs): the key rotated in local memory,
 // then quantized a block of 32 per work-item (kv_write_q8's arithmetic), the value heads quantized as they are.
-kernel SG_ATTR void rope_kv_q8(global float *q, global const float *kk, global const float *vv,
-                               global const float *qn, global const float *kn, global const int *step, global char *kc,
-                               global float *kcs, global char *vc, global float *vcs, uint n_head, uint n_kv,
-                               uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags, float eps, uint g,
-                               uint step_cols, uint rope_at) {
+kernel SG_ATTR void rope_kv_q8(global float *act, global const float *prm, uint oq, uint ok, uint ov, uint oqn,
+                               uint okn, global char *kc, global float *kcs, global char *vc, global float *vcs,
+                               uint n_head, uint n_kv, uint cap, uint d, uint dv, uint rope_dim, uint neox, uint flags,
+                               float eps, uint g, uint step_cols, uint rope_at) {
     local float hv[ATT_MAX_D];
     local float part[ROW_PARTS];
+    global float *q = act + oq;
+    global const float *kk = act + ok, *vv = act + ov, *qn = prm + oqn, *kn = prm + okn;
+    global const int *step = (global const int *)act;
     uint hd = get_group_id(0), lid = get_local_id(0);
     uint col = (uint)step[step_cols + g];
     if (hd >= n_head + n_kv) {  // a value head: quantized as it is

@@ -69,8 +69,7 @@ def _wargs(w) -> list:
 # goes back and forth between two buffers, so no work-group reads what another writes), then RMSNorm by nw in
 # place (rows.cl's sum of squares, the same bits as add_rms's in any work-group). The product then reads its x
 # row from local memory: two launches a layer fewer (the add_rms before the Q/K/V and the gate/up products).
-NORM_ARGS = ("global const float *xin, global const float *dlt, global const float *pw, global const float *nw, "
-             "global float *xout, float eps, uint nflags, float nscale")
+NORM_ARGS = "uint oxin, uint odlt, uint opw, uint onw, uint oxout, float eps, uint nflags, float nscale"
 NORM_PROLOGUE = r"""
 #define NORM_PROLOGUE(NCOLS)                                                                                    \
     local float hx[NCOLS];                                                                                      \
@@ -103,11 +102,15 @@ NORM_PROLOGUE = r"""
 
 
 def _x_args(norm_cols) -> list:
-    return [NORM_ARGS] if norm_cols else ["global const float *x"]
+    # A: the step's activations, PRM: the norms' weights and the biases (ops.cl: "a decode step's kernels")
+    return ["global float *A, global const float *PRM", NORM_ARGS if norm_cols else "uint ox"]
 
 
 def _x_prologue(norm_cols) -> list:
-    return [f"    NORM_PROLOGUE({norm_cols})"] if norm_cols else []
+    if not norm_cols:
+        return ["    global const float *x = A + ox;"]
+    return ["    global const float *xin = A + oxin, *dlt = A + odlt, *pw = PRM + opw, *nw = PRM + onw;",
+            "    global float *xout = A + oxout;", f"    NORM_PROLOGUE({norm_cols})"]
 
 
 def multi_source(name: str, params: list, shape: str, norm_cols: int = 0) -> str:
@@ -116,7 +119,7 @@ def multi_source(name: str, params: list, shape: str, norm_cols: int = 0) -> str
     With norm_cols, the x row is made by the norm prologue (NORM_PROLOGUE) from the residual stream."""
     P = len(params)
     args = ", ".join([_pargs(p) for p in range(P)] + _x_args(norm_cols)
-                     + [f"global float *y{p}" for p in range(P)] + [f"global const float *b{p}" for p in range(P)]
+                     + [f"uint oy{p}" for p in range(P)] + [f"uint ob{p}" for p in range(P)]
                      + ["uint bias_mask", "uint cols"] + [f"uint rows{p}" for p in range(P)]
                      + [f"uint g{p}" for p in range(1, P)])
     lanes = shape == "lanes"
@@ -139,9 +142,9 @@ def multi_source(name: str, params: list, shape: str, norm_cols: int = 0) -> str
                   "    if (lane == 0 && r0 < rows) {"]
     else:
         lines += ["    float s[1];", "    s[0] = SUM8(acc);", "    if (r0 < rows) {"]
-    ys = " : ".join(f"p == {p} ? y{p}" for p in range(P - 1)) + (" : " if P > 1 else "") + f"y{P - 1}"
-    bs = " : ".join(f"p == {p} ? b{p}" for p in range(P - 1)) + (" : " if P > 1 else "") + f"b{P - 1}"
-    lines += [f"        global float *y = {ys};", f"        global const float *b = {bs};",
+    ys = " : ".join(f"p == {p} ? oy{p}" for p in range(P - 1)) + (" : " if P > 1 else "") + f"oy{P - 1}"
+    bs = " : ".join(f"p == {p} ? ob{p}" for p in range(P - 1)) + (" : " if P > 1 else "") + f"ob{P - 1}"
+    lines += [f"        global float *y = A + ({ys});", f"        global const float *b = PRM + ({bs});",
               "        float v = s[0];", "        if ((bias_mask >> p) & 1u) v = v + b[r0];", "        y[r0] = v;",
               "    }", "}"]
     return "\n".join(lines) + "\n"
@@ -151,7 +154,7 @@ def gate_up_source(name: str, params: list, shape: str, kind: str, norm_cols: in
     """act(x W_gate^T) * (x W_up^T) for one x row, one launch: each row's two sums as their matvecs give them.
     With norm_cols, the x row is made by the norm prologue (NORM_PROLOGUE) from the residual stream."""
     lanes = shape == "lanes"
-    args = ", ".join([_pargs(0), _pargs(1)] + _x_args(norm_cols) + ["global float *out, uint cols, uint rows"])
+    args = ", ".join([_pargs(0), _pargs(1)] + _x_args(norm_cols) + ["uint oout, uint cols, uint rows"])
     lines = [f"kernel {'SG_ATTR ' if lanes else ''}void {name}({args}) {{"] + _x_prologue(norm_cols)
     if lanes:
         lines += ["    FUSED_LOCAL",
@@ -165,9 +168,9 @@ def gate_up_source(name: str, params: list, shape: str, kind: str, norm_cols: in
               "    " + _part(1, params[1], "r", start, step, "au")]
     if lanes:
         lines += ["    float val[2], s[2];", "    val[0] = SUM8(ag);", "    val[1] = SUM8(au);", "    LANE_SUMS(2, val, s)",
-                  f"    if (lane == 0 && r0 < rows) out[r0] = act_{kind}(s[0], s[1]);"]
+                  f"    if (lane == 0 && r0 < rows) A[oout + r0] = act_{kind}(s[0], s[1]);"]
     else:
-        lines += [f"    if (r0 < rows) out[r0] = act_{kind}(SUM8(ag), SUM8(au));"]
+        lines += [f"    if (r0 < rows) A[oout + r0] = act_{kind}(SUM8(ag), SUM8(au));"]
     return "\n".join(lines + ["}"]) + "\n"
 
 
@@ -245,15 +248,13 @@ class DecodePlan:
         src = F.source() + "\n" + O.rows_source() + NORM_PROLOGUE + "".join(self._extra.values())
         self.fprog = self.dev.program(src, F.build_options(self.dev))
         self.oprog = self.dev.program(O.source(), O.build_options(self.dev))
-        # buffers
+        # the step's activations: regions of one buffer `A` (allocated with the step words in front, _alloc)
         q_dim, kv_dim, v_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.value_dim
-        self.x, self.h, self.o = self._buf(c.n_embd), self._buf(c.n_embd), self._buf(c.n_embd)
-        self.x2 = self._buf(c.n_embd)  # the residual stream's other buffer (the norm prologue's xout)
-        self.qb, self.kb, self.vb = self._buf(q_dim), self._buf(kv_dim), self._buf(v_dim)
-        self.att = self._buf(c.n_head * c.value_dim)
-        self.gb, self.ub, self.act = self._buf(c.n_ff), self._buf(c.n_ff), self._buf(c.n_ff)
-        self.logits = self._buf(c.vocab_size)
-        self.dummy = self._buf(1)
+        self._sizes = {"x": c.n_embd, "x2": c.n_embd, "h": c.n_embd, "o": c.n_embd, "q": q_dim, "k": kv_dim,
+                       "v": v_dim, "att": c.n_head * c.value_dim, "g": c.n_ff, "u": c.n_ff, "a": c.n_ff,
+                       "logits": c.vocab_size}
+        self.A, self.off, self._views = None, {}, {}
+        self._prm(m)
         widest = max([w.cols for w in m.weights()] + [1])
         self.xq, self.xd = self._buf(widest // 4 + 1), self._buf(widest // 32 + 1)
         # the step buffer's layout (ops.cl: "a decode step's kernels"), set for the first cache's pool
@@ -268,6 +269,48 @@ class DecodePlan:
 
     def _kernel(self, prog, name):
         return self.cl.Kernel(prog, name)
+
+    def _prm(self, m):
+        """`PRM`: every norm's weights and every bias of the model in one buffer (copied on the device), and
+        each one's offset in floats (`P`)."""
+        arrays = []
+        for L in m.layers:
+            arrays += [L.attn_norm, L.ffn_norm, getattr(L, "attn_post_norm", None), getattr(L, "ffn_post_norm", None),
+                       getattr(L, "q_norm", None), getattr(L, "k_norm", None), L.bq, L.bk, L.bv]
+        arrays.append(m.output_norm)
+        self._prm_off, total = {}, 32  # offset 0: 32 floats no kernel reads (an absent array's offset)
+        for arr in arrays:
+            if arr is not None and id(arr) not in self._prm_off:
+                self._prm_off[id(arr)] = total
+                total += -(-arr.size // 32) * 32
+        self.PRM = self._buf(total)
+        for arr in arrays:
+            if arr is not None:
+                self.cl.enqueue_copy(self.dev.queue, self.PRM, arr.data, dst_offset=4 * self._prm_off[id(arr)],
+                                     byte_count=arr.nbytes)
+        self._prm_arrays = arrays  # kept alive: their offsets are keyed by id()
+
+    def P(self, arr) -> int:
+        """The offset in PRM of a norm's weights or a bias (0, unread, for an absent one)."""
+        return 0 if arr is None else self._prm_off[id(arr)]
+
+    def _alloc(self, step_words: int):
+        """A: the step words first (ops.cl reads them at A's start), then each activation region, 32 floats
+        aligned (128 bytes: a sub-buffer's origin, for the kernels that take a region as a buffer of its own)."""
+        off, total = {}, -(-step_words // 32) * 32
+        for name, n in self._sizes.items():
+            off[name] = total
+            total += -(-n // 32) * 32
+        self.A, self.off, self._views = self._buf(total), off, {}
+        self._step_words = step_words
+
+    def _view(self, name: str):
+        """Region `name` of A as a buffer of its own (a sub-buffer), for the op-by-op kernels a plan falls back on
+        (float formats, the integer-dot products, an unfused bias or activation)."""
+        v = self._views.get(name)
+        if v is None:
+            v = self._views[name] = self.A.get_sub_region(4 * self.off[name], 4 * self._sizes[name])
+        return v
 
     def _norm_cols(self) -> int:
         """n_embd where the products normalise their own input (NORM_PROLOGUE: the row and the partial sums in
@@ -321,35 +364,39 @@ class DecodePlan:
         wg = F.LANES_LPR * F.LANES_RPG
         return (-(-rows // F.LANES_RPG) * wg, 1), (wg, 1)
 
-    def _matvec(self, w, x, out):
-        """The op-by-op product's kernel(s) for one x row (formats.enqueue_matmul with n = 1), bound."""
+    def _matvec(self, w, x: str, out: str):
+        """One x row (region x of A) times W into region out: a one-part generated product for a re-laid format
+        (the matvec's arithmetic, the weight as one buffer), else the op-by-op kernel(s) on views of A."""
         u32 = np.uint32
         if not w.relaid:
             k = self._kernel(self.fprog, f"matvec_{w.format.suffix}")
-            k.set_args(w.buffers[0], x, out, u32(w.row_bytes), u32(w.cols), u32(w.rows))
+            k.set_args(w.buffers[0], self._view(x), self._view(out), u32(w.row_bytes), u32(w.cols), u32(w.rows))
             return [[k, (w.rows * F.MATVEC_WG, 1), (F.MATVEC_WG, 1)]]
         out_l = []
         if self._int_dot(w):
             kq = self._kernel(self.fprog, "quantize_q8_0")
-            kq.set_args(x, self.xq, self.xd, u32(w.cols))
+            kq.set_args(self._view(x), self.xq, self.xd, u32(w.cols))
             out_l.append([kq, (w.cols // 32, 1), None])
             k = self._kernel(self.fprog, f"matvec_{self.shape}_{w.format.suffix}_q8")
-            k.set_args(*w.buffers, self.xq, self.xd, out, u32(w.cols), u32(w.rows), u32(1))
-        else:  # the one-part fused product: the matvec's arithmetic, the weight as one buffer
+            k.set_args(*w.buffers, self.xq, self.xd, self._view(out), u32(w.cols), u32(w.rows), u32(1))
+        else:
             k = self._kernel(self.fprog, self._multi_name([w]))
-            k.set_args(*_wargs(w), x, out, self.dummy, u32(0), u32(w.cols), u32(w.rows))
+            # no bias: PRM unread, A in its place (one memory object fewer for the runtime to track)
+            k.set_args(*_wargs(w), self.A, self.A, u32(self.off[x]), u32(self.off[out]), u32(0), u32(0),
+                       u32(w.cols), u32(w.rows))
         out_l.append([k, *self._rows_launch(w.rows)])
         return out_l
 
-    def _add_bias(self, y, bias, count):
+    def _add_bias(self, y: str, bias, count):
         k = self._kernel(self.oprog, "add")
-        k.set_args(y, bias.data, y, np.uint32(count), np.uint32(count))
+        k.set_args(self._view(y), bias.data, self._view(y), np.uint32(count), np.uint32(count))
         return [[k, O._groups(count), (256,)]]
 
-    def _add_rms(self, x, dlt, pw, w, flags, s=1.0):
+    def _add_rms(self, x: str, dlt: str, pw, w, flags, s=1.0):
+        u32 = np.uint32
         k = self._kernel(self.oprog, "add_rms")
-        k.set_args(x, dlt, pw.data if pw is not None else self.dummy, w.data, self.h, np.uint32(self.c.n_embd),
-                   np.float32(self.c.rms_eps), np.uint32(flags), np.float32(s))
+        k.set_args(self.A, self.PRM, u32(self.off[x]), u32(self.off[dlt]), u32(self.P(pw)), u32(self.P(w)),
+                   u32(self.off["h"]), u32(self.c.n_embd), np.float32(self.c.rms_eps), u32(flags), np.float32(s))
         return [[k, (O.ROW_WG,), (O.ROW_WG,)]]
 
     def _assemble(self, pool):
@@ -363,50 +410,52 @@ class DecodePlan:
         self.ROPE_AT = self.STEP_COLS + self.G
         self.STEP_TABLES = self.ROPE_AT + len(m.plan.ropes) * c.rope_dim
         launches, cache_bound = [], []
-        # the token's embedding row, scaled (gemma) and normalised for layer 0
+        A, PRM, off = self.A, self.PRM, self.off
+        # the token's embedding row (its id: the step's first two words, at A's start), into region x
         w = m.token_embd
         k = self._kernel(self.fprog, f"dequantize_rows_{w.format.suffix}")
         if w.relaid:
-            k.set_args(*w.buffers, self.step_buf, self.x, u32(w.cols))
+            k.set_args(*w.buffers, A, self._view("x"), u32(w.cols))
             launches.append([k, (w.cols // 32, 1), None])
         else:
-            k.set_args(w.buffers[0], self.step_buf, self.x, u32(w.row_bytes), u32(w.cols))
+            k.set_args(w.buffers[0], A, self._view("x"), u32(w.row_bytes), u32(w.cols))
             launches.append([k, (w.cols // w.format.chunk, 1), None])
-        # the residual stream's step before each norm, pending until the product that normalises it (or add_rms)
-        stream = {"x": self.x, "dlt": None, "pw": None, "flags": ADD_SCALE if c.traits.scale_embeddings else 0,
+        # the residual stream's step before each norm (scaled for gemma, then normalised for layer 0), pending
+        # until the product that normalises it or an add_rms
+        stream = {"x": "x", "dlt": None, "pw": None, "flags": ADD_SCALE if c.traits.scale_embeddings else 0,
                   "s": math.sqrt(c.n_embd)}
 
         def norm_into(nw, norm_cols):
             """The pending step and RMSNorm by nw: the norm prologue's arguments for the next product (the
-            stream moves to the other buffer), or an add_rms launch into self.h (in place) and None."""
+            stream moves to the other region), or an add_rms launch into region h (in place) and None."""
             x, dlt, pw = stream["x"], stream["dlt"], stream["pw"]
             if norm_cols:
-                other = self.x2 if x is self.x else self.x
+                other = "x2" if x == "x" else "x"
                 stream["x"] = other
-                return [x, dlt if dlt is not None else self.dummy, pw.data if pw is not None else self.dummy,
-                        nw.data, other, f32(c.rms_eps), u32(stream["flags"]), f32(stream["s"])]
-            launches.extend(self._add_rms(x, dlt if dlt is not None else x, pw, nw, stream["flags"], stream["s"]))
+                return [u32(off[x]), u32(off[dlt or x]), u32(self.P(pw)), u32(self.P(nw)), u32(off[other]),
+                        f32(c.rms_eps), u32(stream["flags"]), f32(stream["s"])]
+            launches.extend(self._add_rms(x, dlt or x, pw, nw, stream["flags"], stream["s"]))
             return None
 
         neox = c.traits.rope_style == "neox"
         for i, L in enumerate(m.layers):
             qkv_norm, gate_up, gu_norm = self._layers_spec[i]
             # Q, K and V: the fusable ones in one product, biases in its epilogue; the others op by op
-            parts = [(L.wq, L.bq, self.qb), (L.wk, L.bk, self.kb), (L.wv, L.bv, self.vb)]
+            parts = [(L.wq, L.bq, "q"), (L.wk, L.bk, "k"), (L.wv, L.bv, "v")]
             fused = [p for p in parts if self._fusable(p[0])]
-            x_args = norm_into(L.attn_norm, qkv_norm) or [self.h]
+            x_args = norm_into(L.attn_norm, qkv_norm) or [u32(off["h"])]
             if fused:
                 name = self._multi_name([p[0] for p in fused], qkv_norm)
                 k = self._kernel(self.fprog, name)
-                P = len(fused)
                 firsts, total = [], 0
                 for wp, _, _ in fused:
                     firsts.append(total)
                     g, _ = self._rows_launch(wp.rows)
                     total += g[0] // (F.LANES_LPR * F.LANES_RPG) if self.shape == "lanes" else g[0]
                 mask = sum(1 << p for p, (_, bias, _) in enumerate(fused) if bias is not None)
-                args = [a for wp, _, _ in fused for a in _wargs(wp)] + x_args + [y for _, _, y in fused]
-                args += [bias.data if bias is not None else self.dummy for _, bias, _ in fused]
+                reads_prm = bool(mask) or bool(qkv_norm)  # else A in PRM's place (one memory object fewer)
+                args = [a for wp, _, _ in fused for a in _wargs(wp)] + [A, PRM if reads_prm else A] + x_args
+                args += [u32(off[y]) for _, _, y in fused] + [u32(self.P(bias)) for _, bias, _ in fused]
                 args += [u32(mask), u32(L.wq.cols)] + [u32(wp.rows) for wp, _, _ in fused] + [u32(f) for f in firsts[1:]]
                 k.set_args(*args)
                 if self.shape == "lanes":
@@ -416,7 +465,7 @@ class DecodePlan:
                     launches.append([k, (total, 1), (F.ROWS_LS, 1)])
             for wp, bias, y in parts:
                 if not self._fusable(wp):
-                    launches += self._matvec(wp, self.h, y)
+                    launches += self._matvec(wp, "h", y)
                     if bias is not None:
                         launches += self._add_bias(y, bias, wp.rows)
             # qk-norm, RoPE, the KV write
@@ -429,10 +478,10 @@ class DecodePlan:
                 g = pool.groups[gi]
                 kc, vc = g.k[slot], g.v[slot]
                 kv = (kc.data, g.k_scale[slot].data, vc.data, g.v_scale[slot].data) if q8 else (kc.data, vc.data)
-                return (self.qb, self.kb, self.vb, L.q_norm.data if flags else self.dummy,
-                        L.k_norm.data if flags else self.dummy, self.step_buf, *kv, u32(c.n_head),
-                        u32(c.n_head_kv), u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim), u32(c.rope_dim),
-                        u32(neox), u32(flags), f32(c.rms_eps), u32(gi), u32(self.STEP_COLS),
+                return (A, PRM if flags else A, u32(off["q"]), u32(off["k"]), u32(off["v"]),
+                        u32(self.P(L.q_norm) if flags else 0), u32(self.P(L.k_norm) if flags else 0), *kv,
+                        u32(c.n_head), u32(c.n_head_kv), u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim),
+                        u32(c.rope_dim), u32(neox), u32(flags), f32(c.rms_eps), u32(gi), u32(self.STEP_COLS),
                         u32(self.ROPE_AT + table * c.rope_dim))
 
             cache_bound.append((k_rope, rope_args))
@@ -444,35 +493,35 @@ class DecodePlan:
                 g = pool.groups[gi]
                 kc, vc = g.k[slot], g.v[slot]
                 kv = (kc.data, g.k_scale[slot].data, vc.data, g.v_scale[slot].data) if q8 else (kc.data, vc.data)
-                return (self.qb, *kv, self.step_buf, self.att, u32(c.n_head), u32(c.n_head_kv),
+                return (A, u32(off["q"]), u32(off["att"]), *kv, u32(c.n_head), u32(c.n_head_kv),
                         u32(kc.shape[1]), u32(c.head_dim), u32(c.value_dim), u32(gi), u32(self.STEP_TABLES),
                         np.int32(m.layer_window[i]), f32(c.attention_scale), f32(c.attn_softcap))
 
             cache_bound.append((k_att, att_args))
             launches.append([k_att, (c.n_head * O.ATT_WG, 1), (O.ATT_WG, 1)])
             # the output product; the residual add and the FFN's norm, in the gate/up product or before it
-            launches += self._matvec(L.wo, self.att, self.o)
+            launches += self._matvec(L.wo, "att", "o")
             post = c.traits.post_norms
-            stream.update(dlt=self.o, pw=L.attn_post_norm if post else None,
+            stream.update(dlt="o", pw=L.attn_post_norm if post else None,
                           flags=ADD_DELTA | (ADD_POST_NORM if post else 0), s=1.0)
-            x_args = norm_into(L.ffn_norm, gu_norm if gate_up is not None else 0) or [self.h]
+            x_args = norm_into(L.ffn_norm, gu_norm if gate_up is not None else 0) or [u32(off["h"])]
             # gate and up with the activation, down
             if gate_up is not None:
                 k = self._kernel(self.fprog, gate_up)
-                k.set_args(*_wargs(L.ffn_gate), *_wargs(L.ffn_up), *x_args, self.act, u32(L.ffn_gate.cols),
-                           u32(L.ffn_gate.rows))
+                k.set_args(*_wargs(L.ffn_gate), *_wargs(L.ffn_up), A, PRM if gu_norm else A, *x_args, u32(off["a"]),
+                           u32(L.ffn_gate.cols), u32(L.ffn_gate.rows))
                 launches.append([k, *self._rows_launch(L.ffn_gate.rows)])
             else:
-                launches += self._matvec(L.ffn_gate, self.h, self.gb)
-                launches += self._matvec(L.ffn_up, self.h, self.ub)
+                launches += self._matvec(L.ffn_gate, "h", "g")
+                launches += self._matvec(L.ffn_up, "h", "u")
                 k = self._kernel(self.oprog, f"gated_{c.traits.activation}")
-                k.set_args(self.gb, self.ub, self.act, u32(L.ffn_gate.rows))
+                k.set_args(self._view("g"), self._view("u"), self._view("a"), u32(L.ffn_gate.rows))
                 launches.append([k, O._groups(L.ffn_gate.rows), (256,)])
-            launches += self._matvec(L.ffn_down, self.act, self.o)
-            stream.update(dlt=self.o, pw=L.ffn_post_norm if post else None,
+            launches += self._matvec(L.ffn_down, "a", "o")
+            stream.update(dlt="o", pw=L.ffn_post_norm if post else None,
                           flags=ADD_DELTA | (ADD_POST_NORM if post else 0), s=1.0)
         norm_into(m.output_norm, 0)  # the output norm: add_rms (the vocabulary's work-groups would each redo it)
-        launches += self._matvec(m.output, self.h, self.logits)
+        launches += self._matvec(m.output, "h", "logits")
         self.launches = [tuple(x) for x in launches]
         self.cache_bound = cache_bound
 
@@ -481,7 +530,7 @@ class DecodePlan:
             k.set_args(*make(pool))
 
     def _ensure(self, pool, width: int):
-        """The step buffer big enough for block tables of `width` and every launch bound to this pool's arrays."""
+        """A's step words enough for block tables of `width` and every launch bound to this pool's arrays."""
         if not self._built:
             self._build()
         need = (self.STEP_TABLES if self.G is not None else 0) + len(pool.groups) * width
@@ -489,8 +538,7 @@ class DecodePlan:
             words = max(need, 4 + 3 * len(pool.groups) + len(self.model.plan.ropes) * self.c.rope_dim
                         + len(pool.groups) * max(width, 64)) * 2
             self.step_host = np.zeros(words, np.int32)
-            self.step_buf = self.cl.Buffer(self.dev.context, self.cl.mem_flags.READ_ONLY, self.step_host.nbytes)
-            self._step_words = words
+            self._alloc(words)
             self._assemble(pool)
             self._pool_key = None
         key = (id(pool), tuple(g.version for g in pool.groups))
@@ -509,7 +557,7 @@ class DecodePlan:
         G, W = tables.shape
         self._ensure(cache.pool, W)
         s = self.step_host
-        s[0:2] = np.array([token], np.int64).view(np.int32)
+        s[0], s[1] = token, 0  # the id as int64 (a vocabulary is far below 2^31)
         s[2], s[3] = pos, W
         start = first * KV_BLOCK
         s[4:4 + 2 * G:2] = start
@@ -517,16 +565,16 @@ class DecodePlan:
         s[self.STEP_COLS:self.STEP_COLS + G] = wcols[:, 0]
         f = s.view(np.float32)
         half = c.rope_dim // 2
-        at = np.array([pos])
         for j, table in enumerate(m.plan.ropes):
-            cos, sin = table.get(at)
+            if pos >= len(table.cos):
+                table.get(np.array([pos]))  # grows the table
             o = self.ROPE_AT + j * c.rope_dim
-            f[o:o + half] = cos[0]
-            f[o + half:o + 2 * half] = sin[0]
+            f[o:o + half] = table.cos[pos]
+            f[o + half:o + 2 * half] = table.sin[pos]
         end = self.STEP_TABLES + G * W
         s[self.STEP_TABLES:end] = tables.reshape(-1)
         cl, queue = self.cl, self.dev.queue
-        cl.enqueue_copy(queue, self.step_buf, s[:end], is_blocking=False)
+        cl.enqueue_copy(queue, self.A, s[:end], is_blocking=False)
         gate = None
         if self.gate_steps:  # (after the upload: PoCL and Intel's runtime wait in a write enqueued behind it)
             gate = cl.UserEvent(self.dev.context)
@@ -547,5 +595,5 @@ class DecodePlan:
         st["host_s"] += time.perf_counter() - t0
         if gate is not None:
             gate.set_status(cl.command_execution_status.COMPLETE)
-        cl.enqueue_copy(queue, out, self.logits, is_blocking=True)
+        cl.enqueue_copy(queue, out, self.A, src_offset=4 * self.off["logits"], is_blocking=True)
         return out
