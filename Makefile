@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The models the test suite runs on (catalog names; see models/).
 TEST_MODELS := smollm2-135m-instruct gemma3-270m qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
-.PHONY: setup setup-dev chat test test-models test-clients clients bench clean
+.PHONY: setup setup-dev chat test test-models test-clients clients bench bench-large clean
 
 # What running models needs (make chat); the tests' tools come with setup-dev (make test): the official API
 # clients, and the OpenCL checkers (Oclgrind, Intel's CPU runtime: 850 MB that a chat user does not need).
@@ -57,8 +57,19 @@ test-clients: setup-dev test-models clients
 	LOCALLLM_CLIENTS=$(abspath $(CLIENTS)) $(BIN)/python -m pytest -q --durations=15 -m clients
 
 # LLAMA_BENCH=/path/to/llama-bench: llama.cpp's figures beside localllm's, as ratios from the same run.
+# The three large shapes (Llama-3.2-3B, Llama-3.1-8B, Qwen2.5-7B as Q4_K_M with random weights: 11.6 GB, made once
+# by tools/make_large_bench_models.py into LARGE_MODELS) after the catalog's.
+LARGE_MODELS ?= $(HOME)/.cache/localllm/bench-models
+LARGE_SHAPES := llama-3.2-3b llama-3.1-8b qwen2.5-7b
+
 bench: setup
 	$(BIN)/localllm bench --present --depth 4096 $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
+	$(MAKE) --no-print-directory bench-large
+
+bench-large: setup
+	$(BIN)/python tools/make_large_bench_models.py $(LARGE_MODELS) $(LARGE_SHAPES)
+	$(BIN)/localllm bench $(foreach m,$(LARGE_SHAPES),$(LARGE_MODELS)/$(m)-q4_k_m.gguf) --depth 4096 \
+		$(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 clean:
 	rm -rf $(VENV) $(CLIENTS) build *.egg-info

@@ -179,9 +179,39 @@ def run(engine, n_prompt: int = 512, n_gen: int = 128, reps: int = 3, depth: int
     return result
 
 
+def reset_peak_rss() -> None:
+    """Start the process's peak resident size (VmHWM) over from its current size, where Linux lets a process
+    (/proc/self/clear_refs); elsewhere the peak stays the process's whole life's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int | None:
+    """The process's peak resident size in bytes since reset_peak_rss (VmHWM), None where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def format_extras(r: dict) -> list[str]:
-    """The lines under the table for one model: bandwidth, k-token ratios, chat turn."""
+    """The lines under the table for one model: load time and peak memory, bandwidth, k-token ratios, chat turn."""
     lines = []
+    if "load_s" in r:
+        line = f"{r['model']}: loaded in {r['load_s']:.1f} s (mapping, checks, weight tiling, a first token)"
+        if r.get("rss_peak_bytes"):
+            mib = 2**20
+            other = r["rss_peak_bytes"] - r["size"] - r["kv_bytes"]
+            line += (f"; peak RSS {r['rss_peak_bytes'] / mib:.0f} MiB = file {r['size'] / mib:.0f} + KV cache "
+                     f"{r['kv_bytes'] / mib:.0f} + {other / mib:.0f} MiB")
+        lines.append(line)
     if "bandwidth_gbs" in r:
         line = f"{r['model']}: tg reads {r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = " \
                f"{r['bandwidth_gbs']:.1f} GB/s"

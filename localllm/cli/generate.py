@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 from localllm import parameters
 from localllm.chat.history import fit_messages
@@ -484,10 +485,16 @@ def cmd_bench(args) -> int:
     machine_bandwidth = None if args.no_bandwidth else read_bandwidth() / 1e9
     results = []
     for name in names:
+        bench.reset_peak_rss()
+        t0 = time.perf_counter()
         engine = Engine.load(name, ctx=max(args.ctx or 0, args.p + args.n + 16, args.depth + max(args.n, args.p) + 16,
                                            args.chat_turn + 64, 512 + 16),
                              quiet=args.json, kv_type=args.kv_type, device=args.device, warm="first-token")
+        load_s = time.perf_counter() - t0
         result = bench.run(engine, n_prompt=args.p, n_gen=args.n, reps=args.r, depth=args.depth)
+        result["load_s"] = load_s
+        result["rss_peak_bytes"] = bench.peak_rss()
+        result["kv_bytes"] = engine.kv_pool.nbytes
         if args.llama_bench:
             # Back to back with localllm's run, on the same file and thread count: quote the ratio, not the figures.
             result["llama_cpp"] = bench.llama_bench(args.llama_bench, engine.path, args.p, args.n, args.r,
