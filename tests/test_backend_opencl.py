@@ -382,3 +382,104 @@ def test_a_model_larger_than_the_device_memory_is_refused_with_the_numbers(monke
 
     with pytest.raises(LocalLLMError, match=r"does not fit .*GiB of weights.*0\.05 GiB of device memory"):
         Engine(model_file("smollm2-135m-instruct"), ctx=512, quiet=True, backend=device_spec())
+
+
+def _reduce_on_device(ops, x: np.ndarray, k: int, slice_: int):
+    """ops.cl's topk_part and topk_merge on one row: (ids, vals, max, lse, nans)."""
+    from localllm.kernels.opencl import cl_ops
+
+    groups = -(-len(x) // slice_)
+    xd = ops.to_device(x)
+    pv, pi, ps = ops.empty((groups * k,)), ops.to_device(np.zeros(groups * k, np.int32), np.int32), ops.empty((3 * groups,))
+    out = ops.empty((2 * k + 3,))
+    u32 = np.uint32
+    q = ops.dev.queue
+    ops._kernel("topk_part")(q, (groups * cl_ops.ROW_WG,), (cl_ops.ROW_WG,), xd.data, u32(len(x)), u32(slice_), u32(k),
+                             pv.data, pi.data, ps.data)
+    ops._kernel("topk_merge")(q, (cl_ops.ROW_WG,), (cl_ops.ROW_WG,), pv.data, pi.data, ps.data, u32(groups), u32(k),
+                              out.data)
+    o = ops.to_host(out)
+    ids = o[:k].view(np.int32)
+    keep = ids != np.iinfo(np.int32).max
+    return ids[keep].astype(np.int64), o[k:2 * k][keep], float(o[2 * k]), float(o[2 * k + 1]), int(o[2 * k + 2])
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "nan_and_inf", "shorter_than_k", "one_slice"])
+def test_the_devices_sampling_reduction_is_the_reference_top_k_with_its_ties_and_log_sum_exp(tiny, case):
+    # ops.cl topk_part + topk_merge against kernels/top_logits.py's numpy reference: the same ids in the same
+    # order (decreasing logit, then increasing id), the same values, the row's max, its log-sum-exp (float32
+    # partial sums against float64: 1e-5), its NaNs counted and left out
+    from localllm.kernels.top_logits import top_logits
+
+    rng = np.random.default_rng(3)
+    n, k, slice_ = {"shorter_than_k": (40, 64, 2048), "one_slice": (1500, 40, 2048)}.get(case, (20000, 40, 2048))
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    if case == "ties":
+        x[rng.integers(0, n, 300)] = x.max()  # more ties at the top than k, across slices
+    if case == "nan_and_inf":
+        x[[5, 7000, 19999]] = np.nan
+        x[rng.integers(0, n, 50)] = -np.inf
+    ids, vals, m, lse, nans = _reduce_on_device(tiny.backend.ops, x, k, slice_)
+    want = top_logits(x, k)
+    assert np.array_equal(ids, want.ids) and np.array_equal(vals, want.vals)
+    assert m == want.max and nans == want.nans
+    assert abs(lse - want.lse) < 1e-5 * max(1.0, abs(want.lse))
+
+
+def test_a_decode_step_reduced_on_the_device_downloads_its_top_k_and_agrees_with_its_whole_row():
+    # two caches, the same prompt, one plan step each: with top 40 the step downloads 83 words (ids, values, max,
+    # log-sum-exp, NaN count), which are the reference reduction of the other step's whole row
+    from localllm.kernels.top_logits import TopLogits, top_logits
+
+    _, e = engines("smollm2-135m-instruct")
+    model, plan = e.model, e.model.fused
+    caches = [model.new_cache(64), model.new_cache(64)]
+    for cache in caches:
+        model.forward([1, 50, 300, 7, 9], cache)
+    whole = model.forward_batch([([11], caches[0], None)])[0]
+    down = plan.stats["bytes_down"]
+    reduced = model.forward_batch([([11], caches[1], None)], top=[40])[0]
+    assert isinstance(reduced, TopLogits) and plan.stats["bytes_down"] - down == 4 * (2 * 40 + 3)
+    want = top_logits(whole[0], 40)
+    assert np.array_equal(reduced.ids, want.ids) and np.array_equal(reduced.vals, want.vals)
+    assert abs(reduced.lse - want.lse) < 1e-5 * abs(want.lse) and reduced.nans == 0
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(seed=5), dict(seed=9, top_k=20, top_p=0.8,
+                                                                                   temperature=1.5)],
+                         ids=["greedy", "defaults", "top_k_top_p"])
+def test_generation_with_the_device_reduction_gives_the_tokens_of_the_whole_rows(sampling):
+    # the same prompt and seed with the reduction (its default wherever the chain starts with top-k) and without
+    # it (the plan made to return whole rows): the same tokens, log-probabilities within float32 rounding
+    from localllm.chat.sampling import SamplingParams
+    from localllm.runtime.generation import GenerationParams
+
+    _, e = engines("smollm2-135m-instruct")
+    plan = e.model.fused
+    params = GenerationParams(max_tokens=24, sampling=SamplingParams(**sampling))
+
+    def run():
+        return [(ev.token, ev.logprob) for ev in e.generate("Write a haiku about rain.", params)
+                if ev.token is not None]
+
+    tops, real_step = [], plan.step
+    plan.step = lambda token, cache, top=0: tops.append(top) or real_step(token, cache, top)
+    down = plan.stats["bytes_down"]
+    try:
+        reduced = run()
+    finally:
+        del plan.step
+    down = plan.stats["bytes_down"] - down
+    plan.takes_top = False
+    try:
+        whole = run()
+    finally:
+        del plan.takes_top
+    assert [t for t, _ in reduced] == [t for t, _ in whole]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(reduced, whole)) < 1e-4
+    # every decode step reduced its row (a prompt's last token, when the rest was cached by an earlier test, is
+    # the one step that takes its whole row), and downloaded a few hundred bytes instead of 49152 logits
+    k = 1 if sampling.get("temperature") == 0.0 else sampling.get("top_k", 40)
+    decode = tops[1:] if tops and tops[0] == 0 else tops
+    assert len(decode) >= 20 and set(decode) == {k}
+    assert down == 4 * (2 * k + 3) * len(decode) + 4 * 49152 * (len(tops) - len(decode))

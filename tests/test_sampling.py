@@ -437,3 +437,36 @@ def test_without_logprobs_asked_for_the_same_tokens_are_drawn_and_nan_or_all_ban
     # n_probs > 0 reports logprobs whatever the switch
     top = Sampler(SamplingParams(temperature=0, logprob=False, n_probs=2), 8).sample(np.arange(8, dtype=np.float32))
     assert top.id == 7 and top.logprob is not None and [t for t, _ in top.top_logprobs] == [7, 6]
+
+
+# ---- a row reduced to its top k (a device's sampling reduction: kernels/top_logits.py) -----------------------
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(), dict(top_k=1), dict(top_k=64, top_p=1.0, min_p=0.0),
+                                dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.1, n_probs=5)],
+                         ids=["greedy", "defaults", "top_k_1", "top_k_64", "top_p_min_p_n_probs"])
+def test_a_sampler_picks_from_a_rows_top_k_exactly_what_it_picks_from_the_whole_row(kw):
+    # the same seed, the same rows (ties at the top included): the same tokens, draw for draw, the same
+    # top log-probabilities' tokens, log-probabilities within float rounding of the whole row's
+    from localllm.kernels.top_logits import top_logits
+
+    V = 5000
+    rng = np.random.default_rng(1)
+    whole, reduced = Sampler(SamplingParams(seed=7, **kw), V), Sampler(SamplingParams(seed=7, **kw), V)
+    k = reduced.top_needed()
+    assert k == (1 if kw.get("temperature") == 0.0 else max(kw.get("top_k", 40), kw.get("n_probs", 0)))
+    for _ in range(200):
+        x = (rng.standard_normal(V) * 3).astype(np.float32)
+        x[rng.integers(0, V, 20)] = x.max()
+        a, b = whole.sample(x), reduced.sample(top_logits(x, k))
+        assert a.id == b.id
+        assert abs(a.logprob - b.logprob) < 1e-5
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        whole.accept(a.id)
+        reduced.accept(b.id)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=0), dict(top_k=65), dict(repeat_penalty=1.1), dict(logit_bias={3: 1.0}),
+                                dict(dry_multiplier=0.8), dict(xtc_probability=0.5), dict(top_k=10, n_probs=80)],
+                         ids=["no_top_k", "top_k_65", "penalty", "bias", "dry", "xtc", "n_probs_80"])
+def test_a_sampler_that_needs_the_whole_row_says_so(kw):
+    assert Sampler(SamplingParams(**kw), 5000).top_needed() == 0

@@ -57,9 +57,9 @@ def test_requests_are_decoded_together_and_match_alone(engine, monkeypatch):
     batches = []
     real = engine.evaluate_batch
 
-    def spy(items):
+    def spy(items, tops=None):
         batches.append([len(tokens) for _, tokens in items])
-        return real(items)
+        return real(items, tops)
 
     monkeypatch.setattr(engine, "evaluate_batch", spy)
     sched = Scheduler(engine, parallel=3)
@@ -81,12 +81,12 @@ def test_a_requests_first_token_goes_out_before_the_forward_that_evaluates_it_an
     real = engine.evaluate_batch
     forwards = []
 
-    def spy(items):
+    def spy(items, tops=None):
         # The first forward is the prompt's (one token long when an earlier test left the prompt cached)
         if forwards:
             delivered_at_decode.append(sched.metrics.generated_tokens)
         forwards.append(items)
-        return real(items)
+        return real(items, tops)
 
     monkeypatch.setattr(engine, "evaluate_batch", spy)
     [(tokens, final)] = decode_together(sched, [(prompts(engine)[0], greedy(4))])
@@ -181,12 +181,12 @@ def test_a_request_whose_batched_forward_fails_fails_alone_and_its_neighbours_ke
     real = engine.evaluate_batch
     batch_sizes = []
 
-    def failing(items):
+    def failing(items, tops=None):
         batch_sizes.append(len(items))
         for seq, _ in items:
             if seq.tokens[: len(poisoned)] == poisoned and len(seq.tokens) >= len(poisoned) + 2:
                 raise ValueError("row ids must lie in [0, 49152)")  # what a bad row gave the kernels
-        return real(items)
+        return real(items, tops)
 
     monkeypatch.setattr(engine, "evaluate_batch", failing)
     results = run_together(engine, [Request(p, greedy(8)) for p in ps])
@@ -272,9 +272,9 @@ def test_a_speculative_request_verifies_in_the_shared_batched_step_and_both_answ
     batches = []
     real = engine.evaluate_batch
 
-    def spy(items):
+    def spy(items, tops=None):
         batches.append([(len(item[1]), len(item) == 3) for item in items])
-        return real(items)
+        return real(items, tops)
 
     monkeypatch.setattr(engine, "evaluate_batch", spy)
     sched = Scheduler(engine, parallel=2)

@@ -96,7 +96,9 @@ def profile_op_by_op(engine, tokens, counts):
     return rows
 
 
-def profile_plan(engine, tokens):
+def profile_plan(engine, tokens, top=0):
+    """Per step: (host seconds, launches, bytes up, bytes down) of the plan, gated; with `top`, each step's row
+    reduced on the device to its top k (what a sampler starting with top-k asks for: Sampler.top_needed)."""
     plan = engine.model.fused
     seq = engine.new_sequence()
     rows = []
@@ -105,7 +107,7 @@ def profile_plan(engine, tokens):
         plan.gate_steps = True
         for tok in tokens[8:]:
             before = dict(plan.stats)
-            engine.evaluate(seq, [tok])
+            engine.evaluate_batch([(seq, [tok])], [top])
             st = plan.stats
             rows.append((st["host_s"] - before["host_s"], st["launches"] - before["launches"],
                          st["bytes_up"] - before["bytes_up"], st["bytes_down"] - before["bytes_down"]))
@@ -143,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="plan,op", help="plan, op or both (comma-separated)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--kv-type", default="f32", choices=("f32", "q8_0"), help="the KV cache's element type")
+    ap.add_argument("--top", type=int, default=40,
+                    help="the plan's steps reduce their row to its top k on the device (default 40, the default "
+                         "sampler's need; 1 greedy; 0 downloads the whole row)")
     args = ap.parse_args(argv)
 
     from localllm.runtime.engine import Engine
@@ -155,7 +160,7 @@ def main(argv=None) -> int:
         n_layers = model.config.n_layers
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, model.config.vocab_size, size=8 + args.tokens).tolist()
-        r = {"model": name, "device": model.backend.name, "layers": n_layers, "kv_type": args.kv_type}
+        r = {"model": name, "device": model.backend.name, "layers": n_layers, "kv_type": args.kv_type, "top": args.top}
         for path in args.paths.split(","):
             if path == "plan" and model.fused is None:
                 continue
@@ -164,10 +169,11 @@ def main(argv=None) -> int:
             try:
                 wall(engine, tokens[:12])  # warm-up (compiles at first launch on PoCL)
                 counts = {"launches": 0, "up": 0, "down": 0}
-                rows = profile_plan(engine, tokens) if path == "plan" else profile_op_by_op(engine, tokens, counts)
+                rows = (profile_plan(engine, tokens, args.top) if path == "plan"
+                        else profile_op_by_op(engine, tokens, counts))
                 s = summarize(rows)
                 s["tok_s"] = wall(engine, tokens)
-                s["launches_per_layer"] = (s["launches"] - 3) / n_layers
+                s["launches_per_layer"] = (s["launches"] - 3 - (2 if path == "plan" and args.top else 0)) / n_layers
                 r[path] = s
             finally:
                 if model.fused is not None:

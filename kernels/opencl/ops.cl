@@ -527,3 +527,143 @@ kernel void sum_slots(global const float *slots, global float *out, uint k, uint
     for (uint m = 1; m < k; m++) acc += s[(ulong)m * d];
     out[i] = acc;
 }
+
+// ---- the next token's candidates on the device (plan.py's sampling reduction) -------------------------------
+// topk_part and topk_merge: the K largest logits of a row of n (ties: the lower id first, numpy's and the host
+// sampler's order) with their ids, and the row's max and log-sum-exp, so that a decode step downloads 2 K + 3
+// words instead of the vocabulary's logits. Pass 1: work-group g takes the slice [g S, (g + 1) S): its max, its
+// sum of exp(x - max) and its K best by K rounds of a group argmax (each round the best after the previous pick in
+// (value desc, id asc) order). Pass 2, one work-group: the G slices' sums rescaled to the overall max, and the K
+// best of their G K candidates the same way. A NaN anywhere is counted (the host refuses the row, as for logits).
+#define TOPK_BEFORE(v, i, pv, pi) ((v) < (pv) || ((v) == (pv) && (i) > (pi)))  // (v, i) after (pv, pi)
+#define TOPK_BETTER(v, i, bv, bi) ((v) > (bv) || ((v) == (bv) && (i) < (bi)))
+
+// the group's best (value, id) of the items' (bv, bi) into (bv, bi) of every item: a tree in local memory
+#define TOPK_GROUP_BEST(bv, bi, lv, li)                                                                         \
+    {                                                                                                           \
+        lv[lid] = bv;                                                                                           \
+        li[lid] = bi;                                                                                           \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+        for (uint s_ = ROW_WG / 2; s_ > 0; s_ >>= 1) {                                                         \
+            if (lid < s_ && TOPK_BETTER(lv[lid + s_], li[lid + s_], lv[lid], li[lid])) {                       \
+                lv[lid] = lv[lid + s_];                                                                         \
+                li[lid] = li[lid + s_];                                                                         \
+            }                                                                                                   \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                                       \
+        }                                                                                                       \
+        bv = lv[0];                                                                                             \
+        bi = li[0];                                                                                             \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                           \
+    }
+
+// x: the logits row (n); slice S per group; out (per group): vals[K], ids[K], then stats (max, sum, NaNs)
+kernel void topk_part(global const float *x, uint n, uint S, uint K, global float *pv, global int *pi,
+                      global float *ps) {
+    local float lv[ROW_WG];
+    local int li[ROW_WG];
+    uint g = get_group_id(0), lid = get_local_id(0);
+    uint lo = g * S, hi = min(n, lo + S);
+    float m = -INFINITY;
+    uint nans = 0;
+    for (uint i = lo + lid; i < hi; i += ROW_WG) {
+        float v = x[i];
+        if (isnan(v)) nans++;
+        else m = fmax(m, v);
+    }
+    // the group's max: a tree of fmax (exact, any order)
+    lv[lid] = m;
+    li[lid] = (int)nans;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = ROW_WG / 2; s > 0; s >>= 1) {
+        if (lid < s) {
+            lv[lid] = fmax(lv[lid], lv[lid + s]);
+            li[lid] += li[lid + s];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float gm = lv[0];
+    int gnan = li[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float e = 0.0f;
+    if (gm > -INFINITY)
+        for (uint i = lo + lid; i < hi; i += ROW_WG) {
+            float v = x[i];
+            if (!isnan(v)) e += exp(v - gm);
+        }
+    lv[lid] = e;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = ROW_WG / 2; s > 0; s >>= 1) {
+        if (lid < s) lv[lid] += lv[lid + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid == 0) {
+        ps[3 * g] = gm;
+        ps[3 * g + 1] = lv[0];
+        ps[3 * g + 2] = (float)gnan;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float prev_v = INFINITY;
+    int prev_i = -1;
+    for (uint k = 0; k < K; k++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (uint i = lo + lid; i < hi; i += ROW_WG) {
+            float v = x[i];
+            if (!isnan(v) && TOPK_BEFORE(v, (int)i, prev_v, prev_i) && TOPK_BETTER(v, (int)i, bv, bi)) {
+                bv = v;
+                bi = (int)i;
+            }
+        }
+        TOPK_GROUP_BEST(bv, bi, lv, li)
+        if (lid == 0) {
+            pv[g * K + k] = bv;
+            pi[g * K + k] = bi;
+        }
+        prev_v = bv;
+        prev_i = bi;
+    }
+}
+
+// out: ids[K] (as int bits), vals[K], then the row's max, its log-sum-exp and its NaN count
+kernel void topk_merge(global const float *pv, global const int *pi, global const float *ps, uint G, uint K,
+                       global float *out) {
+    local float lv[ROW_WG];
+    local int li[ROW_WG];
+    uint lid = get_local_id(0);
+    if (lid == 0) {
+        float m = -INFINITY, nans = 0.0f;
+        for (uint g = 0; g < G; g++) {
+            m = fmax(m, ps[3 * g]);
+            nans += ps[3 * g + 2];
+        }
+        float total = 0.0f;
+        if (m > -INFINITY)
+            for (uint g = 0; g < G; g++)
+                if (ps[3 * g] > -INFINITY) total += ps[3 * g + 1] * exp(ps[3 * g] - m);
+        out[2 * K] = m;
+        out[2 * K + 1] = m + log(total);
+        out[2 * K + 2] = nans;
+    }
+    float prev_v = INFINITY;
+    int prev_i = -1;
+    uint n = G * K;
+    for (uint k = 0; k < K; k++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (uint j = lid; j < n; j += ROW_WG) {
+            float v = pv[j];
+            int i = pi[j];
+            if (i != 0x7fffffff && TOPK_BEFORE(v, i, prev_v, prev_i) && TOPK_BETTER(v, i, bv, bi)) {
+                bv = v;
+                bi = i;
+            }
+        }
+        TOPK_GROUP_BEST(bv, bi, lv, li)
+        if (lid == 0) {
+            out[k] = as_float(bi);
+            out[K + k] = bv;
+        }
+        prev_v = bv;
+        prev_i = bi;
+    }
+}

@@ -30,10 +30,14 @@ import time
 import numpy as np
 
 from localllm.kernels.opencl import cl_formats as F
+from localllm.kernels.top_logits import TOP_LOGITS_MAX, TopLogits
 from localllm.kernels.opencl import cl_ops as O
 
 ADD_SCALE, ADD_DELTA, ADD_POST_NORM = 1, 2, 4  # ops.cl add_rms's flags
 KV_BLOCK = 16  # ops.cl KV_BLOCK, kv_cache.BLOCK
+# Logits a work-group of the sampling reduction takes (ops.cl topk_part): 75 groups for Qwen's 152064, each
+# scanning its slice k + 2 times with 64 work-items (32 loads each a pass).
+TOPK_SLICE = 2048
 
 
 def enabled() -> bool:
@@ -199,11 +203,15 @@ class DecodePlan:
     def available(self) -> bool:
         return not self._bypass
 
-    def __call__(self, tokens, cache, output_rows=None):
+    takes_top = True  # a step may return its logits reduced on the device (`top`: TopLogits)
+
+    def __call__(self, tokens, cache, output_rows=None, top: int = 0):
+        """Logits (1, vocab) of one token's step, or with `top` (1..TOP_LOGITS_MAX) the TopLogits of that row,
+        reduced on the device; any other call op by op (full logits)."""
         if len(tokens) != 1 or (output_rows is not None and list(np.asarray(output_rows).ravel()) != [0]) \
                 or not self._cache_ok(cache):
             return self._op_by_op(tokens, cache, output_rows)
-        return self.step(int(tokens[0]), cache)
+        return self.step(int(tokens[0]), cache, top if 0 < top <= TOP_LOGITS_MAX else 0)
 
     def _op_by_op(self, tokens, cache, output_rows):
         self._bypass = True  # fused_available is False meanwhile: the model's own op-by-op forward
@@ -257,6 +265,13 @@ class DecodePlan:
         self._prm(m)
         widest = max([w.cols for w in m.weights()] + [1])
         self.xq, self.xd = self._buf(widest // 4 + 1), self._buf(widest // 32 + 1)
+        # the sampling reduction (ops.cl topk_part, topk_merge): slices of TOPK_SLICE logits, then one merge
+        self.top_groups = -(-c.vocab_size // TOPK_SLICE)
+        self.top_pv = self._buf(self.top_groups * TOP_LOGITS_MAX)
+        self.top_pi = self._buf(self.top_groups * TOP_LOGITS_MAX)
+        self.top_ps = self._buf(3 * self.top_groups)
+        self.top_out = self._buf(2 * TOP_LOGITS_MAX + 3)
+        self._top_k = None
         # the step buffer's layout (ops.cl: "a decode step's kernels"), set for the first cache's pool
         self.G = None
         self.kv_type = None  # the KV cache type the launches were assembled for
@@ -522,6 +537,14 @@ class DecodePlan:
                           flags=ADD_DELTA | (ADD_POST_NORM if post else 0), s=1.0)
         norm_into(m.output_norm, 0)  # the output norm: add_rms (the vocabulary's work-groups would each redo it)
         launches += self._matvec(m.output, "h", "logits")
+        # the sampling reduction's two kernels, launched only for a step that asks for its top k (`step`)
+        kp = self._kernel(self.oprog, "topk_part")
+        kp.set_args(self._view("logits"), u32(c.vocab_size), u32(TOPK_SLICE), u32(1), self.top_pv, self.top_pi,
+                    self.top_ps)
+        km = self._kernel(self.oprog, "topk_merge")
+        km.set_args(self.top_pv, self.top_pi, self.top_ps, u32(self.top_groups), u32(1), self.top_out)
+        self.top_launches = [(kp, (self.top_groups * O.ROW_WG,), (O.ROW_WG,)), (km, (O.ROW_WG,), (O.ROW_WG,))]
+        self._top_k = 1
         self.launches = [tuple(x) for x in launches]
         self.cache_bound = cache_bound
 
@@ -548,7 +571,7 @@ class DecodePlan:
 
     # ---- a step -----------------------------------------------------------------------------------------------
 
-    def step(self, token: int, cache) -> np.ndarray:
+    def step(self, token: int, cache, top: int = 0):
         c, m = self.model.config, self.model
         t0 = time.perf_counter()
         cache.reserve(1)
@@ -585,15 +608,30 @@ class DecodePlan:
         else:
             for k, g, l in self.launches:
                 enqueue(queue, k, g, l)
+        if top:
+            if top != self._top_k:
+                self.top_launches[0][0].set_arg(3, np.uint32(top))
+                self.top_launches[1][0].set_arg(4, np.uint32(top))
+                self._top_k = top
+            for k, g, l in self.top_launches:
+                enqueue(queue, k, g, l)
         cache.commit()
-        out = np.empty((1, c.vocab_size), np.float32)
+        out = np.empty(2 * top + 3 if top else (1, c.vocab_size), np.float32)
         st = self.stats
         st["steps"] += 1
-        st["launches"] += len(self.launches)
+        st["launches"] += len(self.launches) + (len(self.top_launches) if top else 0)
         st["bytes_up"] += 4 * end
         st["bytes_down"] += out.nbytes
         st["host_s"] += time.perf_counter() - t0
         if gate is not None:
             gate.set_status(cl.command_execution_status.COMPLETE)
-        cl.enqueue_copy(queue, out, self.A, src_offset=4 * self.off["logits"], is_blocking=True)
-        return out
+        if not top:
+            cl.enqueue_copy(queue, out, self.A, src_offset=4 * self.off["logits"], is_blocking=True)
+            return out
+        # the top k: ids (int32 bits), values, the row's max, log-sum-exp and NaN count; a slot no logit filled
+        # (a row with fewer than k) keeps the merge's id sentinel
+        cl.enqueue_copy(queue, out, self.top_out, is_blocking=True)
+        ids = out[:top].view(np.int32)
+        keep = ids != np.iinfo(np.int32).max
+        return TopLogits(ids[keep], out[top:2 * top][keep], out[2 * top], out[2 * top + 1], int(out[2 * top + 2]),
+                         c.vocab_size)

@@ -387,7 +387,7 @@ class Transformer:
         return self.forward_batch([(tokens, cache, output_rows)], precise, observe)[0]
 
     def forward_batch(self, segments: list, precise: bool = False, observe=None,
-                      hidden: bool = False) -> list[np.ndarray]:
+                      hidden: bool = False, top: list[int] | None = None) -> list:
         """One forward for several sequences: segments are (tokens, cache, output_rows or None). The matrix
         products run once over all rows (each weight read once per step, whatever the batch); RoPE, the cache
         writes and attention are per sequence. Every kernel computes each row alone, so a sequence's logits
@@ -398,12 +398,19 @@ class Transformer:
         an importance matrix is made of (localllm/convert/imatrix.py). It runs this op-by-op path, never the fused one,
         so a forward without it pays nothing for the hook.
 
+        `top`: per segment, 0 or how many of its largest logits the caller's sampler needs (Sampler.top_needed);
+        a backend whose decode step can reduce its row on the device (the OpenCL plan) then returns a TopLogits
+        for it instead of logits: a few hundred bytes downloaded instead of the vocabulary. Anything else gets
+        logits as ever, so the hint is safe to give.
+
         `hidden`: return the selected rows' final hidden states (after the output norm, what the output matrix
         would take: embeddings) instead of logits; always this op-by-op path, so a text's vectors are the same
         alone or beside others."""
         if (observe is None and not hidden and self.fused_available and segments and all(len(s[0]) > 0 for s in segments)
                 and not (precise and any(len(s[0]) >= self.backend.precise_min_rows for s in segments))):
             if len(segments) == 1:
+                if top and top[0] and getattr(self.fused, "takes_top", False) and not self.config.final_softcap:
+                    return [self.fused(*segments[0], top=top[0])]  # the row reduced on the device, or logits
                 return [self._soft_cap_logits(self.fused(*segments[0]))]
             if hasattr(self.fused, "batch"):  # the server's step over several sequences: one call as well
                 return [self._soft_cap_logits(lg) for lg in self.fused.batch(segments)]

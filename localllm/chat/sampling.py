@@ -78,6 +78,7 @@ import numpy as np
 from localllm import parameters
 from localllm.errors import LocalLLMError, ModelFileError
 from localllm.chat.loop_guard import DRY_SEQUENCE_BREAKERS
+from localllm.kernels.top_logits import TOP_LOGITS_MAX, TopLogits
 
 __all__ = ["SamplingParams", "SampledToken", "Sampler", "top_k_ids"]
 
@@ -497,10 +498,32 @@ class Sampler:
         probs /= probs.sum()
         return ids, probs
 
-    def sample(self, logits: np.ndarray, token: int | None = None) -> SampledToken:
-        """Pick the next token from the model's raw logits (float32, shape (vocab,)). Does not `accept` it.
+    def top_needed(self) -> int:
+        """How many of the largest logits this sampler's next pick needs, when it needs no others: k where the
+        chain is greedy (1) or starts with top-k (then top-p and min-p at most), with no mask, bias, penalty,
+        DRY, XTC or infill stage and at most k log-probabilities asked for; 0 when it needs the whole row. A
+        backend may then reduce the row on its device (`TopLogits`), and `sample` takes that in its place."""
+        p = self.params
+        if (self._grammar is not None or self._disallowed is not None or self._bias_ids.size or self._penalties_on
+                or self._dry is not None or self._infill is not None):
+            return 0
+        if p.greedy:
+            k = 1
+        elif self._stages and isinstance(self._stages[0], TopK) and all(
+                isinstance(stage, (TopK, TopP, MinP)) for stage in self._stages):
+            k = p.top_k
+        else:
+            return 0
+        k = max(k, p.n_probs)
+        return k if k <= TOP_LOGITS_MAX else 0
+
+    def sample(self, logits, token: int | None = None) -> SampledToken:
+        """Pick the next token from the model's raw logits (float32, shape (vocab,)), or from their reduction to
+        the top `top_needed()` (`TopLogits`: the same pick and the same draw). Does not `accept` it.
         With `token`, no draw: that token (chosen elsewhere, e.g. by speculative decoding's acceptance rule) is
         returned with its logprobs."""
+        if isinstance(logits, TopLogits):
+            return self._sample_top(logits, token)
         g = self._grammar
         if g is None:
             return self._sample(logits, token)
@@ -548,6 +571,39 @@ class Sampler:
         if raw is None:
             raw = float(x[token])
         return SampledToken(id=token, logprob=float(raw) - lse, top_logprobs=top)
+
+
+    def _sample_top(self, t: TopLogits, token: int | None) -> SampledToken:
+        """sample() on a row reduced to its top k (top_needed): the whole row's chain, stage for stage, on the
+        candidates it would have cut the row to (top-k keeps exactly these, in this order), and its
+        log-probabilities against the whole row's log-sum-exp."""
+        p = self.params
+        k = self.top_needed()
+        if token is not None or not k or len(t) < min(k, t.vocab) or t.vocab != self.vocab_size:
+            raise ValueError(f"a row reduced to its top {len(t)} cannot serve this sampler (it needs {k or 'all'})")
+        if t.nans or math.isnan(t.max):
+            raise ModelFileError("the model computed NaN logits: its weights or hyperparameters are broken")
+        if t.max == -math.inf:
+            raise LocalLLMError("no token can be sampled: every token is masked or banned")
+        lse = t.lse if p.logprob or p.n_probs > 0 else None
+        top = [(int(i), float(v) - lse) for i, v in zip(t.ids[:p.n_probs], t.vals[:p.n_probs]) if v != -np.inf]
+        if p.greedy:
+            i, ids = 0, t.ids
+        else:
+            c = Candidates(None)
+            c.ids, c.vals, c.is_sorted = t.ids[:p.top_k], t.vals[:p.top_k].astype(np.float64), True
+            for stage in self._stages[1:]:
+                stage.apply(c, self)
+            vals = c.vals / p.temperature
+            w = np.exp(vals - vals.max())
+            i, ids = 0, c.ids
+            if w.shape[0] > 1:  # one candidate: no draw, as in _sample
+                cum = np.cumsum(w, dtype=np.float64)
+                target = self._rng.random() * cum[-1]
+                i = min(int(np.searchsorted(cum, target, side="right")), w.shape[0] - 1)
+        token = int(ids[i])
+        raw = float(t.vals[int(np.flatnonzero(t.ids == token)[0])])
+        return SampledToken(id=token, logprob=None if lse is None else raw - lse, top_logprobs=top)
 
 
 class Candidates:

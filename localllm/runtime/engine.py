@@ -27,6 +27,7 @@ from localllm.runtime.generation import PROMPT_CHUNK, Driver, Generation, Genera
 from localllm.runtime.speculative import SpeculativeRun, check_draft_engine, make_drafter
 from localllm.tokenizer import Tokenizer
 from localllm.runtime.warmup import warm_up
+from localllm.kernels.top_logits import TopLogits
 
 DEFAULT_CTX = 4096
 # llama.cpp's LLAMA_POOLING_TYPE_* values a GGUF may carry in {arch}.pooling_type (0 none and 4 rank are not
@@ -328,12 +329,13 @@ class Engine:
         spec = gen.params.speculation.validated()
         return SpeculativeRun(gen, spec, make_drafter(self, spec, gen.sampler.seed))
 
-    def evaluate_batch(self, items: list[tuple]) -> list[np.ndarray]:
+    def evaluate_batch(self, items: list[tuple], tops: list[int] | None = None) -> list:
         """Append tokens to several sequences in one forward (each weight read once for all of them). Items are
         (seq, tokens), whose result is the last token's logits, or (seq, tokens, logit_positions) (indices into
         tokens, ascending: a speculative verify's draft), whose result is a (len(logit_positions), vocab) array.
         Each sequence's result is bitwise what `evaluate` alone gives it (batch invariance: an answer never
-        depends on which other requests share its step)."""
+        depends on which other requests share its step). `tops`: per item, 0 or the top k its sampler needs
+        (Transformer.forward_batch's `top`): that item's result may then be a TopLogits."""
         segments, wanted, heads = [], [], []
         for seq, tokens, *rest in items:
             positions = np.asarray(rest[0] if rest else [len(tokens) - 1], dtype=np.int64)
@@ -345,12 +347,14 @@ class Engine:
             segments.append((tokens, seq.cache, positions if rest else None))
             wanted.append(bool(rest))
             heads.append(head)
-        logits = self.model.forward_batch(segments)
+        logits = self.model.forward_batch(segments, top=tops)
         out = []
         for (seq, *_), (tokens, _, _), rows, full, head in zip(items, segments, logits, wanted, heads):
             seq.tokens.extend(tokens)
             seq.cache.remember(seq.tokens)
-            if not full:
+            if isinstance(rows, TopLogits):
+                out.append(rows)
+            elif not full:
                 out.append(rows[0])
             else:
                 out.append(rows if head is None or not len(head) else np.concatenate([head, rows]))

@@ -325,8 +325,17 @@ class Run:
         self._positions = None if isinstance(self.decoding, Decoding) else range(len(tokens))
         return (self.seq, tokens) if self._positions is None else (self.seq, tokens, self._positions)
 
-    def finish(self, logits: np.ndarray | None) -> list[TokenEvent]:
-        """The events of this round, from the rows the driver got for its plan (None when `plan` gave none)."""
+    def top_needed(self) -> int:
+        """For this round's plan: how many of its row's largest logits the next pick needs (Sampler.top_needed), 0
+        for the whole row: a prompt (its last logits are kept: prompt_logits) and a speculative round (its
+        acceptance rule reads whole distributions) always take the row."""
+        if self.prompt or self.speculative:
+            return 0
+        return self.gen.sampler.top_needed()
+
+    def finish(self, logits) -> list[TokenEvent]:
+        """The events of this round, from the rows the driver got for its plan (None when `plan` gave none; a
+        TopLogits where the round's top_needed allowed it)."""
         if self.prompt:
             self.prompt = self.prompt[self._chunk:]
             self.prompt_read = self._chunk
@@ -372,7 +381,7 @@ class Driver:
     def step(self, runs: list[Run]) -> list[tuple[list[TokenEvent], BaseException | None]]:
         """(events, error) per run, in order."""
         out: list = [([], None) for _ in runs]
-        items, owners = [], []
+        items, owners, tops = [], [], []
         decode = [i for i, r in enumerate(runs) if not r.reading_prompt]
         prompt = [i for i, r in enumerate(runs) if r.reading_prompt]
         budget = PROMPT_CHUNK
@@ -391,7 +400,8 @@ class Driver:
                 budget -= len(item[1])
             items.append(item)
             owners.append(i)
-        for i, logits in zip(owners, self._evaluate(items, owners, out)):
+            tops.append(r.top_needed())
+        for i, logits in zip(owners, self._evaluate(items, owners, out, tops)):
             if out[i][1] is None:
                 out[i] = self._finish(runs[i], logits)
         return out
@@ -403,12 +413,12 @@ class Driver:
         except Exception as e:
             return [], e
 
-    def _evaluate(self, items: list, owners: list[int], out: list) -> list:
+    def _evaluate(self, items: list, owners: list[int], out: list, tops: list[int]) -> list:
         if not items:
             return []
         lengths = [len(item[0].tokens) for item in items]
         try:
-            return self.engine.evaluate_batch(items)
+            return self.engine.evaluate_batch(items, tops)
         except Exception as e:
             if len(items) == 1:
                 out[owners[0]] = ([], e)
@@ -416,12 +426,12 @@ class Driver:
             log.warning("a batched forward of %d requests failed; running them one by one", len(items),
                         exc_info=True)
         results = []
-        for item, n, i in zip(items, lengths, owners):
+        for item, n, i, top in zip(items, lengths, owners, tops):
             seq = item[0]
             try:
                 if len(seq.tokens) != n:
                     seq.truncate(n)
-                results.append(self.engine.evaluate_batch([item])[0])
+                results.append(self.engine.evaluate_batch([item], [top])[0])
             except Exception as e:
                 out[i] = ([], e)
                 results.append(None)
