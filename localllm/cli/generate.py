@@ -6,6 +6,7 @@ All of them consume `Engine.generate()` (or its scoring sibling); none touches t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -506,6 +507,8 @@ def cmd_bench(args) -> int:
         if args.chat_turn:
             result["chat_turn"] = bench.chat_turn(engine, history=args.chat_turn)
         results.append(result)
+        del engine  # freed before the next model loads: each one's peak RSS is its own
+        gc.collect()
         if not args.json:
             print(f"{name}: done", file=sys.stderr, flush=True)
     if args.json:
