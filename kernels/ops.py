@@ -489,6 +489,35 @@ class FusedForward:
             raise ValueError("fused forward: the weights do not match the layer count")
         self._checked_kv, self._checked_layers, self._max_group = None, None, -1
 
+    @staticmethod
+    def predicted_formats(gguf_file) -> FormatSet | None:
+        """The formats (`formats`) a fused forward of this file's weights will have, read from its tensors before
+        they are loaded: the layers' matrices and the output head, each tiled where Weight.from_gguf tiles it (a
+        mixture's experts keep the file's layout); None where there will be no fused forward (`available`)."""
+        if _fused is None or not _quant_dot.USES_AVX2:
+            return None
+        tensors = gguf_file.tensors
+        head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        kinds = set()
+        for name, info in tensors.items():
+            if name != head and not (name.startswith("blk.") and len(info.shape) >= 2
+                                     and not name.endswith("ffn_gate_inp.weight")):
+                continue
+            if info.qtype not in _QUANT_DOT_SUPPORTED:
+                return None
+            rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+            tiled = "_exps." not in name and _tiled.can_tile(info.qtype, rows)
+            kinds.add(_tiled.kernel_type(info.qtype) if tiled else int(info.qtype))
+        return FormatSet(kinds) if kinds else None
+
+    @classmethod
+    def start_compiling(cls, gguf_file) -> None:
+        """Before a model's weights are read: start compiling the products of the fused forward they will need, in
+        a second process on a cold start (fused_forward.start_products), while this one reads and tiles them."""
+        formats = cls.predicted_formats(gguf_file)
+        if formats is not None:
+            _fused.start_products(formats)
+
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,
                  positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, out_rows: np.ndarray,
@@ -534,10 +563,10 @@ class FusedForward:
                 _plain(cos, f32), _plain(sin, f32), _plain(x, f32), _plain(out_rows, i64), self._moe_step(len(x)))
         # the compiled worker, by the types of what varies between calls (the KV lists' element types)
         key = tuple(lst._list_type for lst in kv)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = _fused.compiled(args)
-        return _fused.forward(threads, *compiled, *args)
+        k = self._compiled.get(key)
+        if k is None:
+            k = self._compiled[key] = _fused.compiled(args)
+        return _fused.forward(threads, k.worker, k.products, k.attend, *args)
 
     def _moe_step(self, n: int):
         """The experts' weights and this step's buffers for n tokens (fused_forward._moe_ffn), or None."""

@@ -184,6 +184,12 @@ def test_row_block_group_and_per_head_items_agree_bit_for_bit(window, softcap):
     for i in range(40):
         kernel._attend_items(0, 1, q[i:i + 1], k, ks, v, vs, table, first_block, positions[i:i + 1], 0, window,
                              scale, cap, alone[i:i + 1], scores, acc)
+    for chunks in (1, 3):  # (query, head) items only: a cold start's kernel (fused_forward.compiled)
+        out = np.zeros((40, N_KV * GROUP * D), np.float32)
+        for c in range(chunks):
+            kernel._attend_items_per_head(c, chunks, q, k, ks, v, vs, table, first_block, positions, 0, window,
+                                          scale, cap, out, scores, acc)
+        outs.append(out)
     per_head = np.zeros((40, N_KV * GROUP * D), np.float32)  # (query, head) items
     for i in range(40):
         lo = max(0, positions[i] - window + 1) if window else 0

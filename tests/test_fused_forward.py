@@ -120,6 +120,66 @@ def test_fused_steps_with_a_q8_0_cache():
     assert_bitwise(run(e, True, prompt, steps, True), run(e, False, prompt, steps, True))
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "gemma3-270m"])
+def test_a_cold_starts_per_head_attention_gives_the_row_blocks_bits(name):
+    """A cold start with a float32 cache attends per (row, head) until attention's row-block kernel has compiled
+    in the background (fused_forward.compiled), then switches: an answer must not depend on which it ran with.
+    Both models have several query heads per KV head (the row blocks' case); gemma3 past its sliding window."""
+    from localllm.kernels.cpu import attention
+    from localllm.kernels.cpu.by_address import Compiled
+
+    e = engine(name)
+    prompt = english_tokens(e.tokenizer, 40 + (e.config.sliding_window or 0), seed=1)
+    steps = steps_for(e, seed=2)
+    run(e, True, prompt[:4], [], False)  # the forward's kernels exist
+    kernels = list(e.model.fused.kernel._compiled.values())
+    before = [k.attend for k in kernels]
+    outs = {}
+    try:
+        for kind in (attention._attend_items, attention._attend_items_per_head):
+            for k, a in zip(kernels, before):
+                k.attend = Compiled(kind, a.numba_type.sig.args)
+            outs[kind] = run(e, True, prompt, steps, True)
+    finally:
+        for k, a in zip(kernels, before):
+            k.attend = a
+    assert_bitwise(outs[attention._attend_items_per_head], outs[attention._attend_items])
+
+
+def test_the_row_block_attention_compiled_in_the_background_takes_over():
+    from localllm.kernels.cpu import attention, fused_forward
+    from localllm.kernels.cpu.by_address import Compiled
+
+    e = engine("smollm2-135m-instruct")
+    run(e, True, english_tokens(e.tokenizer, 4, seed=1), [], False)
+    k = next(iter(e.model.fused.kernel._compiled.values()))
+    sig = k.attend.numba_type.sig.args
+    kernels = fused_forward.Kernels(k.worker, k.products, Compiled(attention._attend_items_per_head, sig))
+    fused_forward._upgrade_attention(kernels, sig)
+    thread = kernels.upgrade
+    if thread is not None:
+        thread.join(timeout=600)
+    assert kernels.upgrade is None
+    assert kernels.attend.address == Compiled(attention._attend_items, sig).address
+
+
+@pytest.mark.parametrize("name", CATALOG_MODELS)
+def test_the_products_a_cold_start_compiles_before_reading_the_weights_are_the_ones_the_model_calls(name):
+    """fused_forward.start_products compiles the products for formats read from the file's tensors and for the
+    lists' types FusedForward builds, in a child, before the weights are loaded: both must be the loaded model's,
+    or the child's work is not what the forward calls."""
+    from numba import typeof
+
+    from localllm.gguf_file import GGUFFile
+    from localllm.kernels.cpu import fused_forward
+
+    fused = engine(name).model.fused.kernel
+    with GGUFFile(model_file(name)) as g:
+        assert ops.FusedForward.predicted_formats(g).mask == fused.formats.mask
+    assert (typeof(fused.mats), typeof(fused.vecs)) == (fused_forward._MATS, fused_forward._VECS)
+    assert typeof(fused.mat_types) == typeof(fused.mat_families) == fused_forward._INDICES
+
+
 def batched_steps(e: Engine, fused: bool, prompts: list[list[int]], rounds: list[list[list[int]]]):
     """Logits of every row of every sequence, stepped together: the prompts in one batched step, then each
     round's tokens (one list per sequence; an empty list sits the round out) in one step."""

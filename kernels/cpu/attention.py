@@ -904,6 +904,16 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
                              table, first_block, key_start, window, q_positions, scale, softcap, block_scores,
                              block_acc, rows, block_totals, deq, out)
         return
+    _query_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
+                 window, scale, softcap, out, scores, acc, registers)
+
+
+@njit(cache=True, inline="always")
+def _query_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
+                 window, scale, softcap, out, scores, acc, registers):
+    """Work share c of `chunks` as (query, head) items, c, c + chunks, ...: each (row, head) alone."""
+    n, n_head, d = q.shape
+    group = n_head // k_store.shape[0]
     for item in range(c, n * n_head, chunks):
         i, h = item // n_head, item % n_head
         p = q_positions[i]
@@ -916,6 +926,20 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
         else:
             _one_query(q, i, h, h // group, k_store, k_scale, v_store, v_scale, table, first_block, lo, p, scale,
                        softcap, scores, acc, out)
+
+
+@njit(cache=True)
+def _attend_items_per_head(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions,
+                           key_start, window, scale, softcap, out, scores, acc):
+    """_attend_items for a float32 cache with (query, head) items only: the same output, bit for bit (each head of
+    each row computed as alone, which is what the row blocks compute too; tests/test_attention.py), without
+    _rows_query_avx2, whose compile is 6-10 s of a cold start (2-core Zen 5). A cold start's first answers use
+    this while the row-block kernel compiles in the background (fused_forward.compiled)."""
+    d = q.shape[2]
+    # (a q8_0 cache goes to the portable loop: correct, but _attend_items' bits are its row blocks')
+    registers = HAVE_AVX2 and d % 32 == 0 and v_store.shape[2] % 32 == 0 and k_scale.shape[2] == 0
+    _query_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
+                 window, scale, softcap, out, scores, acc, registers)
 
 
 @njit(cache=True)

@@ -52,7 +52,7 @@ from localllm.kernels.cpu import (
 )
 from localllm.kernels.cpu import moe_kernels
 from localllm.kernels.cpu.by_address import AddressType, Compiled, call
-from localllm.kernels.cpu.attention import BLOCK, _attend_items, write_rows
+from localllm.kernels.cpu.attention import BLOCK, _attend_items, _attend_items_per_head, write_rows
 from localllm.kernels.cpu.blocks import gated_activation_part, rms_norm_rows, rope_rows
 from localllm.kernels.cpu.moe_kernels import route_row, router_row
 from localllm.kernels.cpu.quant_dot import quantize_activations, rows_avx2, rows_per_pass
@@ -234,7 +234,7 @@ def _moe_ffn(ctl, p, tasks, formats, layer, act_kind, h, dn, moe):
 
 
 @njit(cache=True)
-def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families,
+def _worker(products, attend, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families,
             vecs, kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
             write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act, dn, out_rows, xo, logits, moe):
     """One thread's walk through the step's phases. `moe` None (a dense model: Numba prunes the mixture-of-experts
@@ -293,9 +293,9 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
                     break
                 for s in range(n_seqs):
                     a, b = seg_bounds[s], seg_bounds[s + 1]
-                    _attend_items(t, attn_items, q3[a:b], kv_k[layer], kv_ks[layer], kv_v[layer], kv_vs[layer],
+                    call(attend, (t, attn_items, q3[a:b], kv_k[layer], kv_ks[layer], kv_v[layer], kv_vs[layer],
                                   tables[s, g], first_blocks[s, g], positions[a:b], first_blocks[s, g] * BLOCK,
-                                  layer_window[layer], attn_scale, attn_softcap, attn[a:b], scores, acc)
+                                  layer_window[layer], attn_scale, attn_softcap, attn[a:b], scores, acc))
                 task_done(ctl, p + 3)
         wait_phase(ctl, p + 3, attn_items)
         # 4: attention output projection
@@ -354,40 +354,116 @@ def _worker(products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_so
 
 
 _BUFFER = types.Array(types.float32, 2, "C")  # what forward's np.empty buffers are
+_VECTOR = types.Array(types.float32, 1, "C")
+_INDICES = types.Array(types.int64, 1, "C")
 _INT = types.int64
 _compiled: dict = {}
 
 
-def compiled(args: tuple) -> tuple[Compiled, Compiled]:
-    """(worker, products) for forward's arguments after them (tasks ... moe), compiled or loaded from the kernel
-    cache on first use, each called by address (kernels/cpu/by_address.py: compiled once each, not re-optimized
-    into every library that calls them). Every array must be as forward will see it (dtype, dimensions, C order,
-    writable).
+class Kernels:
+    """What `forward` calls by address for one signature of its arguments: the worker, the products and the
+    attention items. `attend` may be replaced while the model runs (a cold start's per-head attention by the
+    row-block kernel once that has compiled): each step reads it once, and both give the same bits."""
 
-    On a cold start with more than one core the products (every format's row kernels) compile in a child process
-    while this one compiles the worker (attention, norms, RoPE): smollm2's fused forward then compiles in 14 s on
-    2 cores (Zen 5) where one process took 24."""
+    __slots__ = ("worker", "products", "attend", "upgrade")
+
+    def __init__(self, worker: Compiled, products: Compiled, attend: Compiled):
+        self.worker, self.products, self.attend = worker, products, attend
+        self.upgrade = None  # the background compile of the row-block attention, while there is one
+
+
+# The types of the model's lists as FusedForward builds them (read-only weights and vectors)
+_MATS = types.ListType(types.Array(types.uint8, 2, "C", readonly=True))
+_VECS = types.ListType(types.Array(types.float32, 1, "C", readonly=True))
+_pending: dict = {}  # product types -> the child compiling them, started by start_products
+
+
+def _product_types(tasks, formats, mats, mat_types, mat_families, vecs) -> tuple:
+    """The argument types of _products, from those of forward's arguments of these names."""
+    return (_INDICES, _INT, tasks, formats, mats, mat_types, mat_families, _INT, _INT, _BUFFER, _BUFFER, _BUFFER,
+            _BUFFER, vecs, _INT)
+
+
+def start_products(formats) -> None:
+    """Start compiling the products for a model whose weights have `formats` (a FormatSet) in a child process,
+    before its weights are read, where there are two cores or more and they are not in the kernel cache: reading
+    and tiling a model's weights first compiles their kernels (4-6 s of a cold start, 2-core Zen 5), and the
+    products' compile (13-15 s) is then the longer of the two processes' shares. `compiled` takes the child over
+    when the forward's types are the ones guessed here; otherwise it goes on filling the cache, harmlessly."""
+    argtypes = _product_types(_INT, typeof(formats), _MATS, _INDICES, _INDICES, _VECS)
+    if (os.cpu_count() or 1) < 2 or argtypes in _pending or _load_cached(_products, argtypes):
+        return
+    child = _compile_in_child("_products", argtypes)
+    if child is not None:
+        _pending[argtypes] = child
+
+
+def _attention_types(t: tuple) -> tuple:
+    """The argument types of the worker's attention call (attention._attend_items) for forward's argument types
+    `t`: the KV lists' element types, the step's slices (C-ordered: only their first axis is cut)."""
+    k, ks, v, vs = (t[i].item_type for i in (11, 12, 13, 14))
+    return (_INT, _INT, types.Array(types.float32, 3, "C"), k, ks, v, vs, _INDICES, _INT, _INDICES, _INT, _INT,
+            t[5], t[6], _BUFFER, _VECTOR, _VECTOR)
+
+
+def compiled(args: tuple) -> Kernels:
+    """The kernels forward calls by address for forward's arguments after them (tasks ... moe), compiled or loaded
+    from the kernel cache on first use (kernels/cpu/by_address.py: each compiled once, not re-optimized into every
+    library that calls it). Every array must be as forward will see it (dtype, dimensions, C order, writable).
+
+    A cold start, measured for smollm2 on 2 cores (Zen 5): the products (every format's row kernels, 15 s) compile
+    in a child process while this one compiles the worker (norms, RoPE, attention; 16 s, where one process took
+    31 s for both), and `forward` itself (2 s) is compiled here before waiting for the child. Attention's
+    row-block kernel (attention._rows_query_avx2, 6-10 s of the worker's compile) is left out of a cold start with
+    a float32 cache: the first answers attend per (row, head) (attention._attend_items_per_head, the same bits)
+    while a child at the lowest priority compiles the row blocks into the kernel cache, and `Kernels.attend`
+    switches to them when it is done (later starts load them)."""
     t = tuple(typeof(a) for a in args)
-    tasks, formats, mats, mat_types, mat_families, vecs = t[0], t[1], t[7], t[8], t[9], t[10]
-    product_types = (types.Array(types.int64, 1, "C"), _INT, tasks, formats, mats, mat_types, mat_families, _INT,
-                     _INT, _BUFFER, _BUFFER, _BUFFER, _BUFFER, vecs, _INT)
-    worker_types = ((AddressType(types.void(*product_types)), types.Array(types.int64, 1, "C")) + t[:-2]
+    product_types = _product_types(*(t[i] for i in (0, 1, 7, 8, 9, 10)))
+    attention_types = _attention_types(t)
+    attention_address = AddressType(types.void(*attention_types))
+    worker_types = ((AddressType(types.void(*product_types)), attention_address, _INDICES) + t[:-2]
                     + (_BUFFER,) * 10 + (t[-2], _BUFFER, _BUFFER, t[-1]))
     found = _compiled.get(worker_types)
     if found is None:
-        child = None
-        if (os.cpu_count() or 1) > 1 and not _load_cached(_products, product_types) \
+        child = _pending.pop(product_types, None)  # started before the weights were read (start_products)
+        if child is None and (os.cpu_count() or 1) > 1 and not _load_cached(_products, product_types) \
                 and not _load_cached(_worker, worker_types):
             child = _compile_in_child("_products", product_types)
+        # a q8_0 cache's bits are the row blocks' (the per-head loop rounds its dequantization differently)
+        per_head = attention_types[3].dtype == types.float32 and not _load_cached(_attend_items, attention_types)
+        attend = Compiled(_attend_items_per_head if per_head else _attend_items, attention_types)
         worker = Compiled(_worker, worker_types)
+        forward.compile((_INT, worker.numba_type, AddressType(types.void(*product_types)), attention_address) + t)
         if child is not None:
             try:
                 child.wait(timeout=600)
             except subprocess.TimeoutExpired:
                 child.kill()
             _load_cached(_products, product_types)  # what the child compiled; else it compiles here
-        found = _compiled[worker_types] = (worker, Compiled(_products, product_types))
+        found = _compiled[worker_types] = Kernels(worker, Compiled(_products, product_types), attend)
+        if per_head:
+            _upgrade_attention(found, attention_types)
     return found
+
+
+def _upgrade_attention(kernels: Kernels, argtypes: tuple) -> None:
+    """Compile the row-block attention for `argtypes` in a child at the lowest priority (it takes what the cores
+    leave) and point `kernels.attend` at it when it is in the kernel cache. The child outlives a process that ends
+    first: the next start finds it in the cache."""
+    import threading
+
+    child = _compile_in_child("_attend_items", argtypes, nice=True)
+    if child is None:
+        return
+
+    def wait() -> None:
+        if child.wait() == 0 and _load_cached(_attend_items, argtypes):
+            kernels.attend = Compiled(_attend_items, argtypes)
+        kernels.upgrade = None
+
+    kernels.upgrade = threading.Thread(target=wait, name="attention compile", daemon=True)
+    kernels.upgrade.start()
 
 
 def _load_cached(dispatcher, argtypes: tuple) -> bool:
@@ -404,13 +480,13 @@ def _load_cached(dispatcher, argtypes: tuple) -> bool:
         return True
 
 
-def _compile_in_child(name: str, argtypes: tuple) -> subprocess.Popen | None:
+def _compile_in_child(name: str, argtypes: tuple, nice: bool = False) -> subprocess.Popen | None:
     """A process that compiles this module's `name` for `argtypes` into the kernel cache (this process loads it
-    when it is done), or None where one cannot start."""
+    when it is done), or None where one cannot start. `nice`: at the lowest scheduling priority."""
     try:
         child = subprocess.Popen([sys.executable, "-c", f"import {__name__} as m; m._compile_from_stdin()"],
                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        child.stdin.write(pickle.dumps((name, argtypes)))
+        child.stdin.write(pickle.dumps((name, argtypes, nice)))
         child.stdin.close()
         return child
     except OSError:
@@ -418,18 +494,20 @@ def _compile_in_child(name: str, argtypes: tuple) -> subprocess.Popen | None:
 
 
 def _compile_from_stdin() -> None:
-    name, argtypes = pickle.loads(sys.stdin.buffer.read())
+    name, argtypes, nice = pickle.loads(sys.stdin.buffer.read())
+    if nice and hasattr(os, "nice"):
+        os.nice(19)
     globals()[name].compile(argtypes)
 
 
 @njit(parallel=True, cache=True)
-def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
+def forward(threads, worker, products, attend, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types, mat_families, vecs,
             kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables, first_blocks, seg_bounds,
             write_cols, positions, cos, sin, x, out_rows, moe):
     """Run the layers over x (n, n_embd) (the embedded tokens, overwritten with the residual stream); return the
     logits (len(out_rows), vocab) of the rows `out_rows`. The rows are the new tokens of one or more sequences of
     one KV pool, sequence s owning rows seg_bounds[s]..seg_bounds[s + 1] with block tables tables[s] and first
-    blocks first_blocks[s]; every cache must have reserved its tokens. `worker`, `products`: compiled(the arguments
+    blocks first_blocks[s]; every cache must have reserved its tokens. `worker`, `products`, `attend`: compiled(the arguments
     after them). `formats`: the FormatSet of every weight
     (kernels/cpu/format_set.py; the compiled code holds those formats' kernels only). `moe`: None, or a mixture of
     experts' weights and buffers (_moe_ffn)."""
@@ -450,7 +528,7 @@ def forward(threads, worker, products, tasks, formats, dims, flags, eps, attn_sc
     logits = np.empty((out_rows.shape[0], vocab), np.float32)
     ctl = np.zeros(2 * (PHASES_PER_LAYER * n_layers + 2), np.int64)
     for _ in prange(threads):
-        call(worker, (products, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types,
+        call(worker, (products, attend, ctl, tasks, formats, dims, flags, eps, attn_scale, attn_softcap, mats, mat_types,
                       mat_families, vecs, kv_k, kv_ks, kv_v, kv_vs, layer_group, layer_window, layer_rope, tables,
                       first_blocks, seg_bounds, write_cols, positions, cos, sin, x, h, q, k, v, attn, o, gate, up, act,
                       dn, out_rows, xo, logits, moe))

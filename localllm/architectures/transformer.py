@@ -169,6 +169,7 @@ class Transformer:
         self.config = c = config = with_rope_factors(g, config)
         self.backend = b = backend or backends.get()
         tr = c.traits
+        b.begin_load(g, c)
 
         def _matrix_of(name, rows, cols, part=None):
             return _matrix(b, g, name, rows, cols, part)

@@ -93,6 +93,10 @@ class CpuBackend(Backend):
     def kv_storage(self):
         return _STORAGE
 
+    def begin_load(self, gguf_file, config):
+        if ops.FusedForward.unsupported(config.traits) is None:
+            ops.FusedForward.start_compiling(gguf_file)
+
     def whole_forward(self, model):
         """The fused forward (one compiled call per step for one sequence); `.available` is False where some
         weight's format has no integer kernel."""

@@ -258,6 +258,10 @@ class Backend(ABC):
         memory (default: no limit known)."""
 
     # -- life cycle ---------------------------------------------------------------------------------------
+    def begin_load(self, gguf_file, config) -> None:
+        """Called before a model's weights are read from `gguf_file` (its ModelConfig `config`): a backend may
+        start work they do not wait for (the CPU's: compiling its fused forward's products in a second process)."""
+
     def whole_forward(self, model) -> Callable | None:
         """An optional override of the op-by-op forward (None: none): called as fused(tokens, cache, output_rows)
         for one sequence; where it has `batch(segments)`, that runs a step over several sequences too."""
