@@ -284,7 +284,10 @@ def test_opencl_q8_0_kv_storage_keeps_the_cpu_backends_bytes_through_writes_grow
 
 def test_a_context_shift_of_a_q8_0_cache_on_opencl_moves_values_as_stored_and_goes_on_as_the_cpus(tiny, tmp_path):
     # kv_cache.shift: keys read (dequantized), rotated on the host, quantized again by the device; values moved
-    # as stored. The tiny model's float32 products differ between the backends only in the last bits.
+    # as stored. The tiny model's float32 products differ between the backends only in the last bits, but a q8_0
+    # block's scale then differs too, and every value of the block with it: on PoCL (2-core Zen 5) the logits
+    # (up to 36) differ by 1.1e-4 after the shift and by 1.4e-2 with no shift at all. A shift that moved or rotated
+    # anything wrongly changes them by whole units.
     from tiny_models import write_tiny_model
 
     from localllm import backends
@@ -302,7 +305,7 @@ def test_a_context_shift_of_a_q8_0_cache_on_opencl_moves_values_as_stored_and_go
         assert cache.length == 24 and np.array_equal(k1[:, :4], k0[:, :4])
         assert np.array_equal(v1, np.concatenate([v0[:, :4], v0[:, 20:]], axis=1))
         logits.append(m.forward([5], cache))
-    assert np.abs(logits[0] - logits[1]).max() < 1e-4
+    assert np.abs(logits[0] - logits[1]).max() < 1e-3 * np.abs(logits[1]).max()
 
 
 def test_a_q8_0_decode_step_through_the_prepared_launches_is_the_op_by_op_forward_bit_for_bit(tiny):
