@@ -42,11 +42,16 @@ class _KernelCacheLocator(_caching.UserProvidedCacheLocator):
         except (ValueError, OSError):
             return None
         self = cls(py_func, py_file)
-        try:
-            self.ensure_cache_path()
-        except OSError:
-            return None  # unwritable: Numba's next locator (or none) decides
+        if self._cache_path not in _writable:  # once a directory: Numba's check writes a file (267 at import)
+            try:
+                self.ensure_cache_path()
+            except OSError:
+                return None  # unwritable: Numba's next locator (or none) decides
+            _writable.add(self._cache_path)
         return self
+
+
+_writable: set[str] = set()  # cache directories this process has found writable
 
 
 if _KernelCacheLocator not in _caching.CacheImpl._locator_classes:
