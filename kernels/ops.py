@@ -114,10 +114,9 @@ class Weight:
         self.raw = view
         self.qtype = fmt.qtype
         self.tiled = bool(tiled)
-        if self.tiled and (_tiled is None or not _tiled.can_tile(fmt.qtype, raw.shape[0])):
+        if self.tiled and not _tiled_here(fmt.qtype, raw.shape[0], True):
             raise ValueError(f"a {fmt.name} weight of {raw.shape[0]} rows cannot be tiled on this CPU")
-        # what the integer kernels dispatch on: the GGML type, or its tiled twin (kernels/cpu/tiled.py)
-        self.kernel_type = _tiled.kernel_type(fmt.qtype) if self.tiled else int(fmt.qtype)
+        self.kernel_type = _kernel_type(fmt.qtype, self.tiled)
         self.format = _TiledFormat(fmt) if self.tiled else fmt
         self.rows = int(raw.shape[0])
         self.cols = int(raw.shape[1] // fmt.type_size * fmt.block_size)
@@ -145,7 +144,7 @@ class Weight:
         size, whose file pages are then dropped from this process (the file is read once, not kept twice)."""
         info = gguf_file.tensor_info(name)
         raw = row_range(gguf_file.raw(name), rows, name)
-        if tile and _tiled is not None and _tiled.can_tile(info.qtype, raw.shape[0]):
+        if _tiled_here(info.qtype, raw.shape[0], tile):
             # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
             tiled = _tiled.tile(raw, info.qtype, release=getattr(gguf_file, "release", None))
             return cls(tiled, info.qtype, tiled=True)
@@ -158,6 +157,16 @@ class Weight:
 
     def __repr__(self) -> str:
         return f"Weight({self.format.name}, rows={self.rows}, cols={self.cols})"
+
+
+def _tiled_here(qtype, rows: int, tile: bool) -> bool:
+    """Whether Weight.from_gguf(..., tile=tile) repacks a weight of this format and row count into tiles."""
+    return tile and _tiled is not None and _tiled.can_tile(qtype, rows)
+
+
+def _kernel_type(qtype, tiled: bool) -> int:
+    """What the integer kernels dispatch on: the GGML type, or its tiled twin (kernels/cpu/tiled.py)."""
+    return _tiled.kernel_type(qtype) if tiled else int(qtype)
 
 
 # Threads for the parallel kernels, read once on first use: numba.get_num_threads() costs microseconds per call,
@@ -490,10 +499,11 @@ class FusedForward:
         self._checked_kv, self._checked_layers, self._max_group = None, None, -1
 
     @staticmethod
-    def predicted_formats(gguf_file) -> FormatSet | None:
+    def predicted_formats(gguf_file, tile) -> FormatSet | None:
         """The formats (`formats`) a fused forward of this file's weights will have, read from its tensors before
-        they are loaded: the layers' matrices and the output head, each tiled where Weight.from_gguf tiles it (a
-        mixture's experts keep the file's layout); None where there will be no fused forward (`available`)."""
+        they are loaded: the layers' matrices and the output head, each tiled as Weight.from_gguf tiles it when
+        asked to where `tile(name)` (the backend's choice per tensor); None where there will be no fused forward
+        (`available`)."""
         if _fused is None or not _quant_dot.USES_AVX2:
             return None
         tensors = gguf_file.tensors
@@ -506,15 +516,14 @@ class FusedForward:
             if info.qtype not in _QUANT_DOT_SUPPORTED:
                 return None
             rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-            tiled = "_exps." not in name and _tiled.can_tile(info.qtype, rows)
-            kinds.add(_tiled.kernel_type(info.qtype) if tiled else int(info.qtype))
+            kinds.add(_kernel_type(info.qtype, _tiled_here(info.qtype, rows, tile(name))))
         return FormatSet(kinds) if kinds else None
 
     @classmethod
-    def start_compiling(cls, gguf_file) -> None:
+    def start_compiling(cls, gguf_file, tile) -> None:
         """Before a model's weights are read: start compiling the products of the fused forward they will need, in
         a second process on a cold start (fused_forward.start_products), while this one reads and tiles them."""
-        formats = cls.predicted_formats(gguf_file)
+        formats = cls.predicted_formats(gguf_file, tile)
         if formats is not None:
             _fused.start_products(formats)
 

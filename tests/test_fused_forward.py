@@ -170,12 +170,13 @@ def test_the_products_a_cold_start_compiles_before_reading_the_weights_are_the_o
     or the child's work is not what the forward calls."""
     from numba import typeof
 
+    from localllm.backends.cpu_backend import CpuBackend
     from localllm.gguf_file import GGUFFile
     from localllm.kernels.cpu import fused_forward
 
     fused = engine(name).model.fused.kernel
     with GGUFFile(model_file(name)) as g:
-        assert ops.FusedForward.predicted_formats(g).mask == fused.formats.mask
+        assert ops.FusedForward.predicted_formats(g, CpuBackend.tiles).mask == fused.formats.mask
     assert (typeof(fused.mats), typeof(fused.vecs)) == (fused_forward._MATS, fused_forward._VECS)
     assert typeof(fused.mat_types) == typeof(fused.mat_families) == fused_forward._INDICES
 

@@ -27,10 +27,14 @@ class CpuBackend(Backend):
     # The kernel module, for the few callers that need CPU-only features (threads, bandwidth figures).
     ops = ops
 
+    @staticmethod
+    def tiles(name: str) -> bool:
+        """Whether the tensor `name` goes into 16-row tiles where the tiled kernel runs (kernels/cpu/tiled.py):
+        dense weights do; the experts of a mixture keep the file's layout (their kernels cut rows anywhere)."""
+        return "_exps." not in name
+
     def matrix(self, gguf_file, name, rows=None):
-        # Dense weights go into 16-row tiles where the tiled kernel runs (kernels/cpu/tiled.py); the experts of a
-        # mixture keep the file's layout (their kernels cut rows anywhere)
-        return ops.Weight.from_gguf(gguf_file, name, rows, tile="_exps." not in name)
+        return ops.Weight.from_gguf(gguf_file, name, rows, tile=self.tiles(name))
 
     def vector(self, values):
         return values
@@ -95,7 +99,7 @@ class CpuBackend(Backend):
 
     def begin_load(self, gguf_file, config):
         if ops.FusedForward.unsupported(config.traits) is None:
-            ops.FusedForward.start_compiling(gguf_file)
+            ops.FusedForward.start_compiling(gguf_file, self.tiles)
 
     def whole_forward(self, model):
         """The fused forward (one compiled call per step for one sequence); `.available` is False where some
