@@ -71,7 +71,7 @@ def read_rows(store, scales, cols, out):
                 out[h, i, t] = v * scales[h, c, t // QBLOCK] if quantized else v
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _exp_nonpositive(x):
     """exp(x) for x <= 0 (a softmax's scores minus their max) in float32 operations, Cephes' expf: within 2 ulp
     of libm, and a loop of it vectorises, where a call to expf per score cost as much as the score's dot product.
@@ -178,7 +178,7 @@ def _soft_cap(scores, count, cap):
     return m
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _column(table, first_block, pos):
     return table[pos // BLOCK - first_block] * BLOCK + pos % BLOCK
 
@@ -359,7 +359,7 @@ def hsum_float_16x16(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11
     return simd.m512(*args_), codegen
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _dot_scaled(qa, ka, d, scale):
     """One key's score as _one_query_avx2 computes it."""
     a0, a1 = setzero_ps(), setzero_ps()
@@ -369,7 +369,7 @@ def _dot_scaled(qa, ka, d, scale):
     return (hsum_float_8(a0) + hsum_float_8(a1)) * scale
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _finish_8(b0, b1, b2, b3, b4, b5, b6, b7, scale_v, out_address):
     """_scores_8's last step: eight keys' zmm accumulators (two 8-lane halves each) to their scaled scores."""
     sx = hsum_float_8x8(low_ps_256(b0), low_ps_256(b1), low_ps_256(b2), low_ps_256(b3), low_ps_256(b4),
@@ -498,7 +498,7 @@ def _scores_8x2(qa, qb, rows, j, d, scale, out_a, out_b):
     storeu_ps(out_b, high_ps_256(sums))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _weigh_values_2(aa, w_a, w_b, vaddr, a, b, s, totals, rg):
     """Two heads' weighted sums of 64 values (their 8-lane chains at aa and aa + 256, two to a zmm, as the
     one-head loops keep them) over keys a .. b-1, whose weights are w_a[j - s] and w_b[j - s]: eight independent
@@ -540,7 +540,7 @@ def _weigh_values_2(aa, w_a, w_b, vaddr, a, b, s, totals, rg):
     totals[rg], totals[rg + 1] = ta, tb
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _weigh_values_4(aa, scores, rg, vaddr, a, b, s, totals):
     """_weigh_values_2 for four heads (lines rg .. rg + 3 of `scores`, accumulators from aa, 256 bytes each):
     each value row loaded once serves four heads, 16 FMAs per 8 loads where two heads had 8 per 6; each chain's
@@ -598,7 +598,7 @@ def _weigh_values_4(aa, scores, rg, vaddr, a, b, s, totals):
     totals[rg], totals[rg + 1], totals[rg + 2], totals[rg + 3] = ta, tb, tc, td
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _dequantize_row(store, scales, h, c, first, count, out, at):
     """out[at + u] = store[h, c, first + u] * its q8_0 block's scale, u < count, as float32 (read_rows' values):
     `first` and `count` are multiples of QBLOCK."""
@@ -616,7 +616,7 @@ def _dequantize_row(store, scales, h, c, first, count, out, at):
                 storeu_ps(dst + 128 * b + 4 * u, mul_ps(load_cvtepi8_ps(src + 32 * b + u), s8))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _max_of(row, n):
     """row[:n].max(), as the array method gives it, in four 8-lane max_ps chains: the one scalar chain of
     compare-and-select cost about 1.5 cycles a score, 43 of the 566 us of a 9-token verify's attention over 1,100
@@ -908,7 +908,7 @@ def _attend_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first
                  window, scale, softcap, out, scores, acc, registers)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _query_items(c, chunks, q, k_store, k_scale, v_store, v_scale, table, first_block, q_positions, key_start,
                  window, scale, softcap, out, scores, acc, registers):
     """Work share c of `chunks` as (query, head) items, c, c + chunks, ...: each (row, head) alone."""

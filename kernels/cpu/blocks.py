@@ -72,7 +72,7 @@ _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.flo
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def exp_f32(x):
     """e^x for a float32 x: inf above 88.38, the smallest normal float (1.2e-38, not 0) below -87.34."""
     c = min(max(x, _EXP_MIN), _EXP_MAX)

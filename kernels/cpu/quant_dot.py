@@ -156,7 +156,7 @@ PASS_K_QUANT = 32
 PASS_OTHER = 16
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def rows_per_pass(qtype):
     """x-rows per pass for weights of GGML type `qtype` (see PASS_32_BLOCK)."""
     if qtype == QT_Q4_0 or qtype == QT_Q4_1 or qtype == QT_Q5_0 or qtype == QT_Q5_1 or qtype == QT_Q8_0:
@@ -182,7 +182,7 @@ _F16_SUBNORMAL_UNIT = np.float32(2.0**-24)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def half_bits_to_float(h):
     """IEEE fp16 bits -> float32 (exact), as GGML_CPU_FP16_TO_FP32 / vcvtph2ps compute it."""
     h = np.uint32(h) & np.uint32(0xFFFF)
@@ -197,7 +197,7 @@ def half_bits_to_float(h):
     return bits_to_float(sign | ((exponent + np.uint32(112)) << np.uint32(23)) | (mantissa << np.uint32(13)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def float_to_half_bits(f):
     """float32 -> IEEE fp16 bits, rounding to nearest even (GGML_CPU_FP32_TO_FP16 / vcvtps2ph)."""
     bits = float_to_bits(np.float32(f))
@@ -227,13 +227,13 @@ def float_to_half_bits(f):
     return half
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def round_to_half(f):
     """The float32 value of fp16(f): what a ggml_half field read back as float holds."""
     return half_bits_to_float(float_to_half_bits(f))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _nearest_int(value):
     return np.int32((value + _ROUND_MAGIC) - _ROUND_MAGIC)
 
@@ -243,7 +243,7 @@ def _nearest_int(value):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _ordered(bits):
     """A float's bits as an int32 that orders like the float (negative floats' magnitude bits flipped); its own
     inverse."""
@@ -362,19 +362,19 @@ def quantize_q8_K(x):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _hsum_float_8(acc, i):
     """Sum of acc[i, 0:8] in the order of ggml's hsum_float_8 (128-bit halves, then movehl, then movehdup)."""
     return ((acc[i, 0] + acc[i, 4]) + (acc[i, 2] + acc[i, 6])) + ((acc[i, 1] + acc[i, 5]) + (acc[i, 3] + acc[i, 7]))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _half_at(raw, r, offset):
     """The fp16 field at byte `offset` of weight row r, as float32."""
     return half_bits_to_float(np.uint32(raw[r, offset]) | (np.uint32(raw[r, offset + 1]) << np.uint32(8)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _scale_min_k4(raw, r, offset, scales, mins):
     """The 8 six-bit scales and mins packed in the 12 `scales` bytes of a Q4_K/Q5_K block (get_scale_min_k4)."""
     for j in range(4):
@@ -386,7 +386,7 @@ def _scale_min_k4(raw, r, offset, scales, mins):
         mins[j] = (high >> 4) | ((np.int32(raw[r, offset + j]) >> 6) << 4)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _scales_q3_k(raw, r, offset, scales):
     """The 16 six-bit signed scales of a Q3_K block (the kmask1/kmask2 unpacking of ggml, minus 32)."""
     for j in range(16):
@@ -396,7 +396,7 @@ def _scales_q3_k(raw, r, offset, scales):
         scales[j] = (low | (high << 4)) - 32
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _min_lanes_q4_k(acc_m, i, dmin, mins, bsums, b):
     """The dmin * mins . bsums term of Q4_K in ggml's 4 float lanes (acc_m of ggml_vec_dot_q4_K_q8_K).
 
@@ -411,7 +411,7 @@ def _min_lanes_q4_k(acc_m, i, dmin, mins, bsums, b):
         acc_m[i, lane] = fma_f32(dmin, np.float32(product), acc_m[i, lane])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _min_sum_q5_k(mins, bsums, i, b):
     """sum over sub-blocks of mins * bsums, as one integer (ggml_vec_dot_q5_K_q8_K's hadd of `prod`)."""
     total = 0
@@ -421,7 +421,7 @@ def _min_sum_q5_k(mins, bsums, i, b):
     return np.int32(total)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _finish_min_lanes(acc_m, i):
     """acc_m's reduction in ggml_vec_dot_q4_K_q8_K: movehl + add, then movehdup + add_ss."""
     return (acc_m[i, 0] + acc_m[i, 2]) + (acc_m[i, 1] + acc_m[i, 3])
@@ -444,12 +444,12 @@ _chunk_bounds = njit(cache=True, inline="always")(_chunk_bounds)
 # Q8_0 weight with |x| = 127; Q8 activations never reach -128), so it never does, and the sums are exact.
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _signed_byte(v):
     return (np.int32(v) ^ 0x80) - 0x80
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _lane_sums_32(weights, xq, i, x0, lanes):
     for m in range(8):
         total = 0
@@ -458,7 +458,7 @@ def _lane_sums_32(weights, xq, i, x0, lanes):
         lanes[m] = total
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _lane_sums_256(weights, scales16, xq, i, x0, lanes):
     for m in range(8):
         lanes[m] = 0
@@ -466,7 +466,7 @@ def _lane_sums_256(weights, scales16, xq, i, x0, lanes):
         lanes[(e & 31) >> 2] += scales16[e >> 4] * weights[e] * np.int32(xq[i, x0 + e])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _decode_32(raw, r, blk, kind, weights):
     """Integer weights of one 32-block: kind 0 = Q8_0, 1 = Q4_0, 2 = Q4_1, 3 = Q5_0, 4 = Q5_1."""
     if kind == 0:
@@ -528,7 +528,7 @@ def _rows_32_portable(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             out[i, r] = _hsum_float_8(total, i) + summs[i] if has_min else _hsum_float_8(total, i)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _decode_q4_k(raw, r, blk, weights, scales16, scales, mins):
     _scale_min_k4(raw, r, blk + 4, scales, mins)
     for j in range(4):
@@ -540,7 +540,7 @@ def _decode_q4_k(raw, r, blk, weights, scales16, scales, mins):
         scales16[k] = scales[k >> 1]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _decode_q5_k(raw, r, blk, weights, scales16, scales, mins):
     _scale_min_k4(raw, r, blk + 4, scales, mins)
     for j in range(4):
@@ -553,7 +553,7 @@ def _decode_q5_k(raw, r, blk, weights, scales16, scales, mins):
         scales16[k] = scales[k >> 1]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _decode_q6_k(raw, r, blk, weights, scales16):
     for h in range(2):
         ql = blk + 64 * h
@@ -570,7 +570,7 @@ def _decode_q6_k(raw, r, blk, weights, scales16):
         scales16[k] = _signed_byte(raw[r, blk + 192 + k])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _decode_q3_k(raw, r, blk, weights, scales16):
     _scales_q3_k(raw, r, blk + 96, scales16)
     for h in range(2):
@@ -582,7 +582,7 @@ def _decode_q3_k(raw, r, blk, weights, scales16):
                 weights[128 * h + 32 * j + p] = low - (0 if has_high else 4)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _decode_q2_k(raw, r, blk, weights, scales16, mins16):
     for k in range(16):
         byte = np.int32(raw[r, blk + k])
@@ -680,7 +680,7 @@ _KMASK_2BIT = 0x03030303
 _PREFETCH_AHEAD = 16 * 1024
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _prefetch_lines(address, lines):
     """Prefetches `lines` cache lines from `address` on."""
     for k in range(lines):
@@ -702,7 +702,7 @@ def _decode_32_avx2(blk, kind):
     return or_si256(bytes_from_nibbles_32(blk + 8), and_si256(bytes_from_bits_32(blk + 4), set1_epi8(0x10)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _lanes_32_avx2(qx, y, kind):
     """Float lanes of one block's integer dot; signed formats move the sign onto y (mul_sum_i8_pairs_float)."""
     if kind == KIND_Q4_1 or kind == KIND_Q5_1:
@@ -710,7 +710,7 @@ def _lanes_32_avx2(qx, y, kind):
     return cvtepi32_ps(mul_sum_i8_pairs(qx, loadu_si256(y)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _step_32_avx2(qx, wd, y, d, acc, kind):
     """One x-row's float step for one block: acc = fma(d_w * d_x, float(lanes), acc)."""
     return fmadd_ps(set1_ps(wd * load_f32(d)), _lanes_32_avx2(qx, y, kind), acc)
@@ -799,7 +799,7 @@ def _rows_32_avx2(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
             for b in range(blocks):
                 prefetch(w + block_bytes * b + _PREFETCH_AHEAD)
                 storeu_si256(decoded + 32 * b, _decode_32_avx2(w + block_bytes * b, kind))
-        i = 0
+        i = n * 0  # an int64: a literal 0 here typed the first call apart, a 4th _group_32_avx2 per format
         while n - i >= 4:
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 4, decoded)
             i += 4
@@ -822,7 +822,7 @@ def _rows_32_avx2_few(raw, kind, block_bytes, xq, xd, xs, out, r0, r1):
     wbase, wstride = address_of(raw), raw.strides[0]
     for r in range(r0, r1):
         w = wbase + r * wstride
-        i = 0
+        i = n * 0  # an int64, as in _rows_32_avx2
         while n - i >= 2:
             _group_32_avx2(w, kind, block_bytes, blocks, xq, xd, xs, out, r, i, 2, 0)
             i += 2
@@ -1118,13 +1118,13 @@ else:
     _rows_32 = _rows_32_avx2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _accumulate_avx2(address, d, sumi):
     """acc (8 floats at `address`) = fma(d, float(sumi), acc): one x-row's per-block step of every K-quant dot."""
     storeu_ps(address, fmadd_ps(set1_ps(d), cvtepi32_ps(sumi), loadu_ps(address)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _scales_mins_k4_avx2(blk):
     """A Q4_K/Q5_K block's 8 scales (int16 lanes 0-7) and 8 mins (lanes 8-15), by ggml's utmp/kmask unpacking."""
     a0, a1, a2 = load_u32(blk + 4), load_u32(blk + 8), load_u32(blk + 12)
@@ -1136,7 +1136,7 @@ def _scales_mins_k4_avx2(blk):
     )
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _finish_min_lanes_avx2(acc_m, i):
     """(l0 + l2) + (l1 + l3) of ggml's 4 acc_m lanes, which the AVX2 kernel keeps twice each (lanes 2l, 2l+1)."""
     return (acc_m[i, 0] + acc_m[i, 4]) + (acc_m[i, 2] + acc_m[i, 6])
@@ -1293,7 +1293,7 @@ def _rows_q4_k_avx512(raw, xq, xd, bsums, out, r0, r1):
 _rows_q4_k = _rows_q4_k_avx512 if HAVE_AVX512 else _rows_q4_k_avx2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _q5_k_chunk(bits, hbits, bit):
     """32 five-bit weights: 4 low bits from a nibble, the 5th from bit `bit` of each qh byte, shifted to 16."""
     high = slli_epi16(srli_epi16(and_si256(hbits, set1_epi8(1 << bit)), bit), 4)
@@ -1357,7 +1357,7 @@ def _rows_q5_k_avx2(raw, xq, xd, bsums, out, r0, r1):
             out[i, r] = _hsum_float_8(acc, i) + summs[i]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _q6_k_product(q, y, scales, lo, hi):
     """(q - 32) . y for one 32-chunk, times its two 16-element scales (lanes lo, hi of `scales`, constants).
 
@@ -1500,7 +1500,7 @@ def _rows_q6_k_avx512(raw, xq, xd, bsums, out, r0, r1):
 _rows_q6_k = _rows_q6_k_avx512 if HAVE_AVX512 else _rows_q6_k_avx2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _q3_k_product(low_bits, hbits, shift, bit, y, scales, lo, hi):
     """((q >> shift) & 3) - 4 * (hmask bit clear), dotted with y, times the chunk's two scales (ggml's q3l/q3h)."""
     q8 = loadu_si256(y)
@@ -1565,7 +1565,7 @@ def _rows_q3_k_avx2(raw, xq, xd, bsums, out, r0, r1):
             out[i, r] = _hsum_float_8(acc, i)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _q2_k_product(bits, shift, y, scales, lo, hi):
     """((q >> shift) & 3) . y for one 32-chunk, times its two 16-element scales (lanes lo, hi of `scales`)."""
     q2 = and_si256(srli_epi16(bits, shift), set1_epi8(3))
@@ -1622,7 +1622,7 @@ def _rows_q2_k_avx2(raw, xq, xd, bsums, out, r0, r1):
 # function as an argument, and a cold start compiling every kernel would cost seconds.
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _n_chunks(rows, cols, threads):
     """How many row ranges to run in parallel: one per thread, or 1 when waking threads costs more than it saves."""
     if rows * cols < SERIAL_BELOW_WEIGHTS:
@@ -1776,7 +1776,7 @@ def _matmul_q2_k_avx2(raw, x, out, threads):
 # outputs are bitwise those of separate calls.
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _multi_ranges(raws, c, chunks):
     """The part of weight w's rows that work share c of `chunks` covers: yields (w, r0, r1) over all weights'
     rows laid end to end."""
@@ -2008,7 +2008,7 @@ def _rows_avx2_for(formats, raw, qtype, acts, out, r0, r1):
 # Weights in 16-row tiles (kernels/cpu/tiled.py): the drivers; the row kernels are tiled.py's
 # ---------------------------------------------------------------------------------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _tiled_range(raws, kind, xq, xd, bsums, outs, lo, hi):
     """Tiles lo..hi of several tiled weights laid end to end: tiled.py's row kernel, or tiled_k.py's (kind 12 and
     14, with the Q8_K activations' 16-sums)."""

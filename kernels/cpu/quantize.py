@@ -51,12 +51,12 @@ def _f32_to_bits(typingctx, value):
     return types.uint32(value), codegen
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def f32_bits(f):
     return np.int64(_f32_to_bits(f))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def nearest_int(fval):
     # ggml: float val = fval + 12582912.f; memcpy(&i, &val, 4); return (i & 0x007fffff) - 0x00400000;
     val = F32(fval) + _MAGIC
@@ -83,7 +83,7 @@ def f32_to_f16_bits(f):
     return (sign >> 16) | nonsign
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _put_f16(out, off, f):
     """Store GGML_FP32_TO_FP16(f) little-endian at out[off:off+2]; return its float32 value (GGML_FP16_TO_FP32)."""
     h = f32_to_f16_bits(f)
@@ -94,13 +94,13 @@ def _put_f16(out, off, f):
     return f16_to_f32(lo, hi)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _sqrtf(v):
     # sqrtf: the float64 square root rounded to float32 is the correctly rounded float32 root (53 >= 2*24 + 2)
     return F32(np.sqrt(np.float64(v)))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _roundf(v):
     # C roundf: half away from zero. |v| + 0.5 is exact in float64 for any float32 v.
     a = np.floor(np.float64(abs(v)) + 0.5)

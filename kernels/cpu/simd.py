@@ -1440,7 +1440,7 @@ load_cvtepi8_epi32_512 = _load_widen_bytes(True, "16 signed bytes at `address` a
 from numba import njit  # noqa: E402  (after the intrinsics they use)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def mul_sum_us8_pairs(ax, sy):
     """Unsigned x signed bytes, summed in groups of 4 into int32 lanes: lane m = sum of bytes 4m..4m+3.
 
@@ -1449,7 +1449,7 @@ def mul_sum_us8_pairs(ax, sy):
     return madd_epi16(maddubs_epi16(ax, sy), set1_epi16(1))
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def mul_sum_i8_pairs(x, y):
     """Signed x signed bytes, summed in groups of 4 into int32 lanes (ggml's `mul_sum_i8_pairs_float`).
 

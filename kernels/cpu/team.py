@@ -88,7 +88,7 @@ else:  # pragma: no cover - no such call: spinning only
     _sched_yield = None
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _give_way():
     if _sched_yield is not None:
         _sched_yield()
@@ -103,13 +103,13 @@ def next_task(ctl, phase, tasks):
     return t if t < tasks else -1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def any_left(ctl, phase, tasks):
     """Whether some task of `phase` is still unclaimed (lets a thread skip private set-up work)."""
     return atomic_load(address_of(ctl) + 16 * phase) < tasks
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def task_done(ctl, phase):
     atomic_add(address_of(ctl) + 16 * phase + 8, 1)
 
@@ -127,7 +127,7 @@ def wait_phase(ctl, phase, tasks):
             _give_way()
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def task_bounds(t, tasks, total, align):
     """Task t's share [lo, hi) of `total` items cut into `tasks` near-equal runs, cut points multiples of
     `align` (kept whole: blocks of a quantized row)."""
