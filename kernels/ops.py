@@ -521,11 +521,12 @@ class FusedForward:
 
     @classmethod
     def start_compiling(cls, gguf_file, tile) -> None:
-        """Before a model's weights are read: start compiling the products of the fused forward they will need, in
-        a second process on a cold start (fused_forward.start_products), while this one reads and tiles them."""
+        """Before a model's weights are read: start compiling the products and the attention of the fused forward
+        they will need, in child processes on a cold start (fused_forward.start_compiling), while this one reads and
+        tiles them."""
         formats = cls.predicted_formats(gguf_file, tile)
         if formats is not None:
-            _fused.start_products(formats)
+            _fused.start_compiling(formats)
 
     def __call__(self, x: np.ndarray, kv: tuple, layer_group: np.ndarray, layer_window: np.ndarray,
                  layer_rope: np.ndarray, tables: np.ndarray, first_blocks: np.ndarray, write_cols: np.ndarray,

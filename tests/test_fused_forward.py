@@ -181,6 +181,19 @@ def test_the_products_a_cold_start_compiles_before_reading_the_weights_are_the_o
     assert typeof(fused.mat_types) == typeof(fused.mat_families) == fused_forward._INDICES
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_the_attention_a_cold_start_compiles_before_reading_the_weights_is_the_one_a_float32_cache_calls(name):
+    """fused_forward.start_compiling compiles the per-head attention for the argument types a float32 cache gives
+    the worker's attention call, before the model's shapes are known: they must be the loaded model's (with and
+    without gemma3's sliding window), or the child's work is not what the forward calls."""
+    from localllm.kernels.cpu import fused_forward
+
+    e = engine(name)
+    run(e, True, english_tokens(e.tokenizer, 4, seed=1), [], False)
+    kernels = list(e.model.fused.kernel._compiled.values())
+    assert kernels and all(k.attend.numba_type.sig.args == fused_forward._F32_ATTENTION_TYPES for k in kernels)
+
+
 def batched_steps(e: Engine, fused: bool, prompts: list[list[int]], rounds: list[list[list[int]]]):
     """Logits of every row of every sequence, stepped together: the prompts in one batched step, then each
     round's tokens (one list per sequence; an empty list sits the round out) in one step."""

@@ -183,7 +183,8 @@ def _moe_ffn(ctl, p, tasks, formats, layer, act_kind, h, dn, moe):
             fill[e] += 1
             pos[s] = g
             wg[g] = weights[s // k, s % k]
-            xg[g] = h[s // k]
+            for c in range(d):  # element by element, as the output rows are gathered in _worker
+                xg[g, c] = h[s // k, c]
         task_done(ctl, p)
     wait_phase(ctl, p, 1)
     # p + 1: gate and up of every chosen expert over its rows, in column ranges (whole blocks of 32, as the dense
@@ -338,8 +339,9 @@ def _worker(products, attend, ctl, tasks, formats, dims, flags, eps, attn_scale,
         if post_norms:
             rms_norm_rows(dn, vecs[vb - VECS_PER_LAYER + V_FFN_POST_NORM], eps, dn)
         x += dn
-        for i in range(out_rows.shape[0]):
-            xo[i] = x[out_rows[i]]
+        for i in range(out_rows.shape[0]):  # element by element: a row assigned whole compiles numpy's
+            for c in range(x.shape[1]):      # shape-mismatch message formatting (4 s of a cold start, Zen 3)
+                xo[i, c] = x[out_rows[i], c]
         rms_norm_rows(xo, vecs[vb], eps, xo)
         task_done(ctl, p)
     wait_phase(ctl, p, 1)
@@ -375,27 +377,13 @@ class Kernels:
 # The types of the model's lists as FusedForward builds them (read-only weights and vectors)
 _MATS = types.ListType(types.Array(types.uint8, 2, "C", readonly=True))
 _VECS = types.ListType(types.Array(types.float32, 1, "C", readonly=True))
-_pending: dict = {}  # product types -> the child compiling them, started by start_products
+_pending: dict = {}  # (kernel name, argument types) -> the child compiling them, started by start_compiling
 
 
 def _product_types(tasks, formats, mats, mat_types, mat_families, vecs) -> tuple:
     """The argument types of _products, from those of forward's arguments of these names."""
     return (_INDICES, _INT, tasks, formats, mats, mat_types, mat_families, _INT, _INT, _BUFFER, _BUFFER, _BUFFER,
             _BUFFER, vecs, _INT)
-
-
-def start_products(formats) -> None:
-    """Start compiling the products for a model whose weights have `formats` (a FormatSet) in a child process,
-    before its weights are read, where there are two cores or more and they are not in the kernel cache: reading
-    and tiling a model's weights first compiles their kernels (4-6 s of a cold start, 2-core Zen 5), and the
-    products' compile (13-15 s) is then the longer of the two processes' shares. `compiled` takes the child over
-    when the forward's types are the ones guessed here; otherwise it goes on filling the cache, harmlessly."""
-    argtypes = _product_types(_INT, typeof(formats), _MATS, _INDICES, _INDICES, _VECS)
-    if (os.cpu_count() or 1) < 2 or argtypes in _pending or _load_cached(_products, argtypes):
-        return
-    child = _compile_in_child("_products", argtypes)
-    if child is not None:
-        _pending[argtypes] = child
 
 
 def _attention_types(t: tuple) -> tuple:
@@ -406,18 +394,61 @@ def _attention_types(t: tuple) -> tuple:
             t[5], t[6], _BUFFER, _VECTOR, _VECTOR)
 
 
+# The attention call's types with a float32 KV cache (the default): its four stores are (n_kv, columns, dim) float32
+# arrays (CpuKVStorage), the scale and soft-cap float32 (ops.FusedForward)
+_F32_STORE = types.Array(types.float32, 3, "C")
+_F32_ATTENTION_TYPES = _attention_types((None,) * 5 + (types.float32, types.float32, None, None, None, None)
+                                        + (types.ListType(_F32_STORE),) * 4)
+
+
+def start_compiling(formats) -> None:
+    """Start compiling, each in a child process, the products for a model whose weights have `formats` (a
+    FormatSet) and the per-head attention of a float32 cache, before the model's weights are read, where there are
+    two cores or more and the kernels are not in the kernel cache. Reading and tiling the weights first compiles
+    their kernels in this process (typed lists, dequantizers: 4-6 s of a cold start), then the worker and
+    `forward` compile here (14 s) while the children work (products 13-35 s, attention 5-7 s; 2-core Zen 3).
+    `compiled` takes a child over when the forward's types are the ones guessed here; otherwise it goes on filling
+    the cache, harmlessly."""
+    if (os.cpu_count() or 1) < 2:
+        return
+    _start_child("_products", _product_types(_INT, typeof(formats), _MATS, _INDICES, _INDICES, _VECS))
+    if not _load_cached(_attend_items, _F32_ATTENTION_TYPES):
+        _start_child("_attend_items_per_head", _F32_ATTENTION_TYPES)
+
+
+def _start_child(name: str, argtypes: tuple) -> None:
+    """A child compiling this module's `name` for `argtypes` into the kernel cache, unless one is at it already or
+    the cache has it."""
+    if (name, argtypes) in _pending or _load_cached(globals()[name], argtypes):
+        return
+    child = _compile_in_child(name, argtypes)
+    if child is not None:
+        _pending[(name, argtypes)] = child
+
+
+def _take_child(dispatcher, argtypes: tuple) -> subprocess.Popen | None:
+    """The child compiling `dispatcher` for `argtypes`: the one start_compiling started, or a new one where there
+    are two cores or more and the kernel cache does not have them; None where this process is to compile them."""
+    name = dispatcher.py_func.__name__
+    if (os.cpu_count() or 1) > 1:
+        _start_child(name, argtypes)
+    return _pending.pop((name, argtypes), None)
+
+
 def compiled(args: tuple) -> Kernels:
     """The kernels forward calls by address for forward's arguments after them (tasks ... moe), compiled or loaded
     from the kernel cache on first use (kernels/cpu/by_address.py: each compiled once, not re-optimized into every
     library that calls it). Every array must be as forward will see it (dtype, dimensions, C order, writable).
 
-    A cold start, measured for smollm2 on 2 cores (Zen 5): the products (every format's row kernels, 15 s) compile
-    in a child process while this one compiles the worker (norms, RoPE, attention; 16 s, where one process took
-    31 s for both), and `forward` itself (2 s) is compiled here before waiting for the child. Attention's
-    row-block kernel (attention._rows_query_avx2, 6-10 s of the worker's compile) is left out of a cold start with
-    a float32 cache: the first answers attend per (row, head) (attention._attend_items_per_head, the same bits)
-    while a child at the lowest priority compiles the row blocks into the kernel cache, and `Kernels.attend`
-    switches to them when it is done (later starts load them)."""
+    A cold start on 2 cores: the products (the model's formats' row kernels) and attention each compile in a child
+    process (started before the weights were read: start_compiling) while this one compiles the worker (norms,
+    RoPE, the phases; it calls the other two by address, so it needs only their types) and `forward` itself; then
+    it loads what the children compiled. Measured for qwen2.5-coder-1.5b on 2-core Zen 3: the worker 9.7 s,
+    `forward` 4.3 s, attention 7.2 s, the products 12.7 s, where attention compiled here first had made the first
+    token wait for all three in turn. Attention's row-block kernel (attention._rows_query_avx2, 6-10 s of compile)
+    is left out of a cold start with a float32 cache: the first answers attend per (row, head)
+    (attention._attend_items_per_head, the same bits) while a child at the lowest priority compiles the row blocks
+    into the kernel cache, and `Kernels.attend` switches to them when it is done (later starts load them)."""
     t = tuple(typeof(a) for a in args)
     product_types = _product_types(*(t[i] for i in (0, 1, 7, 8, 9, 10)))
     attention_types = _attention_types(t)
@@ -426,22 +457,21 @@ def compiled(args: tuple) -> Kernels:
                     + (_BUFFER,) * 10 + (t[-2], _BUFFER, _BUFFER, t[-1]))
     found = _compiled.get(worker_types)
     if found is None:
-        child = _pending.pop(product_types, None)  # started before the weights were read (start_products)
-        if child is None and (os.cpu_count() or 1) > 1 and not _load_cached(_products, product_types) \
-                and not _load_cached(_worker, worker_types):
-            child = _compile_in_child("_products", product_types)
         # a q8_0 cache's bits are the row blocks' (the per-head loop rounds its dequantization differently)
         per_head = attention_types[3].dtype == types.float32 and not _load_cached(_attend_items, attention_types)
-        attend = Compiled(_attend_items_per_head if per_head else _attend_items, attention_types)
+        attend = _attend_items_per_head if per_head else _attend_items
+        children = [(d, a, _take_child(d, a)) for d, a in ((_products, product_types), (attend, attention_types))]
         worker = Compiled(_worker, worker_types)
         forward.compile((_INT, worker.numba_type, AddressType(types.void(*product_types)), attention_address) + t)
-        if child is not None:
-            try:
-                child.wait(timeout=600)
-            except subprocess.TimeoutExpired:
-                child.kill()
-            _load_cached(_products, product_types)  # what the child compiled; else it compiles here
-        found = _compiled[worker_types] = Kernels(worker, Compiled(_products, product_types), attend)
+        for dispatcher, argtypes, child in children:
+            if child is not None:
+                try:
+                    child.wait(timeout=600)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                _load_cached(dispatcher, argtypes)  # what the child compiled; else Compiled compiles it here
+        found = _compiled[worker_types] = Kernels(worker, Compiled(_products, product_types),
+                                                  Compiled(attend, attention_types))
         if per_head:
             _upgrade_attention(found, attention_types)
     return found

@@ -260,7 +260,8 @@ class Backend(ABC):
     # -- life cycle ---------------------------------------------------------------------------------------
     def begin_load(self, gguf_file, config) -> None:
         """Called before a model's weights are read from `gguf_file` (its ModelConfig `config`): a backend may
-        start work they do not wait for (the CPU's: compiling its fused forward's products in a second process)."""
+        start work they do not wait for (the CPU's: compiling its fused forward's products and attention in
+        child processes)."""
 
     def whole_forward(self, model) -> Callable | None:
         """An optional override of the op-by-op forward (None: none): called as fused(tokens, cache, output_rows)
