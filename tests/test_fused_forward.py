@@ -165,7 +165,7 @@ def test_the_row_block_attention_compiled_in_the_background_takes_over():
 
 @pytest.mark.parametrize("name", CATALOG_MODELS)
 def test_the_products_a_cold_start_compiles_before_reading_the_weights_are_the_ones_the_model_calls(name):
-    """fused_forward.start_products compiles the products for formats read from the file's tensors and for the
+    """fused_forward.start_compiling compiles the products for formats read from the file's tensors and for the
     lists' types FusedForward builds, in a child, before the weights are loaded: both must be the loaded model's,
     or the child's work is not what the forward calls."""
     from numba import typeof
