@@ -46,6 +46,7 @@ except ImportError:
     _quant_dot = _tiled = None
     _QUANT_DOT_SUPPORTED = frozenset()
 from localllm.kernels.cpu import moe_kernels as _moe
+from localllm.kernels.cpu import tile_cache as _tile_cache
 
 try:
     from localllm.kernels.cpu import fused_forward as _fused
@@ -145,8 +146,22 @@ class Weight:
         info = gguf_file.tensor_info(name)
         raw = row_range(gguf_file.raw(name), rows, name)
         if _tiled_here(info.qtype, raw.shape[0], tile):
-            # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
-            tiled = _tiled.tile(raw, info.qtype, release=getattr(gguf_file, "release", None))
+            # Tiles from an earlier run are mapped from the cache (kernels/cpu/tile_cache.py), else made and kept.
+            model = _tile_cache.model_key(getattr(gguf_file, "path", None)) if _tile_cache.budget() else None
+            key = _tile_cache.weight_key(name, rows, info.qtype, raw) if model else None
+            tiled = _tile_cache.load(model, key, raw.shape) if model else None
+            if tiled is None:
+                pending = _tile_cache.create(model, key, raw.shape) if model else None
+                try:
+                    # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
+                    tiled = _tiled.tile(raw, info.qtype, release=getattr(gguf_file, "release", None),
+                                        out=pending.array if pending else None)
+                except BaseException:
+                    if pending:
+                        pending.abandon()
+                    raise
+                if pending:
+                    pending.commit()
             return cls(tiled, info.qtype, tiled=True)
         return cls(raw, info.qtype)
 

@@ -2,12 +2,13 @@
 
 - data (`$LOCALLLM_HOME`, else `$XDG_DATA_HOME/localllm`, else `~/.local/share/localllm`): pulled models,
   conversations, settings.
-- cache (`$LOCALLLM_CACHE`, else `$XDG_CACHE_HOME/localllm`, else `~/.cache/localllm`): compiled kernels and
-  partial downloads; safe to delete.
+- cache (`$LOCALLLM_CACHE`, else `$XDG_CACHE_HOME/localllm`, else `~/.cache/localllm`): compiled kernels, tiled
+  weights (kernels/cpu/tile_cache.py) and partial downloads; safe to delete.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -32,6 +33,35 @@ def models_dir() -> Path:
 
 def kernel_cache_dir() -> Path:
     return cache_dir() / "kernels"
+
+
+def tile_cache_dir() -> Path:
+    return cache_dir() / "tiles"
+
+
+def model_file_key(path) -> str | None:
+    """What names the files derived from a model file (its cached tiles): a hash of its resolved path, size,
+    mtime, inode and device, so a model replaced or re-downloaded gets new names. None where it is not a file."""
+    try:
+        path = Path(path).resolve()
+        st = path.stat()
+    except (OSError, TypeError):
+        return None
+    ident = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+def remove_derived_files(path) -> None:
+    """Delete what the cache holds for a model file (before the file itself goes: its key needs it)."""
+    key = model_file_key(path)
+    folder = tile_cache_dir()
+    if key is None or not folder.is_dir():
+        return
+    for entry in folder.glob(f"{key}-*"):
+        try:
+            entry.unlink()
+        except OSError:
+            pass
 
 
 def conversations_dir() -> Path:

@@ -16,6 +16,7 @@ import zipfile
 
 import pytest
 
+from localllm import paths
 from localllm.store import catalog
 from localllm.store import local as store
 from localllm.errors import DownloadError, LocalLLMError, UnknownModelError
@@ -134,6 +135,20 @@ def test_rm_removes_the_model_and_its_marker(home):
     assert list((home / "models").iterdir()) == []
     with pytest.raises(UnknownModelError, match="not downloaded"):
         store.remove(SMALL)
+
+
+def test_rm_removes_the_models_cached_tiles_and_no_other_files(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path / "cache"))
+    store.pull_by_name(SMALL, quiet=True)
+    path = store.model_path(SMALL)
+    tiles = paths.tile_cache_dir()
+    tiles.mkdir(parents=True)
+    mine = tiles / f"{paths.model_file_key(path)}-0123.tiles"
+    other = tiles / "another-model-0123.tiles"
+    mine.write_bytes(b"t")
+    other.write_bytes(b"t")
+    store.remove(SMALL)
+    assert not mine.exists() and other.exists()
 
 
 def run_cli(*args, env_home=None):

@@ -74,15 +74,16 @@ def _aligned_empty(shape) -> np.ndarray:
 _CHUNK_BYTES = 8 << 20  # tiled at a time, then handed to `release`
 
 
-def tile(raw: np.ndarray, qtype, release=None) -> np.ndarray:
+def tile(raw: np.ndarray, qtype, release=None, out: np.ndarray | None = None) -> np.ndarray:
     """raw (rows, row_bytes) in GGUF layout -> the same shape in tiles (see the module), 64-byte aligned.
 
     Compiled and parallel: numpy's transposes took 1.03 s of every load of qwen2.5-coder-0.5b (393 MiB tiled),
     this loop 0.2-0.4 s on this shared 2-core machine (each byte read once and written once). `release(part)`
     is called on each 8 MiB of raw once it is tiled (the loader drops those file pages): a whole tensor's
-    source and copy side by side put gemma3-270m's 170 MiB embedding table twice into the peak resident set."""
+    source and copy side by side put gemma3-270m's 170 MiB embedding table twice into the peak resident set.
+    `out`: where to write the tiles (raw's shape, 64-byte aligned: a tile cache file's mapping), else new memory."""
     qtype = Q(qtype)
-    out = _aligned_empty(raw.shape)
+    out = _aligned_empty(raw.shape) if out is None else out
     rows, row_bytes = raw.shape
     step = max(TILE, _CHUNK_BYTES // max(row_bytes, 1) // TILE * TILE)
     for r0 in range(0, rows, step):

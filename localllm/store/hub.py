@@ -346,6 +346,7 @@ def remove(text: str) -> Path:
                                 "was removed")
     if found.path.parent != hub_dir():
         raise UnknownModelError(f"{found.path} is outside the store; nothing was removed")
+    paths.remove_derived_files(found.path)
     found.path.unlink(missing_ok=True)
     _meta_path(found.path).unlink(missing_ok=True)
     found.path.with_name(f".{found.path.name}.verified.json").unlink(missing_ok=True)

@@ -191,6 +191,7 @@ def remove(name: str) -> Path:
             raise UnknownModelError(f"model {name} is not downloaded; nothing to remove")
         raise UnknownModelError(f"no model named {name!r} in {paths.models_dir()}")
     with _model_lock(path, quiet=True, wait=False):
+        paths.remove_derived_files(path)
         path.unlink(missing_ok=True)
         _marker(path).unlink(missing_ok=True)
     return path
