@@ -3,7 +3,8 @@
 - data (`$LOCALLLM_HOME`, else `$XDG_DATA_HOME/localllm`, else `~/.local/share/localllm`): pulled models,
   conversations, settings.
 - cache (`$LOCALLLM_CACHE`, else `$XDG_CACHE_HOME/localllm`, else `~/.cache/localllm`): compiled kernels, tiled
-  weights (kernels/cpu/tile_cache.py) and partial downloads; safe to delete.
+  weights (kernels/cpu/tile_cache.py), vocabulary string lengths (gguf_file.py) and partial downloads; safe to
+  delete.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def tile_cache_dir() -> Path:
     return cache_dir() / "tiles"
 
 
+def header_cache_dir() -> Path:
+    """What opening a model file found that is costly to find again (its vocabulary's string lengths)."""
+    return cache_dir() / "headers"
+
+
 def model_file_key(path) -> str | None:
     """What names the files derived from a model file (its cached tiles): a hash of its resolved path, size,
     mtime, inode and device, so a model replaced or re-downloaded gets new names. None where it is not a file."""
@@ -54,14 +60,14 @@ def model_file_key(path) -> str | None:
 def remove_derived_files(path) -> None:
     """Delete what the cache holds for a model file (before the file itself goes: its key needs it)."""
     key = model_file_key(path)
-    folder = tile_cache_dir()
-    if key is None or not folder.is_dir():
+    if key is None:
         return
-    for entry in folder.glob(f"{key}-*"):
-        try:
-            entry.unlink()
-        except OSError:
-            pass
+    for folder in (tile_cache_dir(), header_cache_dir()):
+        for entry in folder.glob(f"{key}-*") if folder.is_dir() else ():
+            try:
+                entry.unlink()
+            except OSError:
+                pass
 
 
 def conversations_dir() -> Path:

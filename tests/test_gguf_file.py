@@ -10,6 +10,7 @@ import pytest
 
 from conftest import VOCAB_DIR, model_file
 from localllm.errors import ModelFileError
+from localllm import gguf_file
 from localllm.gguf_file import GGUFFile
 
 
@@ -188,3 +189,42 @@ def test_a_string_array_running_past_the_end_of_the_file_is_truncation(tmp_path,
                            + struct.pack("<Q", 2**40) + b"bc"))
     with pytest.raises(ModelFileError, match="truncated"):
         GGUFFile(tiny_layout.write(tmp_path / "m.gguf"))
+
+
+def test_a_second_open_takes_the_vocabularys_lengths_from_the_cache_and_checks_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path / "cache"))
+    path = model_file("smollm2-135m-instruct")  # 49k tokens, 48k merges: both arrays cached
+    want = GGUFFile(path).metadata
+    cached = sorted((tmp_path / "cache" / "headers").iterdir())
+    assert len(cached) == 2
+
+    read = gguf_file._Cursor._read_lengths
+
+    def no_loop(self, count):
+        assert count < gguf_file._CACHED_LENGTHS_FROM, "a cached array's lengths were read one by one"
+        return read(self, count)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_file._Cursor, "_read_lengths", no_loop)
+        got = GGUFFile(path).metadata
+    assert got["tokenizer.ggml.tokens"] == want["tokenizer.ggml.tokens"]
+    assert got["tokenizer.ggml.merges"] == want["tokenizer.ggml.merges"]
+    # A damaged file of the right size is caught by the check, read past, and written again.
+    lengths = np.fromfile(cached[0], np.uint32)
+    lengths[[0, 1]] = lengths[[1, 0]] + 1
+    lengths.tofile(cached[0])
+    again = GGUFFile(path).metadata
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert again[key] == want[key]
+    assert not np.array_equal(np.fromfile(cached[0], np.uint32), lengths)
+
+
+def test_a_string_array_that_runs_past_the_file_is_refused_with_its_lengths_cached_or_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path / "cache"))
+    src = model_file("smollm2-135m-instruct")
+    GGUFFile(src)  # caches the lengths for this file ...
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(src, "rb").read(1_000_000))  # ... but not for this one: the vocabulary is cut short
+    for _ in range(2):
+        with pytest.raises(ModelFileError, match="truncated"):
+            GGUFFile(cut)

@@ -137,7 +137,7 @@ def test_rm_removes_the_model_and_its_marker(home):
         store.remove(SMALL)
 
 
-def test_rm_removes_the_models_cached_tiles_and_no_other_files(home, tmp_path, monkeypatch):
+def test_rm_removes_what_the_cache_holds_for_the_model_and_nothing_else(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path / "cache"))
     store.pull_by_name(SMALL, quiet=True)
     path = store.model_path(SMALL)
@@ -147,8 +147,11 @@ def test_rm_removes_the_models_cached_tiles_and_no_other_files(home, tmp_path, m
     other = tiles / "another-model-0123.tiles"
     mine.write_bytes(b"t")
     other.write_bytes(b"t")
+    paths.header_cache_dir().mkdir(parents=True)
+    lengths = paths.header_cache_dir() / f"{paths.model_file_key(path)}-1107.lengths"
+    lengths.write_bytes(b"l")
     store.remove(SMALL)
-    assert not mine.exists() and other.exists()
+    assert not mine.exists() and not lengths.exists() and other.exists()
 
 
 def run_cli(*args, env_home=None):
