@@ -4,7 +4,7 @@ Why: tiling a weight writes a private copy of it, and the copy's memory is what 
 (qwen2.5-coder-1.5b, 1,059 MiB of K-quant weights): tiling everything takes 0.84-1.00 s, of which the kernel's
 handing out 1 GiB of zeroed anonymous pages alone is 0.47-0.61 s (a MAP_POPULATE allocation, nothing written);
 mapping the same bytes from a file in the page cache takes 0.05-0.07 s (MADV_POPULATE_READ). So a load that
-finds its tiles here reads them with `np.memmap` (read-only, 64-byte aligned as the kernels need: a mapping starts
+finds its tiles here maps them read-only (64-byte aligned as the kernels need: a mapping starts
 on a page), and the file's own pages for that weight are never touched.
 
 One file a weight, `<cache>/tiles/<model>-<weight>.tiles`, holding exactly the tiled bytes (`tiled.tile`'s
@@ -84,13 +84,14 @@ def load(model: str, weight: str, shape) -> np.ndarray | None:
     path = directory() / f"{model}-{weight}{_SUFFIX}"
     size = int(np.prod(shape))
     try:
-        if path.stat().st_size != size:
-            return None
-        tiles = np.memmap(path, np.uint8, mode="r", shape=tuple(shape))
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != size or size == 0:
+                return None
+            mem = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
         os.utime(path)  # most recently used: evicted last
     except (OSError, ValueError):
         return None
-    return tiles
+    return np.frombuffer(mem, np.uint8, count=size).reshape(tuple(shape))  # a plain read-only array
 
 
 class Pending:
