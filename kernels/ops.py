@@ -141,27 +141,15 @@ class Weight:
     @classmethod
     def from_gguf(cls, gguf_file, name: str, rows: tuple[int, int] | None = None, tile: bool = False) -> "Weight":
         """The tensor `name` (rows: a row range of it) read in place from the file's memory map; `tile`: repacked
-        into 16-row tiles where this CPU has the tiled kernel (kernels/cpu/tiled.py), a private copy of the same
-        size, whose file pages are then dropped from this process (the file is read once, not kept twice)."""
+        into 16-row tiles where this CPU has the tiled kernel (kernels/cpu/tiled.py), a copy of the same size
+        (mapped from the tile cache, or made into it: kernels/cpu/tile_cache.py) whose file pages are then dropped
+        from this process (the file is read once, not kept twice)."""
         info = gguf_file.tensor_info(name)
         raw = row_range(gguf_file.raw(name), rows, name)
         if _tiled_here(info.qtype, raw.shape[0], tile):
-            # Tiles from an earlier run are mapped from the cache (kernels/cpu/tile_cache.py), else made and kept.
-            model = _tile_cache.model_key(getattr(gguf_file, "path", None)) if _tile_cache.budget() else None
-            key = _tile_cache.weight_key(name, rows, info.qtype, raw) if model else None
-            tiled = _tile_cache.load(model, key, raw.shape) if model else None
-            if tiled is None:
-                pending = _tile_cache.create(model, key, raw.shape) if model else None
-                try:
-                    # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
-                    tiled = _tiled.tile(raw, info.qtype, release=getattr(gguf_file, "release", None),
-                                        out=pending.array if pending else None)
-                except BaseException:
-                    if pending:
-                        pending.abandon()
-                    raise
-                if pending:
-                    pending.commit()
+            # (a GGUFFile drops the file pages it tiled; stand-ins for one may not map a file)
+            tiled = _tile_cache.tiled(gguf_file, name, rows, info.qtype, raw, _tiled.tile,
+                                      release=getattr(gguf_file, "release", None))
             return cls(tiled, info.qtype, tiled=True)
         return cls(raw, info.qtype)
 

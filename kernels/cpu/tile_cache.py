@@ -29,6 +29,7 @@ import mmap
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,38 @@ def _layout_hash() -> str:
 def model_key(path) -> str | None:
     """The model file's part of a tile's name (paths.model_file_key: `localllm rm` deletes by it too)."""
     return model_file_key(path)
+
+
+_model_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # an open file's key, found once a load
+
+
+def tiled(gguf_file, name: str, rows, qtype, raw: np.ndarray, tile, release=None) -> np.ndarray:
+    """The tiles of a weight: mapped from an earlier run's file, else made by `tile(raw, qtype, release, out)`
+    into a new cache file (or into memory where there is none) for the next run."""
+    model = None
+    if budget():
+        try:
+            model = _model_keys[gguf_file]
+        except (KeyError, TypeError):
+            model = model_key(getattr(gguf_file, "path", None))
+            try:
+                _model_keys[gguf_file] = model
+            except TypeError:  # a stand-in that takes no weak reference
+                pass
+    key = weight_key(name, rows, qtype, raw) if model else None
+    found = load(model, key, raw.shape) if model else None
+    if found is not None:
+        return found
+    pending = create(model, key, raw.shape) if model else None
+    try:
+        tiles = tile(raw, qtype, release=release, out=pending.array if pending else None)
+    except BaseException:
+        if pending:
+            pending.abandon()
+        raise
+    if pending:
+        pending.commit()
+    return tiles
 
 
 def weight_key(name: str, rows, qtype, raw: np.ndarray) -> str:
