@@ -486,3 +486,48 @@ def test_generation_with_the_device_reduction_gives_the_tokens_of_the_whole_rows
     decode = tops[1:] if tops and tops[0] == 0 else tops
     assert len(decode) >= 20 and set(decode) == {k}
     assert down == 4 * (2 * k + 3) * len(decode) + 4 * 49152 * (len(tops) - len(decode))
+
+
+def test_a_decode_step_replayed_as_a_recorded_command_buffer_gives_the_launch_lists_bits_through_pool_growth(
+        tmp_path, monkeypatch):
+    # kernels/opencl/command_buffer.py (opt-in): Intel's CPU runtime is the one device here with
+    # cl_khr_command_buffer. The same decode steps with the plan's launches enqueued one by one and replayed as one
+    # recorded command-buffer; the KV pool grows on the way (its arrays replaced), so the plan records again with
+    # the new arguments, and every step's logits stay bit for bit those of the launch list.
+    import dataclasses
+
+    from conftest import intel_cpu_spec
+    from tiny_models import write_tiny_model
+
+    from localllm import backends
+    from localllm.architectures import load_config
+    from localllm.architectures.transformer import Transformer
+    from localllm.gguf_file import GGUFFile
+    from localllm.kernels.opencl import command_buffer
+
+    spec = intel_cpu_spec()
+    if spec is None:
+        pytest.skip("Intel's CPU runtime is not registered (`make setup-dev` installs and registers it)")
+    g = GGUFFile(write_tiny_model(tmp_path / "a.gguf", "A"))
+    model = Transformer(g, dataclasses.replace(load_config(g.metadata), vocab_size=320), backends.get("opencl:" + spec))
+    plan = model.fused
+    assert plan is not None
+
+    def steps(record):
+        monkeypatch.setenv("LOCALLLM_OPENCL_COMMAND_BUFFER", "1" if record else "0")
+        plan.record_steps, plan._built = command_buffer.enabled(), False
+        pool = model.new_pool()
+        cache = pool.new_cache(512)
+        out, versions = [model.forward([1, 50, 300], cache)], set()
+        for _ in range(300):  # past the first arrays' 256 tokens (kv_cache.GROWTH_BLOCKS): the pool grows
+            out.append(model.forward([int(out[-1].argmax())], cache))
+            versions.add(tuple(gr.version for gr in pool.groups))
+        return np.concatenate(out), len(versions)
+
+    before = plan.stats["replays"] if plan._built else 0
+    listed, grown = steps(False)
+    assert plan.stats["replays"] == before and plan.recorded is None
+    recorded, _ = steps(True)
+    assert plan.recorded is not None and plan.stats["replays"] == 300
+    assert grown > 1, "the pool never grew: the re-recording is not exercised"
+    assert np.array_equal(bits(recorded), bits(listed))

@@ -11,6 +11,8 @@ op) or from the plan's list; bytes up are the uploads' host arrays, bytes down t
     python tools/opencl_host_profile.py --device opencl:Portable: smollm2-135m-instruct gemma3-270m
     python tools/opencl_host_profile.py --device opencl:Intel --tokens 32 --json out.json qwen2.5-coder-1.5b-instruct
     python tools/opencl_host_profile.py --device opencl:Intel --kv-type q8_0 --paths plan qwen2.5-coder-1.5b-instruct
+    LOCALLLM_OPENCL_COMMAND_BUFFER=1 python tools/opencl_host_profile.py --device 'opencl:Intel(R) OpenCL' \
+        --paths plan qwen2.5-coder-1.5b-instruct   # a step as one recorded command-buffer (command_buffer.py)
 """
 
 from __future__ import annotations

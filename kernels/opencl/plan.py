@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from localllm.kernels.opencl import cl_formats as F
+from localllm.kernels.opencl import command_buffer as CB
 from localllm.kernels.top_logits import TOP_LOGITS_MAX, TopLogits
 from localllm.kernels.opencl import cl_ops as O
 
@@ -191,7 +192,8 @@ class DecodePlan:
         self.gate_steps = False
         self.events = None  # a list: each step's (kernel name, event) pairs are kept there (opencl_gpu_bench.py)
         self.norm_prologue = None  # products normalise their own input: None = by shape (_norm_cols)
-        self.stats = {"steps": 0, "launches": 0, "host_s": 0.0, "bytes_up": 0, "bytes_down": 0}
+        self.stats = {"steps": 0, "launches": 0, "host_s": 0.0, "bytes_up": 0, "bytes_down": 0, "replays": 0}
+        self.record_steps = CB.enabled()  # replay a step as one command-buffer (opt-in: command_buffer.py)
 
     @staticmethod
     def supports(model) -> bool:
@@ -280,6 +282,7 @@ class DecodePlan:
         self._layers_spec = layers_spec
         self._step_words = 0
         self._pool_key = None
+        self.recorded = None  # the launches as a command-buffer (command_buffer.py), where the device has one
         self._built = True
 
     def _kernel(self, prog, name):
@@ -568,6 +571,10 @@ class DecodePlan:
         if key != self._pool_key:
             self._bind_pool(pool)
             self._pool_key = key
+            # a recorded command keeps the arguments it was recorded with: record again after every binding
+            if self.recorded is not None:
+                self.recorded.release()
+            self.recorded = CB.record(self.dev.queue, self.launches) if self.record_steps else None
 
     # ---- a step -----------------------------------------------------------------------------------------------
 
@@ -605,6 +612,9 @@ class DecodePlan:
         enqueue = cl.enqueue_nd_range_kernel
         if self.events is not None:  # a kernel-time profile (a queue with profiling on): each launch's event
             self.events.append([(k.function_name, enqueue(queue, k, g, l)) for k, g, l in self.launches])
+        elif self.recorded is not None:
+            self.recorded.enqueue()
+            self.stats["replays"] += 1
         else:
             for k, g, l in self.launches:
                 enqueue(queue, k, g, l)
