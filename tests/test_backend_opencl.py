@@ -524,7 +524,7 @@ def test_a_decode_step_replayed_as_a_recorded_command_buffer_gives_the_launch_li
             versions.add(tuple(gr.version for gr in pool.groups))
         return np.concatenate(out), len(versions)
 
-    before = plan.stats["replays"] if plan._built else 0
+    before = plan.stats["replays"]
     listed, grown = steps(False)
     assert plan.stats["replays"] == before and plan.recorded is None
     recorded, _ = steps(True)
