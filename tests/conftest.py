@@ -110,3 +110,20 @@ def pytest_report_header(config):
     if spec == POCL_SPEC:
         return "OpenCL tests on PoCL"
     return f"OpenCL tests on {spec}: PoCL cannot compile for this CPU ({pocl_problem()})"
+
+
+def parse_python(path: Path):
+    """ast.parse of a source file, for the tests that read the project's imports. CPython 3.11 keeps the AST
+    builder's recursion depth in state its threads share: a parse while a thread left over from another test (a
+    test worker runs many files) builds an AST of its own can fail with SystemError "AST constructor recursion
+    depth mismatch" (seen once in `make test`'s two workers). That is the interpreter's race, not the file's:
+    parse again; a real syntax error is a SyntaxError and is raised at once."""
+    import ast
+
+    source = path.read_text(encoding="utf-8")
+    for attempt in range(5):
+        try:
+            return ast.parse(source, str(path))
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 4:
+                raise

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import english_tokens, model_file
+from conftest import english_tokens, model_file, parse_python
 from localllm import backends
 from localllm.architectures import load_model_config
 from localllm.architectures.transformer import Transformer
@@ -128,7 +128,7 @@ def test_only_the_backends_import_the_cpu_kernels_and_numba():
         rel = path.relative_to(root).as_posix()
         if rel.startswith(("localllm/backends/", "localllm/kernels/")):
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse_python(path)):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
                      else [])

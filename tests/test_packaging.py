@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import parse_python
+
 ROOT = Path(__file__).resolve().parent.parent
 # The folders the design card names at the top level, and the package each installs as.
 FOLDERS = {"localllm": "localllm", "kernels": "localllm.kernels", "tui": "localllm.tui", "models": "localllm.models"}
@@ -39,7 +41,7 @@ def test_no_module_imports_the_bare_folder_names():
     """`import kernels` would find whatever else is installed under that name (Hugging Face's `kernels`)."""
     offenders = []
     for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_python(path)):
             targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
                        else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             offenders += [f"{name}: {t}" for t in targets if t.split(".")[0] in ("kernels", "tui", "models")]
@@ -85,7 +87,7 @@ def test_there_are_no_import_cycles():
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for sub in ast.walk(ast.parse(path.read_text(), str(path))):
+        for sub in ast.walk(parse_python(path)):
             if isinstance(sub, ast.Import):
                 deps |= {a.name for a in sub.names}
             elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
